@@ -1,0 +1,383 @@
+"""Chunk files: one immutable safetensors file per trie node.
+
+This module owns bytes on disk only: atomic writes, strict header validation,
+checksums, and reading a file's tensors straight into caller-provided buffers.
+It knows nothing about LMDB or eviction policy.
+"""
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import struct
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import xxhash
+from safetensors import TensorSpec, serialize
+
+MAX_HEADER_BYTES = 1 << 20
+_IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux and macOS)
+
+# mlx dtype name -> (safetensors header code, item size)
+DTYPES: Dict[str, Tuple[str, int]] = {
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "uint32": ("U32", 4),
+    "int32": ("I32", 4),
+    "uint8": ("U8", 1),
+    "int8": ("I8", 1),
+}
+_CODE_SIZE = {code: size for code, size in DTYPES.values()}
+
+
+class CorruptBlob(Exception):
+    """A chunk file is missing, truncated, or does not match what the index expects."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a validated header; offsets are absolute file offsets."""
+
+    dtype: str  # safetensors header code, e.g. "F16"
+    shape: Tuple[int, ...]
+    start: int
+    end: int
+
+
+def serialize_node(
+    tensors: Mapping[str, Tuple[str, Sequence[int], np.ndarray]], metadata: Dict[str, str]
+) -> bytes:
+    """Serialize ``name -> (mlx dtype name, shape, contiguous numpy data)`` with safetensors."""
+    specs = {}
+    for name, (dtype, shape, data) in tensors.items():
+        assert data.flags.c_contiguous
+        specs[name] = TensorSpec(
+            dtype=dtype, shape=list(shape), data_ptr=data.ctypes.data, data_len=data.nbytes
+        )
+    # ``serialize`` reads the raw pointers: ``tensors`` keeps the arrays alive.
+    return serialize(specs, metadata=metadata)
+
+
+def parse_header(prefix: bytes, file_size: int) -> Tuple[int, Dict[str, TensorEntry], dict]:
+    """Validate a safetensors header before trusting any size in it.
+
+    Args:
+        prefix: The first bytes of the file (at least the whole header).
+        file_size: The real size of the file.
+
+    Returns:
+        ``(data_start, tensors, metadata)``. Tensors tile the data section exactly.
+
+    Raises:
+        CorruptBlob: anything inconsistent.
+    """
+    if file_size < 8 or len(prefix) < 8:
+        raise CorruptBlob(f"file of {file_size} bytes has no header")
+    (hlen,) = struct.unpack_from("<Q", prefix)
+    if hlen > min(MAX_HEADER_BYTES, file_size - 8):
+        raise CorruptBlob(f"header length {hlen} exceeds file size {file_size}")
+    if len(prefix) < 8 + hlen:
+        raise CorruptBlob("header truncated")
+    try:
+        header = json.loads(prefix[8 : 8 + hlen])
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptBlob(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptBlob("header is not a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict):
+        raise CorruptBlob("header metadata is not an object")
+    data_start = 8 + hlen
+    tensors = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (s, e) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (
+                dtype in _CODE_SIZE
+                and isinstance(shape, list)
+                and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(s, int)
+                and isinstance(e, int)
+                and 0 <= s <= e
+            )
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CorruptBlob(f"header entry {name!r} is malformed")
+        if e - s != int(np.prod(shape, dtype=np.int64)) * _CODE_SIZE[dtype]:
+            raise CorruptBlob(f"tensor {name!r}: {e - s} bytes do not fit shape {shape}")
+        tensors[name] = TensorEntry(dtype, tuple(shape), data_start + s, data_start + e)
+    pos = data_start
+    for entry in sorted(tensors.values(), key=lambda t: t.start):
+        if entry.start != pos:
+            raise CorruptBlob("tensors do not tile the data section")
+        pos = entry.end
+    if pos != file_size:
+        raise CorruptBlob(f"data ends at {pos}, file has {file_size} bytes")
+    return data_start, tensors, metadata
+
+
+def check_layout(
+    tensors: Dict[str, TensorEntry], expected: Mapping[str, Tuple[str, Tuple[int, ...]]]
+):
+    """Every expected tensor present with the expected dtype and shape, nothing else."""
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))[:3]
+        extra = sorted(set(tensors) - set(expected))[:3]
+        raise CorruptBlob(f"tensor names differ (missing {missing}, unexpected {extra})")
+    for name, (dtype, shape) in expected.items():
+        code = DTYPES[dtype][0]
+        t = tensors[name]
+        if t.dtype != code or t.shape != tuple(shape):
+            raise CorruptBlob(
+                f"tensor {name!r} is {t.dtype}{list(t.shape)}, expected {code}{list(shape)}"
+            )
+
+
+# A scatter target: (byte offset inside the tensor, writable memoryview).
+Targets = Mapping[str, Sequence[Tuple[int, memoryview]]]
+
+
+def _plan(tensors: Dict[str, TensorEntry], targets: Targets) -> List[Tuple[int, int, object]]:
+    """File-ordered pieces ``(file offset, length, destination or None)`` covering the data."""
+    pieces = []
+    for name, entry in tensors.items():
+        for off, view in targets.get(name, ()):
+            start = entry.start + off
+            if off < 0 or start + len(view) > entry.end:
+                raise ValueError(f"target outside tensor {name!r}")
+            pieces.append((start, len(view), view))
+    pieces.sort(key=lambda p: p[0])
+    out, pos = [], min((t.start for t in tensors.values()), default=0)
+    end = max((t.end for t in tensors.values()), default=pos)
+    for start, length, view in pieces:
+        if start < pos:
+            raise ValueError("overlapping targets")
+        if start > pos:
+            out.append((pos, start - pos, None))
+        out.append((start, length, view))
+        pos = start + length
+    if pos < end:
+        out.append((pos, end - pos, None))
+    return out
+
+
+class Blobs:
+    """Content-addressed chunk files under ``<root>/<ns>/<h[:2]>/<h>.safetensors``.
+
+    Args:
+        root: The blobs directory.
+        quarantine: Where broken files are moved for inspection.
+    """
+
+    SUFFIX = ".safetensors"
+
+    def __init__(self, root: str, quarantine: str):
+        self.root = root
+        self.quarantine_dir = quarantine
+        os.makedirs(root, exist_ok=True)
+
+    def path(self, ns: bytes, h: bytes) -> str:
+        hx = h.hex()
+        return os.path.join(self.root, ns.hex(), hx[:2], hx + self.SUFFIX)
+
+    # -- writing -----------------------------------------------------------
+
+    def write(self, ns: bytes, h: bytes, data: bytes) -> None:
+        """Publish ``data`` as the file of node ``h``, atomically and durably.
+
+        The bytes go to a uniquely named temp file (created exclusively) in the
+        same directory, are fsynced, renamed over the final name and the directory
+        is fsynced: a crash leaves either no file or the whole file, never a torn one.
+        """
+        final = self.path(ns, h)
+        directory = os.path.dirname(final)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        _fsync_dir(directory)
+
+    # -- reading -----------------------------------------------------------
+
+    def _open(self, ns: bytes, h: bytes, nbytes: int) -> int:
+        try:
+            fd = os.open(self.path(ns, h), os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptBlob("file is missing") from None
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            os.close(fd)
+            raise CorruptBlob(f"file has {size} bytes, the index says {nbytes}")
+        return fd
+
+    def read_header(self, fd: int, nbytes: int) -> Tuple[bytes, Dict[str, TensorEntry], dict]:
+        head = os.pread(fd, min(nbytes, 4096), 0)
+        if len(head) >= 8:
+            (hlen,) = struct.unpack_from("<Q", head)
+            if 8 + hlen > len(head) and hlen <= min(MAX_HEADER_BYTES, nbytes - 8):
+                head = os.pread(fd, 8 + hlen, 0)
+        data_start, tensors, metadata = parse_header(head, nbytes)
+        return head[:data_start], tensors, metadata
+
+    def scatter(
+        self,
+        ns: bytes,
+        h: bytes,
+        *,
+        nbytes: int,
+        checksum: int,
+        expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+        targets: Targets,
+    ) -> dict:
+        """Read node ``h`` straight into ``targets`` and verify its checksum.
+
+        Bytes not wanted by a target are read into scratch space so that the
+        whole file is hashed. Returns the file's metadata.
+
+        Raises:
+            CorruptBlob: the file is missing, malformed, or its checksum fails.
+                Targets may then hold partial data and must be discarded.
+        """
+        fd = self._open(ns, h, nbytes)
+        try:
+            head, tensors, metadata = self.read_header(fd, nbytes)
+            check_layout(tensors, expected)
+            plan = _plan(tensors, targets)
+            gap = sum(length for _, length, view in plan if view is None)
+            scratch = memoryview(bytearray(gap))
+            bufs = []
+            for _, length, view in plan:
+                if view is None:
+                    view, scratch = scratch[:length], scratch[length:]
+                bufs.append(view)
+            digest = xxhash.xxh3_64(head)
+            pos = len(head)
+            for i in range(0, len(bufs), _IOV_MAX):
+                batch = bufs[i : i + _IOV_MAX]
+                got = os.preadv(fd, batch, pos)
+                if got != sum(len(b) for b in batch):
+                    raise CorruptBlob("file shrank while being read")
+                pos += got
+                for b in batch:
+                    digest.update(b)
+        finally:
+            os.close(fd)
+        if digest.intdigest() != checksum:
+            raise CorruptBlob("checksum mismatch")
+        return metadata
+
+    def read_all(
+        self,
+        ns: bytes,
+        h: bytes,
+        *,
+        nbytes: int,
+        checksum: int,
+        expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+    ) -> Tuple[bytes, Dict[str, TensorEntry], dict]:
+        """Read and verify a whole file; returns ``(bytes, tensors, metadata)``."""
+        fd = self._open(ns, h, nbytes)
+        try:
+            data = bytearray(nbytes)
+            got = os.preadv(fd, [data], 0)
+        finally:
+            os.close(fd)
+        if got != nbytes:
+            raise CorruptBlob("file shrank while being read")
+        data = bytes(data)
+        if xxhash.xxh3_64_intdigest(data) != checksum:
+            raise CorruptBlob("checksum mismatch")
+        _, tensors, metadata = parse_header(data, nbytes)
+        check_layout(tensors, expected)
+        return data, tensors, metadata
+
+    # -- removal and maintenance ----------------------------------------------
+
+    def remove(self, ns: bytes, h: bytes) -> None:
+        _unlink(self.path(ns, h))
+
+    def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
+        """Move a broken file aside (with a note saying why); None if it was gone."""
+        src = self.path(ns, h)
+        os.makedirs(self.quarantine_dir, exist_ok=True)
+        dst = os.path.join(
+            self.quarantine_dir, f"{ns.hex()}-{h.hex()}-{int(time.time())}{self.SUFFIX}"
+        )
+        try:
+            shutil.move(src, dst)
+        except FileNotFoundError:
+            return None
+        with open(dst + ".reason", "w") as f:
+            f.write(reason + "\n")
+        return dst
+
+    def iter_files(self) -> Iterator[Tuple[str, str]]:
+        """Yield ``(kind, path)`` for every file: kind is "blob", "temp" or "other"."""
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                if name.endswith(".tmp"):
+                    yield "temp", path
+                elif name.endswith(self.SUFFIX):
+                    yield "blob", path
+                else:
+                    yield "other", path
+
+    def parse_path(self, path: str) -> Optional[Tuple[bytes, bytes]]:
+        """``(ns, h)`` for a blob path under this root, None for anything else."""
+        rel = os.path.relpath(path, self.root).split(os.sep)
+        if len(rel) != 3 or not rel[2].endswith(self.SUFFIX):
+            return None
+        try:
+            ns = bytes.fromhex(rel[0])
+            h = bytes.fromhex(rel[2][: -len(self.SUFFIX)])
+        except ValueError:
+            return None
+        if len(ns) != 16 or len(h) != 16 or rel[1] != rel[2][:2]:
+            return None
+        return ns, h
+
+
+def file_checksum(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _unlink(path: str):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(path: str):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,62 @@
+"""``stream_generate`` with persistence: a one-line change for mlx-lm generate loops."""
+
+from typing import Generator, List, Union
+
+import mlx.core as mx
+from mlx_lm import stream_generate as _mlx_stream_generate
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+
+def encode_prompt(tokenizer, prompt: Union[str, mx.array, List[int]]) -> List[int]:
+    """Token ids for ``prompt``, encoded exactly as ``mlx_lm.stream_generate`` does."""
+    if isinstance(prompt, str):
+        if not isinstance(tokenizer, TokenizerWrapper):
+            tokenizer = TokenizerWrapper(tokenizer)
+        add_special_tokens = tokenizer.bos_token is None or not prompt.startswith(
+            tokenizer.bos_token
+        )
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    if isinstance(prompt, mx.array):
+        return prompt.tolist()
+    return list(prompt)
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, mx.array, List[int]],
+    *,
+    store,
+    kind: str = "user",
+    pin: bool = False,
+    **kwargs,
+) -> Generator[GenerationResponse, None, None]:
+    """``mlx_lm.stream_generate`` that reuses and persists the prompt's KV.
+
+    The longest stored prefix of the prompt is restored from ``store`` and only
+    the rest is computed; once the first token is out, the prompt's KV is saved
+    (in the background). Yields exactly what ``mlx_lm.stream_generate`` yields;
+    ``prompt_tokens`` counts the tokens computed, not those restored.
+
+    Args:
+        store: An open :class:`kvstore.KVStore` for this model.
+        kind: Eviction class of the saved prompt ("system", "user", "assistant").
+        pin: Pin the saved prompt.
+        kwargs: Passed to ``mlx_lm.stream_generate`` (not ``prompt_cache``).
+    """
+    if "prompt_cache" in kwargs:
+        raise ValueError("kvstore.stream_generate manages prompt_cache itself; do not pass one")
+    if kwargs.get("draft_model") is not None:
+        raise ValueError("kvstore.stream_generate does not support draft_model yet")
+    tokens = encode_prompt(tokenizer, prompt)
+    cache, n = store.fetch(tokens)
+    saved = False
+    for response in _mlx_stream_generate(
+        model, tokenizer, mx.array(tokens[n:]), prompt_cache=cache, **kwargs
+    ):
+        if not saved:
+            # The cache now holds the whole prompt (and maybe the first new token).
+            store.save_prefix(tokens, cache, kind=kind, pin=pin)
+            saved = True
+        yield response

@@ -1,0 +1,365 @@
+"""The LMDB index: nodes of the token-chunk trie, trie edges, access times, pins,
+namespaces and per-namespace counters. Knows nothing about tensors.
+
+Keys are fixed-width bytes so that a namespace's entries are contiguous and a
+node's children sort by their first tokens (see :func:`child_key`).
+"""
+
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import lmdb
+import numpy as np
+
+from .chunking import HASH_BYTES, common_prefix
+
+FORMAT_VERSION = 1
+KINDS = ("assistant", "user", "system")  # eviction order: first goes first
+CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
+_PAD = b"\xff\xff\xff\xff"  # sorts after every big-endian token id < 2**31
+_MAX_MAP = 1 << 40
+
+
+class StoreError(Exception):
+    """The store directory cannot be used (not a store, other format version...)."""
+
+
+class CorruptRecord(Exception):
+    """An index record failed validation."""
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One trie node: a span of tokens whose KV lives in one blob file."""
+
+    parent: bytes
+    start: int  # position of the node's first token in the prompt
+    tokens: np.ndarray  # int32 token ids of this node only
+    nbytes: int  # size of the blob file
+    checksum: int  # xxh3_64 of the whole blob file
+    kind: str = "user"
+    pinned: bool = False
+    created: float = 0.0
+
+    @property
+    def ntokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    _HEAD = struct.Struct("<BBBxIIQQd16s")
+
+    def encode(self) -> bytes:
+        head = self._HEAD.pack(
+            FORMAT_VERSION,
+            KINDS.index(self.kind),
+            int(self.pinned),
+            self.start,
+            len(self.tokens),
+            self.nbytes,
+            self.checksum,
+            self.created,
+            self.parent,
+        )
+        return head + np.ascontiguousarray(self.tokens, dtype="<i4").tobytes()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "NodeRecord":
+        size = cls._HEAD.size
+        if len(raw) < size:
+            raise CorruptRecord(f"record of {len(raw)} bytes is shorter than {size}")
+        version, kind, flags, start, n, nbytes, checksum, created, parent = (
+            cls._HEAD.unpack_from(raw)
+        )
+        if version != FORMAT_VERSION:
+            raise CorruptRecord(f"record format {version}, expected {FORMAT_VERSION}")
+        if kind >= len(KINDS) or flags > 1:
+            raise CorruptRecord(f"record kind {kind} / flags {flags} out of range")
+        if len(raw) != size + 4 * n or n == 0:
+            raise CorruptRecord(f"record holds {len(raw) - size} token bytes, not {4 * n}")
+        tokens = np.frombuffer(raw, dtype="<i4", offset=size)
+        return cls(parent, start, tokens, nbytes, checksum, KINDS[kind], bool(flags), created)
+
+
+def child_key(ns: bytes, parent: bytes, tokens: np.ndarray, child: bytes = b"") -> bytes:
+    """Edge key: namespace, parent, the child's first tokens (big-endian, padded), child.
+
+    Big-endian ids make byte order equal token order, so the child sharing the
+    longest prefix with a query sits next to the query's position in the key order.
+    """
+    head = np.ascontiguousarray(tokens[:CHILD_KEY_TOKENS], dtype=">u4").tobytes()
+    head += _PAD * (CHILD_KEY_TOKENS - len(head) // 4)
+    return ns + parent + head + child
+
+
+class Index:
+    """The LMDB environment under ``<store>/index``.
+
+    Args:
+        path: The index directory (created if missing when ``create`` is true).
+        create: Create a new index when none exists.
+        map_size: Initial map size; the map doubles when it fills up.
+    """
+
+    _DBS = ("meta", "nodes", "children", "atime", "pins", "namespaces", "counters")
+
+    def __init__(self, path: str, *, create: bool = True, map_size: int = 64 << 20):
+        exists = os.path.exists(os.path.join(path, "data.mdb"))
+        if not exists and not create:
+            raise StoreError(f"{path}: no kvstore index here")
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        self.env = lmdb.open(
+            path, map_size=map_size, max_dbs=len(self._DBS), subdir=True, readahead=False
+        )
+        self.db = {name: self.env.open_db(name.encode()) for name in self._DBS}
+        self.pid = os.getpid()
+        self._check_format()
+
+    def _check_format(self):
+        def check(txn):
+            version = txn.get(b"format_version", db=self.db["meta"])
+            if version is None:
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self.db["meta"])
+                txn.put(b"created", repr(time.time()).encode(), db=self.db["meta"])
+                return FORMAT_VERSION
+            return int(version)
+
+        version = self.write(check)
+        if version != FORMAT_VERSION:
+            raise StoreError(
+                f"{self.path}: store format version {version}, this kvstore reads "
+                f"version {FORMAT_VERSION}"
+            )
+
+    def close(self):
+        self.env.close()
+
+    # -- transactions ------------------------------------------------------
+
+    def _check_pid(self):
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                "an LMDB environment cannot be used across fork(): open a new KVStore "
+                "in the child process"
+            )
+
+    def read(self, fn: Callable):
+        """Run ``fn(txn)`` in a read transaction, adopting a map grown by another process."""
+        self._check_pid()
+        for attempt in range(3):
+            try:
+                with self.env.begin(write=False) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+        raise StoreError(f"{self.path}: the LMDB map keeps being resized")
+
+    def write(self, fn: Callable):
+        """Run ``fn(txn)`` in a write transaction, growing the map when it is full."""
+        self._check_pid()
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"]
+                if size >= _MAX_MAP:
+                    raise
+                self.env.set_mapsize(size * 2)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+
+    # -- namespaces and counters ---------------------------------------------
+
+    def register_namespace(self, ns: bytes, description: dict):
+        blob = json.dumps(description, sort_keys=True).encode()
+
+        def put(txn):
+            txn.put(ns, blob, db=self.db["namespaces"], overwrite=False)
+
+        self.write(put)
+
+    def namespaces(self) -> Dict[bytes, dict]:
+        def get(txn):
+            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self.db["namespaces"])}
+
+        return self.read(get)
+
+    _COUNTERS = struct.Struct("<qqqq")  # nodes, tokens, bytes, pinned bytes
+
+    def counters(self, ns: bytes, txn=None) -> Tuple[int, int, int, int]:
+        if txn is None:
+            return self.read(lambda t: self.counters(ns, t))
+        raw = txn.get(ns, db=self.db["counters"])
+        return self._COUNTERS.unpack(raw) if raw else (0, 0, 0, 0)
+
+    def _add_counters(self, txn, ns: bytes, rec: NodeRecord, sign: int):
+        nodes, tokens, nbytes, pinned = self.counters(ns, txn)
+        new = (
+            nodes + sign,
+            tokens + sign * rec.ntokens,
+            nbytes + sign * rec.nbytes,
+            pinned + sign * rec.nbytes * rec.pinned,
+        )
+        txn.put(ns, self._COUNTERS.pack(*new), db=self.db["counters"])
+
+    # -- nodes -----------------------------------------------------------------
+
+    def get_node(self, ns: bytes, h: bytes, txn=None) -> Optional[NodeRecord]:
+        """The node ``h`` or None; raises :class:`CorruptRecord` for a bad record."""
+        if txn is None:
+            return self.read(lambda t: self.get_node(ns, h, t))
+        raw = txn.get(ns + h, db=self.db["nodes"])
+        return None if raw is None else NodeRecord.decode(bytes(raw))
+
+    def nearest_children(
+        self, ns: bytes, parent: bytes, query: np.ndarray, txn=None
+    ) -> List[Tuple[bytes, NodeRecord, int]]:
+        """Children of ``parent`` sharing the longest token prefix with ``query``.
+
+        Returns ``(hash, record, common prefix)`` for the best candidates (at
+        least one token in common), best first. Only the edge keys next to the
+        query's position are read, so a node with many children costs O(log n).
+        """
+        if txn is None:
+            return self.read(lambda t: self.nearest_children(ns, parent, query, t))
+        prefix = ns + parent
+        seek = child_key(ns, parent, query)
+        cur = txn.cursor(db=self.db["children"])
+        keys = []
+        if cur.set_range(seek):
+            keys.append(bytes(cur.key()))
+            if cur.prev():
+                keys.append(bytes(cur.key()))
+        elif cur.last():
+            keys.append(bytes(cur.key()))
+        head_len = len(prefix) + 4 * CHILD_KEY_TOKENS
+        keys = [k for k in keys if k.startswith(prefix)]
+        # Children whose keys equal the query's on every key token: scan them all.
+        full = [k for k in keys if k[:head_len] == seek[:head_len]]
+        if full:
+            keys = [k for k in keys if k not in full]
+            cur.set_range(seek[:head_len])
+            for k in cur.iternext(values=False):
+                if not k.startswith(seek[:head_len]):
+                    break
+                keys.append(bytes(k))
+        out = []
+        for k in keys:
+            h = k[head_len:]
+            rec = self.get_node(ns, h, txn)
+            if rec is None:
+                continue
+            n = common_prefix(rec.tokens, query)
+            if n > 0:
+                out.append((h, rec, n))
+        out.sort(key=lambda item: -item[2])
+        return out
+
+    def children(self, ns: bytes, parent: bytes, txn=None) -> List[bytes]:
+        if txn is None:
+            return self.read(lambda t: self.children(ns, parent, t))
+        prefix = ns + parent
+        cur = txn.cursor(db=self.db["children"])
+        out = []
+        if cur.set_range(prefix):
+            for k in cur.iternext(values=False):
+                if not k.startswith(prefix):
+                    break
+                out.append(bytes(k[len(prefix) + 4 * CHILD_KEY_TOKENS :]))
+        return out
+
+    def put_node(self, txn, ns: bytes, h: bytes, rec: NodeRecord) -> bool:
+        """Insert a node inside a write transaction; False if it already exists."""
+        key = ns + h
+        if txn.get(key, db=self.db["nodes"]) is not None:
+            return False
+        txn.put(key, rec.encode(), db=self.db["nodes"])
+        txn.put(child_key(ns, rec.parent, rec.tokens, h), b"", db=self.db["children"])
+        txn.put(key, struct.pack("<d", rec.created), db=self.db["atime"])
+        if rec.pinned:
+            txn.put(key, b"", db=self.db["pins"])
+        self._add_counters(txn, ns, rec, +1)
+        return True
+
+    def delete_node(self, txn, ns: bytes, h: bytes) -> Optional[NodeRecord]:
+        """Remove one node (not its children) inside a write transaction."""
+        key = ns + h
+        raw = txn.get(key, db=self.db["nodes"])
+        if raw is None:
+            return None
+        try:
+            rec = NodeRecord.decode(bytes(raw))
+        except CorruptRecord:
+            rec = None
+        txn.delete(key, db=self.db["nodes"])
+        txn.delete(key, db=self.db["atime"])
+        txn.delete(key, db=self.db["pins"])
+        if rec is not None:
+            txn.delete(child_key(ns, rec.parent, rec.tokens, h), db=self.db["children"])
+            self._add_counters(txn, ns, rec, -1)
+        return rec
+
+    def set_pinned(self, txn, ns: bytes, h: bytes, pinned: bool) -> bool:
+        rec = self.get_node(ns, h, txn)
+        if rec is None or rec.pinned == pinned:
+            return False
+        self._add_counters(txn, ns, rec, -1)
+        rec = NodeRecord(**{**rec.__dict__, "pinned": pinned})
+        txn.put(ns + h, rec.encode(), db=self.db["nodes"])
+        if pinned:
+            txn.put(ns + h, b"", db=self.db["pins"])
+        else:
+            txn.delete(ns + h, db=self.db["pins"])
+        self._add_counters(txn, ns, rec, +1)
+        return True
+
+    def touch(self, txn, ns: bytes, h: bytes, when: float):
+        key = ns + h
+        if txn.get(key, db=self.db["nodes"]) is not None:
+            txn.put(key, struct.pack("<d", when), db=self.db["atime"])
+
+    def pinned(self, ns: bytes) -> List[bytes]:
+        def get(txn):
+            cur = txn.cursor(db=self.db["pins"])
+            out = []
+            if cur.set_range(ns):
+                for k in cur.iternext(values=False):
+                    if not k.startswith(ns):
+                        break
+                    out.append(bytes(k[len(ns) :]))
+            return out
+
+        return self.read(get)
+
+    def iter_nodes(self, txn, ns: Optional[bytes] = None) -> Iterator[Tuple[bytes, bytes, bytes]]:
+        """Yield ``(namespace, hash, raw record)`` for every node (of one namespace)."""
+        cur = txn.cursor(db=self.db["nodes"])
+        start = ns or b""
+        if not cur.set_range(start):
+            return
+        for k, v in cur:
+            if ns is not None and not k.startswith(ns):
+                break
+            yield bytes(k[:HASH_BYTES]), bytes(k[HASH_BYTES:]), bytes(v)
+
+    def atime(self, txn, ns: bytes, h: bytes) -> float:
+        raw = txn.get(ns + h, db=self.db["atime"])
+        return struct.unpack("<d", raw)[0] if raw else 0.0
+
+    def has_children(self, txn, ns: bytes, h: bytes) -> bool:
+        prefix = ns + h
+        cur = txn.cursor(db=self.db["children"])
+        return cur.set_range(prefix) and bytes(cur.key()).startswith(prefix)
+
+    def total_bytes(self, txn=None) -> int:
+        if txn is None:
+            return self.read(self.total_bytes)
+        return sum(self._COUNTERS.unpack(v)[2] for _, v in txn.cursor(db=self.db["counters"]))

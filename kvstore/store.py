@@ -1,0 +1,697 @@
+"""The public ``KVStore`` façade: composes the index, chunk files, RAM tier and writer."""
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import adapters
+from .blobs import Blobs, CorruptBlob, file_checksum, serialize_node
+from .chunking import as_token_array, chain_hash, chain_hashes, root_hash, split_spans
+from .index import KINDS, CorruptRecord, Index, NodeRecord, StoreError
+from .policy import disk_victims, stronger_kind
+from .ram import RamEntry, RamTier
+from .writer import BackgroundWriter
+
+log = logging.getLogger("kvstore")
+
+DEFAULT_RAM_BYTES = 512 << 20
+DEFAULT_MAX_PENDING_BYTES = 2 << 30
+_MARKER = "KVSTORE"
+
+
+@dataclass
+class _Step:
+    """One node on a walked path and how many of its tokens are used."""
+
+    h: bytes
+    rec: NodeRecord
+    take: int
+
+
+@dataclass
+class _NewNode:
+    h: bytes
+    parent: bytes
+    start: int
+    tokens: np.ndarray
+    slices: Dict[str, mx.array]
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    tokens_requested: int = 0
+    restore_seconds: float = 0.0
+    corrupt: int = 0
+    errors: int = 0
+    nodes_written: int = 0
+    bytes_written: int = 0
+    nodes_evicted: int = 0
+    writes_dropped: int = 0
+    quarantined: List[str] = field(default_factory=list)
+
+
+class KVStore:
+    """A persistent store of KV snapshots for one mlx-lm model.
+
+    Args:
+        path: The store directory; created when missing. Several processes may
+            share it (one LMDB writer at a time, many readers).
+        model: The mlx-lm model whose caches are stored.
+        tokenizer: Optional; its vocabulary becomes part of the namespace. Pass it
+            to share snapshots with ``kvstore prefill`` and ``kvstore serve``.
+        chunk_tokens: Tokens per trie node.
+        ram_bytes: Budget of the in-memory tier (0 disables it).
+        disk_bytes: Budget of the chunk files on disk (None: unlimited).
+        max_pending_bytes: Writes waiting for the disk beyond this are dropped.
+        read_threads: Threads reading chunk files in parallel during a restore.
+
+    Raises:
+        StoreError: ``path`` exists but is not a kvstore, or has another format.
+        UnsupportedCacheError: the model's cache layout cannot be stored.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        model,
+        tokenizer=None,
+        *,
+        chunk_tokens: int = 256,
+        ram_bytes: int = DEFAULT_RAM_BYTES,
+        disk_bytes: Optional[int] = None,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        read_threads: int = 2,
+    ):
+        _check_int("chunk_tokens", chunk_tokens, minimum=1)
+        _check_int("ram_bytes", ram_bytes, minimum=0)
+        _check_int("max_pending_bytes", max_pending_bytes, minimum=0)
+        _check_int("read_threads", read_threads, minimum=1)
+        if disk_bytes is not None:
+            _check_int("disk_bytes", disk_bytes, minimum=0)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        self.path = os.fspath(path)
+        _prepare_dir(self.path)
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chunk_tokens = chunk_tokens
+        self.disk_bytes = disk_bytes
+        self.layout = adapters.probe_layout(model)
+        from .namespace import fingerprint
+
+        self.namespace, self.description = fingerprint(
+            model, tokenizer, self.layout, chunk_tokens=chunk_tokens
+        )
+        self.root = root_hash(self.namespace)
+
+        self.index = Index(os.path.join(self.path, "index"))
+        self.index.register_namespace(self.namespace, self.description)
+        self.blobs = Blobs(os.path.join(self.path, "blobs"), os.path.join(self.path, "quarantine"))
+        self.ram = RamTier(ram_bytes)
+        self.writer = BackgroundWriter(max_pending_bytes=max_pending_bytes)
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kvstore-read")
+        self._counters = _Counters()
+        self._lock = threading.Lock()
+        self._touched: Dict[bytes, float] = {}
+        self._broken: set = set()
+        self._closed = False
+        self._preload_pinned()
+
+    # -- context manager ---------------------------------------------------
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for pending writes, then release the index. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self.writer.close()
+        self._readers.shutdown()
+        self.index.close()
+
+    def flush(self) -> None:
+        """Wait until every write submitted so far is on disk and indexed."""
+        self._check_open()
+        self.writer.submit(self._flush_touches)
+        self.writer.flush()
+
+    # -- fetch -------------------------------------------------------------
+
+    def fetch(self, tokens) -> Tuple[List[Any], int]:
+        """Restore the longest stored prefix of ``tokens``.
+
+        Returns:
+            ``(cache, n)``: fresh cache objects (owned by the caller) holding the KV
+            of ``tokens[:n]``, with ``n <= len(tokens) - 1``. On a miss, or when a
+            stored file turns out to be broken, an empty cache and ``n == 0``.
+
+        Raises:
+            TypeError, ValueError: ``tokens`` is not a list of token ids.
+        """
+        self._check_open()
+        arr = as_token_array(tokens)
+        tic = time.perf_counter()
+        try:
+            cache, n = self._fetch(arr)
+        except Exception:
+            log.exception("kvstore: fetch failed; treating it as a miss")
+            with self._lock:
+                self._counters.errors += 1
+            cache, n = make_prompt_cache(self.model), 0
+        with self._lock:
+            c = self._counters
+            c.tokens_requested += len(arr)
+            c.hits += n > 0
+            c.misses += n == 0
+            c.tokens_reused += n
+            c.restore_seconds += time.perf_counter() - tic
+        return cache, n
+
+    def _fetch(self, arr: np.ndarray) -> Tuple[List[Any], int]:
+        path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
+        while path:
+            arrays, n, failed = self._restore(path)
+            if failed is None:
+                self._touch(step.h for step in path)
+                return adapters.build_cache(self.layout, arrays, n), n
+            path = path[:failed]  # a broken node: fall back to what precedes it
+        return make_prompt_cache(self.model), 0
+
+    def _walk(self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False) -> List[_Step]:
+        """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
+
+        With ``full_only`` the walk stops before a node that is not wholly used.
+        """
+        path: List[_Step] = []
+        parent, pos, C = self.root, 0, self.chunk_tokens
+        while pos < limit:
+            query = arr[pos : pos + C]
+            step = None
+            if len(query) == C:  # the common case: a full chunk, found by its hash
+                h = chain_hash(parent, query)
+                rec = self._get_node(txn, h)
+                if rec is not None and np.array_equal(rec.tokens, query):
+                    step = _Step(h, rec, C)
+            if step is None:
+                for h, rec, common in self.index.nearest_children(self.namespace, parent, query, txn):
+                    if h not in self._broken:
+                        step = _Step(h, rec, common)
+                        break
+            if step is None or step.rec.start != pos:
+                break
+            step.take = min(step.take, limit - pos)
+            full = step.take == step.rec.ntokens
+            if not full and full_only:
+                break
+            path.append(step)
+            if not full:
+                break
+            parent, pos = step.h, pos + step.take
+        return path
+
+    def _get_node(self, txn, h: bytes) -> Optional[NodeRecord]:
+        if h in self._broken:
+            return None
+        try:
+            return self.index.get_node(self.namespace, h, txn)
+        except CorruptRecord as e:
+            self._report_broken(h, f"index record: {e}")
+            return None
+
+    def _restore(self, path: List[_Step]):
+        """Read the path's nodes into fresh arrays. Returns ``(arrays, n, failed index)``."""
+        n = sum(step.take for step in path)
+        arrays = adapters.allocate(self.layout, n)
+        views = [(memoryview(k).cast("B"), memoryview(v).cast("B")) for k, v in arrays]
+        jobs, offset = [], 0
+        for step in path:
+            jobs.append(self._readers.submit(self._read_node, step, views, offset, n))
+            offset += step.take
+        failed = None
+        for i, job in enumerate(jobs):
+            error = job.exception()
+            if error is not None and failed is None:
+                failed = i
+                if not isinstance(error, (CorruptBlob, OSError)):
+                    raise error
+        return arrays, n, failed
+
+    def _read_node(self, step: _Step, views, offset: int, total: int) -> None:
+        """Copy the first ``step.take`` tokens of one node into the destination views."""
+        rec, key = step.rec, step.h
+        targets = {}
+        # Head hd of a node's tensor is one contiguous run of ntokens rows; it lands
+        # at rows [offset, offset + take) of head hd in the destination.
+        for i, (lay, (kview, vview)) in enumerate(zip(self.layout, views)):
+            isz = _itemsize(lay.dtype)
+            for name, view, row in zip(
+                adapters.tensor_names(i), (kview, vview), (lay.k_dim * isz, lay.v_dim * isz)
+            ):
+                targets[name] = [
+                    (hd * rec.ntokens * row, view[(hd * total + offset) * row :][: step.take * row])
+                    for hd in range(lay.heads)
+                ]
+        expected = adapters.expected_tensors(self.layout, rec.ntokens)
+        try:
+            entry = self.ram.get(key)
+            if entry is None and self.ram.max_bytes >= rec.nbytes:
+                data, tensors, meta = self.blobs.read_all(
+                    self.namespace, key, nbytes=rec.nbytes, checksum=rec.checksum, expected=expected
+                )
+                self._check_meta(meta, key)
+                entry = RamEntry(data, tensors, rec.kind, rec.pinned)
+                self.ram.put(key, entry)
+            if entry is not None:
+                src = memoryview(entry.data)
+                for name, pieces in targets.items():
+                    base = entry.tensors[name].start
+                    for off, view in pieces:
+                        view[:] = src[base + off : base + off + len(view)]
+            else:
+                meta = self.blobs.scatter(
+                    self.namespace,
+                    key,
+                    nbytes=rec.nbytes,
+                    checksum=rec.checksum,
+                    expected=expected,
+                    targets=targets,
+                )
+                self._check_meta(meta, key)
+        except (CorruptBlob, OSError) as e:
+            self._report_broken(key, str(e))
+            raise
+
+    def _check_meta(self, meta: dict, h: bytes) -> None:
+        if meta.get("format") != _MARKER or meta.get("namespace") != self.namespace.hex() or meta.get(
+            "node"
+        ) != h.hex():
+            raise CorruptBlob("file belongs to another namespace or node")
+
+    def _report_broken(self, h: bytes, reason: str) -> None:
+        with self._lock:
+            if h in self._broken:
+                return
+            self._broken.add(h)
+            self._counters.corrupt += 1
+        log.warning("kvstore: node %s is broken (%s); treating it as a miss", h.hex()[:12], reason)
+        self.ram.discard(h)
+        self.writer.submit(lambda: self._quarantine(h, reason))
+
+    # -- save --------------------------------------------------------------
+
+    def save(
+        self,
+        tokens,
+        cache: Sequence[Any],
+        *,
+        kind: str = "user",
+        pin: bool = False,
+        boundaries: Sequence[int] = (),
+    ) -> int:
+        """Store the KV of ``tokens`` held by ``cache``, sharing stored prefixes.
+
+        Returns at once; the files are written by a background thread (see
+        :meth:`flush`). The arrays are captured now, so the caller may keep using
+        and mutating ``cache``.
+
+        Args:
+            tokens: The token ids the cache covers, exactly.
+            cache: mlx-lm cache objects holding ``len(tokens)`` tokens.
+            kind: "system", "user" or "assistant" (eviction order in RAM).
+            pin: Never evict these nodes; load them into RAM at open.
+            boundaries: Token positions that must end a node (message ends).
+
+        Returns:
+            The number of new nodes queued for writing.
+        """
+        self._check_open()
+        arr = as_token_array(tokens)
+        if len(arr) == 0:
+            raise ValueError("tokens is empty: nothing to save")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        adapters.check_cache(self.layout, cache, len(arr))
+        return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
+
+    def save_prefix(self, tokens, cache: Sequence[Any], *, kind: str = "user", pin: bool = False) -> int:
+        """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
+        (a generate loop's cache after the first new token): only the prefix is stored."""
+        self._check_open()
+        arr = as_token_array(tokens)
+        if len(arr) == 0:
+            raise ValueError("tokens is empty: nothing to save")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        adapters.check_cache(self.layout, cache, len(arr), exact=False)
+        return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+
+    def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
+        path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True))
+        pos = sum(step.take for step in path)
+        parent = path[-1].h if path else self.root
+        spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
+        hashes = chain_hashes(parent, arr, spans)
+        nodes, nbytes = [], 0
+        for (s, e), h in zip(spans, hashes):
+            slices = adapters.node_slices(self.layout, cache, s, e)
+            nbytes += sum(x.nbytes for x in slices.values())
+            nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
+            parent = h
+        mx.eval([n.slices for n in nodes])  # views of the cache's buffers: no copy
+        existing = [step.h for step in path]
+        self._touch(existing)
+
+        def job():
+            self._write_nodes(nodes, kind=kind, pin=pin, existing=existing)
+
+        if (nodes or pin) and not self.writer.submit(job, nbytes):
+            with self._lock:
+                self._counters.writes_dropped += 1
+            log.warning("kvstore: %d bytes of writes pending; dropped a save", self.writer.pending_bytes)
+            return 0
+        return len(nodes)
+
+    def _write_nodes(self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]):
+        """Writer thread: publish the files, then commit their nodes in one transaction."""
+        ns = self.namespace
+        written = []
+        for node in nodes:
+            if self.index.get_node(ns, node.h) is not None:
+                written.append((node, None, None))
+                continue
+            tensors = {}
+            for name, x in node.slices.items():
+                dtype, shape = self._expected_of(name, len(node.tokens))
+                tensors[name] = (dtype, shape, np.ascontiguousarray(np.asarray(x)))
+            meta = {"format": _MARKER, "namespace": ns.hex(), "node": node.h.hex()}
+            data = serialize_node(tensors, meta)
+            self.blobs.write(ns, node.h, data)
+            written.append((node, data, file_checksum(data)))
+            node.slices = None  # release the cache's buffers early
+
+        now = time.time()
+
+        def commit(txn):
+            added, superseded = [], []
+            for node, data, checksum in written:
+                if data is None:
+                    continue
+                parent_ok = node.parent == self.root or self.index.get_node(ns, node.parent, txn)
+                # A file evicted by another process after we wrote it must not be indexed.
+                if not parent_ok or not os.path.exists(self.blobs.path(ns, node.h)):
+                    break
+                rec = NodeRecord(node.parent, node.start, node.tokens, len(data), checksum, kind, pin, now)
+                if self.index.put_node(txn, ns, node.h, rec):
+                    if not added:
+                        superseded = self._supersede(txn, node.h, rec)
+                    added.append((node.h, rec, data))
+            if pin:
+                for h in existing + [node.h for node, _, _ in written]:
+                    self.index.set_pinned(txn, ns, h, True)
+            return added, superseded
+
+        added, superseded = self.index.write(commit)
+        self._unlink_unindexed(superseded)
+        for h, rec, data in added:
+            if self.ram.max_bytes >= len(data):
+                _, tensors, _ = _parse(data)
+                self.ram.put(h, RamEntry(data, tensors, rec.kind, rec.pinned))
+        with self._lock:
+            self._counters.nodes_written += len(added)
+            self._counters.bytes_written += sum(len(d) for _, _, d in added)
+        self._enforce_disk_budget()
+
+    def _expected_of(self, name: str, ntokens: int):
+        return adapters.expected_tensors(self.layout, ntokens)[name]
+
+    def _supersede(self, txn, h: bytes, rec: NodeRecord) -> List[bytes]:
+        """Drop unpinned leaf siblings whose tokens are a strict prefix of the new node's.
+
+        The new node can be sliced to restore them, so keeping them only costs bytes.
+        """
+        gone = []
+        for sib, srec, common in self.index.nearest_children(self.namespace, rec.parent, rec.tokens, txn):
+            if (
+                sib != h
+                and common == srec.ntokens < rec.ntokens
+                and not srec.pinned
+                and not self.index.has_children(txn, self.namespace, sib)
+            ):
+                if stronger_kind(srec.kind, rec.kind) != rec.kind:
+                    continue  # keep a system prompt's tail rather than demote it
+                self.index.delete_node(txn, self.namespace, sib)
+                gone.append(sib)
+        return gone
+
+    # -- removal -------------------------------------------------------------
+
+    def _unlink_unindexed(self, hashes: Sequence[bytes]) -> None:
+        """Unlink files of deleted nodes, under the writer lock.
+
+        Another process may have re-added a node between our delete and now; holding
+        the LMDB write lock while checking the index makes the unlink safe.
+        """
+        if not hashes:
+            return
+        for h in hashes:
+            self.ram.discard(h)
+
+        def unlink(txn):
+            for h in hashes:
+                if self.index.get_node(self.namespace, h, txn) is None:
+                    self.blobs.remove(self.namespace, h)
+
+        self.index.write(unlink)
+
+    def _quarantine(self, h: bytes, reason: str) -> None:
+        """Writer thread: remove a broken node and its descendants from the index."""
+        ns = self.namespace
+
+        def drop(txn):
+            gone, todo = [], [h]
+            while todo:
+                x = todo.pop()
+                todo.extend(self.index.children(ns, x, txn))
+                self.index.delete_node(txn, ns, x)
+                gone.append(x)
+            return gone
+
+        gone = self.index.write(drop)
+        where = self.blobs.quarantine(ns, h, reason)
+        if where:
+            with self._lock:
+                self._counters.quarantined.append(where)
+        self._unlink_unindexed([x for x in gone if x != h])
+
+    def _enforce_disk_budget(self) -> None:
+        """Evict least recently used unpinned leaves until the store fits ``disk_bytes``."""
+        if self.disk_bytes is None:
+            return
+        while True:
+            excess = self.index.total_bytes() - self.disk_bytes
+            if excess <= 0:
+                return
+
+            def leaves(txn):
+                out = []
+                for ns, h, raw in self.index.iter_nodes(txn):
+                    try:
+                        rec = NodeRecord.decode(raw)
+                    except CorruptRecord:
+                        continue
+                    if not rec.pinned and not self.index.has_children(txn, ns, h):
+                        out.append((self.index.atime(txn, ns, h), rec.nbytes, (ns, h)))
+                return out
+
+            victims = disk_victims(self.index.read(leaves), excess)
+            if not victims:
+                log.warning("kvstore: disk budget exceeded by %d bytes of pinned nodes", excess)
+                return
+
+            def evict(txn):
+                gone = []
+                for ns, h in victims:
+                    rec = self.index.get_node(ns, h, txn)
+                    if rec is not None and not rec.pinned and not self.index.has_children(txn, ns, h):
+                        self.index.delete_node(txn, ns, h)
+                        gone.append((ns, h))
+                return gone
+
+            gone = self.index.write(evict)
+            for ns, h in gone:
+                self.ram.discard(h)
+
+            def unlink(txn):
+                for ns, h in gone:
+                    if self.index.get_node(ns, h, txn) is None:
+                        self.blobs.remove(ns, h)
+
+            self.index.write(unlink)
+            with self._lock:
+                self._counters.nodes_evicted += len(gone)
+            if not gone:
+                return
+
+    # -- prefill -----------------------------------------------------------
+
+    def prefill(
+        self,
+        tokens,
+        *,
+        kind: str = "system",
+        pin: bool = False,
+        boundaries: Sequence[int] = (),
+        step_tokens: int = 512,
+    ) -> Dict[str, int]:
+        """Compute what is missing of ``tokens`` (after the longest stored prefix) and save it.
+
+        Returns:
+            ``{"tokens": len, "computed": model tokens run, "reused": tokens restored}``.
+        """
+        self._check_open()
+        arr = as_token_array(tokens)
+        if len(arr) == 0:
+            raise ValueError("tokens is empty: nothing to prefill")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        _check_int("step_tokens", step_tokens, minimum=1)
+        stored = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True))
+        if sum(step.take for step in stored) == len(arr):
+            self._touch(step.h for step in stored)
+            if pin:
+                self.writer.submit(lambda: self._write_nodes([], kind=kind, pin=True, existing=[s.h for s in stored]))
+            return {"tokens": len(arr), "computed": 0, "reused": len(arr)}
+        cache, n = self.fetch(arr)
+        for s in range(n, len(arr), step_tokens):
+            self.model(mx.array(arr[s : s + step_tokens])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
+        return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def _touch(self, hashes) -> None:
+        now = time.time()
+        with self._lock:
+            for h in hashes:
+                self._touched[h] = now
+            many = len(self._touched) >= 256
+        if many:
+            self.writer.submit(self._flush_touches)
+
+    def _flush_touches(self) -> None:
+        with self._lock:
+            touched, self._touched = self._touched, {}
+        if touched:
+            self.index.write(
+                lambda txn: [self.index.touch(txn, self.namespace, h, t) for h, t in touched.items()]
+            )
+
+    def _preload_pinned(self) -> None:
+        """Load pinned nodes into the RAM tier (as far as its budget allows)."""
+        if self.ram.max_bytes == 0:
+            return
+        for h in self.index.pinned(self.namespace):
+            try:
+                rec = self.index.get_node(self.namespace, h)
+                if rec is None or self.ram.nbytes + rec.nbytes > self.ram.max_bytes:
+                    continue
+                data, tensors, meta = self.blobs.read_all(
+                    self.namespace,
+                    h,
+                    nbytes=rec.nbytes,
+                    checksum=rec.checksum,
+                    expected=adapters.expected_tensors(self.layout, rec.ntokens),
+                )
+                self._check_meta(meta, h)
+                self.ram.put(h, RamEntry(data, tensors, rec.kind, True))
+            except (CorruptBlob, CorruptRecord, OSError) as e:
+                self._report_broken(h, str(e))
+
+    def stats(self) -> Dict[str, Any]:
+        """Counts for the store (all namespaces), this model's namespace, and this process."""
+        namespaces = self.index.namespaces()
+        nodes, tokens, nbytes, pinned = self.index.counters(self.namespace)
+        total = self.index.total_bytes()
+        with self._lock:
+            c = self._counters
+            return {
+                "path": self.path,
+                "namespace": self.namespace.hex(),
+                "namespaces": len(namespaces),
+                "nodes": nodes,
+                "stored_tokens": tokens,
+                "bytes_on_disk": nbytes,
+                "pinned_bytes": pinned,
+                "store_bytes_on_disk": total,
+                "disk_budget": self.disk_bytes,
+                "ram_bytes": self.ram.nbytes,
+                "ram_entries": len(self.ram),
+                "ram_budget": self.ram.max_bytes,
+                "hits": c.hits,
+                "misses": c.misses,
+                "tokens_requested": c.tokens_requested,
+                "tokens_reused": c.tokens_reused,
+                "restore_seconds": c.restore_seconds,
+                "corrupt": c.corrupt,
+                "quarantined": list(c.quarantined),
+                "errors": c.errors,
+                "nodes_written": c.nodes_written,
+                "bytes_written": c.bytes_written,
+                "nodes_evicted": c.nodes_evicted,
+                "writes_dropped": c.writes_dropped + self.writer.dropped,
+                "writes_failed": self.writer.failed,
+                "pending_write_bytes": self.writer.pending_bytes,
+            }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this KVStore is closed")
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(mx, dtype).size
+
+
+def _parse(data: bytes):
+    from .blobs import parse_header
+
+    return parse_header(data, len(data))
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _prepare_dir(path: str) -> None:
+    """Create a new store directory, or check that an existing one is a store."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise StoreError(f"{path} exists and is not a directory")
+    if os.path.isdir(path):
+        entries = set(os.listdir(path)) - {"quarantine"}
+        if entries and "index" not in entries:
+            raise StoreError(
+                f"{path} is not a kvstore directory (it holds {sorted(entries)[:5]} but no index/)"
+            )
+    os.makedirs(path, exist_ok=True)

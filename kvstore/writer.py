@@ -1,0 +1,61 @@
+"""A background thread that runs write jobs in order, so callers never wait for disk."""
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+log = logging.getLogger("kvstore")
+
+
+class BackgroundWriter:
+    """Runs submitted jobs one at a time on a daemon thread.
+
+    Args:
+        max_pending_bytes: Jobs are refused (and counted as dropped) while more
+            than this many bytes wait, so a slow disk cannot exhaust memory.
+    """
+
+    def __init__(self, *, max_pending_bytes: int, name: str = "kvstore-writer"):
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
+        self.dropped = 0
+        self.failed = 0
+        self._queue: "queue.Queue" = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], nbytes: int = 0) -> bool:
+        with self._lock:
+            if self.pending_bytes and self.pending_bytes + nbytes > self.max_pending_bytes:
+                self.dropped += 1
+                return False
+            self.pending_bytes += nbytes
+        self._queue.put((job, nbytes))
+        return True
+
+    def flush(self) -> None:
+        """Wait until every submitted job has run."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            job, nbytes = item
+            try:
+                job()
+            except Exception:
+                self.failed += 1
+                log.exception("kvstore: background write failed")
+            finally:
+                with self._lock:
+                    self.pending_bytes -= nbytes
+                self._queue.task_done()

@@ -1,0 +1,69 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+
+VOCAB = 512
+
+
+def tiny_llama(seed: int = 0, *, layers: int = 2, hidden: int = 64, dtype=mx.float32):
+    """A random-weight llama small enough to run thousands of tokens in a test."""
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="session")
+def model():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="session")
+def other_model():
+    return tiny_llama(1)
+
+
+def random_tokens(n: int, seed: int) -> list:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=n).tolist()
+
+
+def compute_cache(model, tokens):
+    """KV of ``tokens`` computed from scratch."""
+    cache = make_prompt_cache(model)
+    if tokens:
+        model(mx.array(tokens)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def next_logits(model, cache, tokens):
+    """Logits after feeding ``tokens`` into ``cache`` (mutates the cache)."""
+    out = model(mx.array(tokens)[None], cache=cache)[0, -1]
+    mx.eval(out)
+    return out
+
+
+def greedy(model, cache, tokens, steps: int):
+    """Greedy continuation of ``tokens`` fed into ``cache``."""
+    out = []
+    logits = next_logits(model, cache, tokens)
+    for _ in range(steps):
+        tok = int(mx.argmax(logits).item())
+        out.append(tok)
+        logits = next_logits(model, cache, [tok])
+    return out
