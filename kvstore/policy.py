@@ -1,6 +1,8 @@
 """Eviction order as data: which entries go first, in RAM and on disk. No I/O here."""
 
-from typing import Iterable, List, Sequence, Tuple
+import heapq
+from collections import Counter
+from typing import Hashable, List, Mapping, NamedTuple, Tuple
 
 from .index import KINDS
 
@@ -8,6 +10,15 @@ from .index import KINDS
 RAM_ORDER: Tuple[Tuple[bool, str], ...] = tuple(
     (pinned, kind) for pinned in (False, True) for kind in KINDS
 )
+
+class DiskNode(NamedTuple):
+    """What eviction needs to know of a node on disk."""
+
+    atime: float
+    nbytes: int
+    parent: Hashable
+    pinned: bool
+
 
 KIND_RANK = {kind: rank for rank, kind in enumerate(KINDS)}
 
@@ -17,19 +28,32 @@ def stronger_kind(a: str, b: str) -> str:
     return a if KIND_RANK[a] >= KIND_RANK[b] else b
 
 
-def disk_victims(
-    leaves: Iterable[Tuple[float, int, object]], excess: int
-) -> List[object]:
-    """Least recently used leaves whose sizes add up to at least ``excess`` bytes.
+def disk_victims(nodes: Mapping[Hashable, DiskNode], excess: int) -> List[Hashable]:
+    """Least recently used leaves, leaf-first, whose sizes add up to ``excess`` bytes.
+
+    A parent whose last child goes becomes a leaf itself and competes by its own
+    access time, so the result never orphans a descendant. Pinned nodes never go.
 
     Args:
-        leaves: ``(last access time, bytes, key)`` of unpinned leaf nodes.
+        nodes: Every node of the store, by key.
         excess: How many bytes must go.
+
+    Returns:
+        Keys in eviction order (children before their parents).
     """
-    victims, freed = [], 0
-    for atime, nbytes, key in sorted(leaves, key=lambda leaf: leaf[0]):
-        if freed >= excess:
-            break
+    children = Counter(n.parent for n in nodes.values() if n.parent in nodes)
+    heap = [(n.atime, i, key) for i, (key, n) in enumerate(nodes.items())
+            if not n.pinned and children[key] == 0]
+    heapq.heapify(heap)
+    victims, freed, tie = [], 0, len(nodes)
+    while heap and freed < excess:
+        _, _, key = heapq.heappop(heap)
         victims.append(key)
-        freed += nbytes
+        freed += nodes[key].nbytes
+        parent = nodes[key].parent
+        if parent in nodes:
+            children[parent] -= 1
+            if children[parent] == 0 and not nodes[parent].pinned:
+                tie += 1
+                heapq.heappush(heap, (nodes[parent].atime, tie, parent))
     return victims

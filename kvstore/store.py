@@ -16,7 +16,7 @@ from . import adapters
 from .blobs import Blobs, CorruptBlob, file_checksum, serialize_node
 from .chunking import as_token_array, chain_hash, chain_hashes, root_hash, split_spans
 from .index import KINDS, CorruptRecord, Index, NodeRecord, StoreError
-from .policy import disk_victims, stronger_kind
+from .policy import DiskNode, disk_victims, stronger_kind
 from .ram import RamEntry, RamTier
 from .writer import BackgroundWriter
 
@@ -435,6 +435,7 @@ class KVStore:
                 _, tensors, _ = _parse(data)
                 self.ram.put(h, RamEntry(data, tensors, rec.kind, rec.pinned))
         with self._lock:
+            self._broken.difference_update(h for h, _, _ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
             self._counters.bytes_written += sum(len(d) for _, _, d in added)
         self._enforce_disk_budget()
@@ -505,23 +506,24 @@ class KVStore:
         """Evict least recently used unpinned leaves until the store fits ``disk_bytes``."""
         if self.disk_bytes is None:
             return
+        self._flush_touches()  # eviction order must see the latest accesses
         while True:
             excess = self.index.total_bytes() - self.disk_bytes
             if excess <= 0:
                 return
 
-            def leaves(txn):
-                out = []
+            def scan(txn):
+                nodes = {}
                 for ns, h, raw in self.index.iter_nodes(txn):
                     try:
                         rec = NodeRecord.decode(raw)
                     except CorruptRecord:
                         continue
-                    if not rec.pinned and not self.index.has_children(txn, ns, h):
-                        out.append((self.index.atime(txn, ns, h), rec.nbytes, (ns, h)))
-                return out
+                    atime = self.index.atime(txn, ns, h)
+                    nodes[ns, h] = DiskNode(atime, rec.nbytes, (ns, rec.parent), rec.pinned)
+                return nodes
 
-            victims = disk_victims(self.index.read(leaves), excess)
+            victims = disk_victims(self.index.read(scan), excess)
             if not victims:
                 log.warning("kvstore: disk budget exceeded by %d bytes of pinned nodes", excess)
                 return

@@ -67,3 +67,22 @@ def greedy(model, cache, tokens, steps: int):
         out.append(tok)
         logits = next_logits(model, cache, [tok])
     return out
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
