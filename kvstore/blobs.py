@@ -294,8 +294,8 @@ class Blobs:
         nbytes: int,
         checksum: int,
         expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
-    ) -> Tuple[bytes, Dict[str, TensorEntry], dict]:
-        """Read and verify a whole file; returns ``(bytes, tensors, metadata)``."""
+    ) -> Tuple[bytearray, Dict[str, TensorEntry], dict]:
+        """Read and verify a whole file; returns ``(data, tensors, metadata)``."""
         fd = self._open(ns, h, nbytes)
         try:
             data = bytearray(nbytes)
@@ -304,7 +304,6 @@ class Blobs:
             os.close(fd)
         if got != nbytes:
             raise CorruptBlob("file shrank while being read")
-        data = bytes(data)
         if xxhash.xxh3_64_intdigest(data) != checksum:
             raise CorruptBlob("checksum mismatch")
         _, tensors, metadata = parse_header(data, nbytes)

@@ -13,7 +13,7 @@ from .policy import RAM_ORDER
 class RamEntry:
     """A node's whole file, already checksummed, with its parsed header."""
 
-    data: bytes
+    data: bytes  # or a bytearray nobody writes to
     tensors: Dict[str, TensorEntry]
     kind: str
     pinned: bool

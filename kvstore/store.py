@@ -1,9 +1,11 @@
 """The public ``KVStore`` façade: composes the index, chunk files, RAM tier and writer."""
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -128,6 +130,9 @@ class KVStore:
         self._broken: set = set()
         self._closed = False
         self._preload_pinned()
+        # Pending writes are flushed at interpreter exit even without close().
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
 
     # -- context manager ---------------------------------------------------
 
@@ -140,6 +145,9 @@ class KVStore:
     def close(self) -> None:
         """Wait for pending writes, then release the index. Idempotent."""
         if self._closed:
+            return
+        if os.getpid() != self.index.pid:  # a forked child: the parent owns the writer
+            self._closed = True
             return
         self.flush()
         self._closed = True
