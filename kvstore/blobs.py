@@ -7,6 +7,7 @@ It knows nothing about LMDB or eviction policy.
 
 import errno
 import json
+import math
 import os
 import secrets
 import shutil
@@ -85,13 +86,13 @@ def parse_header(prefix: bytes, file_size: int) -> Tuple[int, Dict[str, TensorEn
         raise CorruptBlob("header truncated")
     try:
         header = json.loads(prefix[8 : 8 + hlen])
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptBlob(f"header is not JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptBlob(f"header is not JSON: {str(e)[:80]}") from None
     if not isinstance(header, dict):
         raise CorruptBlob("header is not a JSON object")
-    metadata = header.pop("__metadata__", {}) or {}
-    if not isinstance(metadata, dict):
-        raise CorruptBlob("header metadata is not an object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptBlob("header metadata is not an object of strings")
     data_start = 8 + hlen
     tensors = {}
     for name, info in header.items():
@@ -109,7 +110,8 @@ def parse_header(prefix: bytes, file_size: int) -> Tuple[int, Dict[str, TensorEn
             ok = False
         if not ok:
             raise CorruptBlob(f"header entry {name!r} is malformed")
-        if e - s != int(np.prod(shape, dtype=np.int64)) * _CODE_SIZE[dtype]:
+        # Python ints: a hostile shape must not overflow into a small size.
+        if e - s != math.prod(shape) * _CODE_SIZE[dtype]:
             raise CorruptBlob(f"tensor {name!r}: {e - s} bytes do not fit shape {shape}")
         tensors[name] = TensorEntry(dtype, tuple(shape), data_start + s, data_start + e)
     pos = data_start

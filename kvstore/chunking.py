@@ -34,24 +34,23 @@ def as_token_array(tokens, *, what: str = "tokens") -> np.ndarray:
     try:
         # array.array checks types and the C int range in one fast pass.
         arr = np.frombuffer(array.array("i", tokens), dtype=np.int32)
-    except TypeError:
-        bad = next(i for i, t in enumerate(tokens) if not _is_int(t))
-        raise TypeError(
-            f"{what}[{bad}] is {type(tokens[bad]).__name__} {tokens[bad]!r}, expected int"
-        ) from None
-    except OverflowError:
-        bad = next(i for i, t in enumerate(tokens) if not -(2**31) <= t <= MAX_TOKEN)
-        raise ValueError(f"{what}[{bad}] = {tokens[bad]} does not fit in int32") from None
+    except (TypeError, OverflowError):
+        for i, t in enumerate(tokens):
+            try:
+                array.array("i", [t])
+            except TypeError:
+                raise TypeError(
+                    f"{what}[{i}] is {type(t).__name__} {t!r}, expected int"
+                ) from None
+            except OverflowError:
+                raise ValueError(f"{what}[{i}] = {t} does not fit in int32") from None
+        raise
     if arr.size and arr.min() < 0:
         bad = int(np.flatnonzero(arr < 0)[0])
         raise ValueError(f"{what}[{bad}] = {arr[bad]} is negative")
     if sys.byteorder != "little":
         arr = arr.astype("<i4")
     return arr
-
-
-def _is_int(t) -> bool:
-    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
 
 
 def _array_to_list(tokens, what: str) -> list:

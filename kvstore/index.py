@@ -8,6 +8,7 @@ node's children sort by their first tokens (see :func:`child_key`).
 import json
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -22,6 +23,9 @@ KINDS = ("assistant", "user", "system")  # eviction order: first goes first
 CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
 _PAD = b"\xff\xff\xff\xff"  # sorts after every big-endian token id < 2**31
 _MAX_MAP = 1 << 40
+
+_OPEN: Dict[Tuple[str, int], Tuple[lmdb.Environment, int]] = {}
+_OPEN_LOCK = threading.Lock()
 
 
 class StoreError(Exception):
@@ -115,12 +119,25 @@ class Index:
             raise StoreError(f"{path}: no kvstore index here")
         os.makedirs(path, exist_ok=True)
         self.path = path
-        self.env = lmdb.open(
-            path, map_size=map_size, max_dbs=len(self._DBS), subdir=True, readahead=False
-        )
-        self.db = {name: self.env.open_db(name.encode()) for name in self._DBS}
         self.pid = os.getpid()
-        self._check_format()
+        self._key = (os.path.realpath(path), self.pid)
+        # LMDB allows one environment per directory and process: stores opened on one
+        # path in one process (two models, say) share it.
+        with _OPEN_LOCK:
+            env, refs = _OPEN.get(self._key, (None, 0))
+            if env is None:
+                env = lmdb.open(
+                    path, map_size=map_size, max_dbs=len(self._DBS), subdir=True, readahead=False
+                )
+            _OPEN[self._key] = (env, refs + 1)
+        self.env = env
+        self._closed = False
+        try:
+            self.db = {name: self.env.open_db(name.encode()) for name in self._DBS}
+            self._check_format()
+        except BaseException:
+            self.close()
+            raise
 
     def _check_format(self):
         def check(txn):
@@ -139,7 +156,15 @@ class Index:
             )
 
     def close(self):
-        self.env.close()
+        if self._closed:
+            return
+        self._closed = True
+        with _OPEN_LOCK:
+            env, refs = _OPEN.pop(self._key, (self.env, 1))
+            if refs > 1:
+                _OPEN[self._key] = (env, refs - 1)
+            elif os.getpid() == self.pid:
+                env.close()
 
     # -- transactions ------------------------------------------------------
 

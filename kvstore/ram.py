@@ -59,14 +59,19 @@ class RamTier:
 
     def put(self, key: Hashable, entry: RamEntry) -> bool:
         """Insert ``entry``; False if it does not fit even after evicting others."""
-        if entry.nbytes > self.max_bytes:
+        if self.max_bytes == 0 or entry.nbytes > self.max_bytes:
             return False
         with self._lock:
-            self._discard(key)
             bucket = (entry.pinned, entry.kind)
+            rank = RAM_ORDER.index(bucket)
+            # Never evict a more important bucket to make room for a less important
+            # entry, and evict nothing at all when the entry would not fit anyway.
+            evictable = sum(e.nbytes for b in RAM_ORDER[: rank + 1] for e in self._buckets[b].values())
+            if self._nbytes - evictable + entry.nbytes > self.max_bytes:
+                return False
+            self._discard(key)
             while self._nbytes + entry.nbytes > self.max_bytes:
-                if not self._evict_one(below=RAM_ORDER.index(bucket)):
-                    return False
+                self._evict_one(below=rank)
             self._buckets[bucket][key] = entry
             self._where[key] = bucket
             self._nbytes += entry.nbytes
@@ -89,7 +94,6 @@ class RamTier:
             self._nbytes -= self._buckets[bucket].pop(key).nbytes
 
     def _evict_one(self, *, below: int) -> bool:
-        # Never evict a more important bucket to make room for a less important entry.
         for bucket in RAM_ORDER[: below + 1]:
             entries = self._buckets[bucket]
             if entries:

@@ -434,3 +434,16 @@ def test_closed_store_refuses_use(tmp_path, model):
     s.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         s.fetch([1, 2, 3])
+
+
+def test_two_models_share_one_store_in_one_process(tmp_path, model, other_model):
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as a, KVStore(
+        tmp_path / "s", other_model, chunk_tokens=C
+    ) as b:
+        a.save(STORED, compute_cache(model, STORED))
+        b.save(FRESH, compute_cache(other_model, FRESH))
+        a.flush()
+        b.flush()
+        assert a.fetch(STORED + [1])[1] == len(STORED) and b.fetch(STORED + [1])[1] == 0
+        assert b.fetch(FRESH + [1])[1] == len(FRESH) and a.fetch(FRESH + [1])[1] == 0
+        assert a.stats()["store_bytes_on_disk"] == b.stats()["store_bytes_on_disk"]
