@@ -15,6 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import adapters
+from .assemble import AssemblyPlan, load_assembled
 from .blobs import Blobs, CorruptBlob, file_checksum, serialize_node
 from .chunking import as_token_array, chain_hash, chain_hashes, root_hash, split_spans
 from .index import KINDS, CorruptRecord, Index, NodeRecord, StoreError
@@ -128,6 +129,7 @@ class KVStore:
         self._lock = threading.Lock()
         self._touched: Dict[bytes, float] = {}
         self._broken: set = set()
+        self._expected_by_size: Dict[int, Dict[str, Tuple[str, Tuple]]] = {}
         self._closed = False
         self._preload_pinned()
         # Pending writes are flushed at interpreter exit even without close().
@@ -195,13 +197,35 @@ class KVStore:
 
     def _fetch(self, arr: np.ndarray) -> Tuple[List[Any], int]:
         path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
-        while path:
-            arrays, n, failed = self._restore(path)
-            if failed is None:
-                self._touch(step.h for step in path)
-                return adapters.build_cache(self.layout, arrays, n), n
-            path = path[:failed]  # a broken node: fall back to what precedes it
-        return make_prompt_cache(self.model), 0
+        if not path:
+            return make_prompt_cache(self.model), 0
+        plan = AssemblyPlan(self.layout, sum(step.take for step in path))
+        failed = [len(path)]
+
+        def fill(buf: memoryview) -> None:
+            jobs, offset = [], 0
+            for step in path:
+                jobs.append(self._readers.submit(self._read_node, step, plan, buf, offset))
+                offset += step.take
+            for i, job in enumerate(jobs):
+                error = job.exception()
+                if error is None or failed[0] < len(path):
+                    continue  # only the first broken node counts: the rest is cut anyway
+                failed[0] = i
+                if isinstance(error, (CorruptBlob, OSError)):
+                    self._report_broken(path[i].h, str(error))
+                else:
+                    log.error("kvstore: reading node failed", exc_info=error)
+                    with self._lock:
+                        self._counters.errors += 1
+
+        big = load_assembled(plan.nbytes, fill)
+        path = path[: failed[0]]  # a broken node: keep only what precedes it
+        n = sum(step.take for step in path)
+        if n == 0:
+            return make_prompt_cache(self.model), 0
+        self._touch(step.h for step in path)
+        return adapters.build_cache(self.layout, plan.layer_arrays(big, n), n), n
 
     def _walk(self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False) -> List[_Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
@@ -244,74 +268,34 @@ class KVStore:
             self._report_broken(h, f"index record: {e}")
             return None
 
-    def _restore(self, path: List[_Step]):
-        """Read the path's nodes into fresh arrays. Returns ``(arrays, n, failed index)``."""
-        n = sum(step.take for step in path)
-        arrays = adapters.allocate(self.layout, n)
-        views = [(memoryview(k).cast("B"), memoryview(v).cast("B")) for k, v in arrays]
-        jobs, offset = [], 0
-        for step in path:
-            jobs.append(self._readers.submit(self._read_node, step, views, offset, n))
-            offset += step.take
-        failed = None
-        for i, job in enumerate(jobs):
-            error = job.exception()
-            if error is not None and failed is None:
-                failed = i
-                if not isinstance(error, (CorruptBlob, OSError)):
-                    raise error
-        return arrays, n, failed
+    def _read_node(self, step: _Step, plan: AssemblyPlan, buf: memoryview, offset: int) -> None:
+        """Copy the first ``step.take`` tokens of one node to row ``offset`` of ``buf``.
 
-    def _read_node(self, step: _Step, views, offset: int, total: int) -> None:
-        """Copy the first ``step.take`` tokens of one node into the destination views."""
+        Raises CorruptBlob or OSError when the node's file is broken.
+        """
         rec, key = step.rec, step.h
-        targets = {}
-        # Head hd of a node's tensor is one contiguous run of ntokens rows; it lands
-        # at rows [offset, offset + take) of head hd in the destination.
-        for i, (lay, (kview, vview)) in enumerate(zip(self.layout, views)):
-            isz = _itemsize(lay.dtype)
-            for name, view, row in zip(
-                adapters.tensor_names(i), (kview, vview), (lay.k_dim * isz, lay.v_dim * isz)
-            ):
-                targets[name] = [
-                    (hd * rec.ntokens * row, view[(hd * total + offset) * row :][: step.take * row])
-                    for hd in range(lay.heads)
-                ]
-        expected = adapters.expected_tensors(self.layout, rec.ntokens)
-        try:
-            entry = self.ram.get(key)
-            if entry is None and self.ram.max_bytes >= rec.nbytes:
-                data, tensors, meta = self.blobs.read_all(
-                    self.namespace, key, nbytes=rec.nbytes, checksum=rec.checksum, expected=expected
-                )
-                self._check_meta(meta, key)
-                entry = RamEntry(data, tensors, rec.kind, rec.pinned)
-                self.ram.put(key, entry)
-            if entry is not None:
-                src = memoryview(entry.data)
-                for name, pieces in targets.items():
-                    base = entry.tensors[name].start
-                    for off, view in pieces:
-                        view[:] = src[base + off : base + off + len(view)]
-            else:
-                meta = self.blobs.scatter(
-                    self.namespace,
-                    key,
-                    nbytes=rec.nbytes,
-                    checksum=rec.checksum,
-                    expected=expected,
-                    targets=targets,
-                )
-                self._check_meta(meta, key)
-        except (CorruptBlob, OSError) as e:
-            self._report_broken(key, str(e))
-            raise
+        targets = plan.targets(buf, offset=offset, take=step.take, node_tokens=rec.ntokens)
+        entry = self.ram.get(key)
+        if entry is not None:
+            src = memoryview(entry.data)
+            for name, pieces in targets.items():
+                base = entry.tensors[name].start
+                for off, view in pieces:
+                    view[:] = src[base + off : base + off + len(view)]
+            return
+        meta = self.blobs.scatter(
+            self.namespace,
+            key,
+            nbytes=rec.nbytes,
+            checksum=rec.checksum,
+            expected=self._expected(rec.ntokens),
+            targets=targets,
+        )
+        self._check_meta(meta)
 
-    def _check_meta(self, meta: dict, h: bytes) -> None:
-        if meta.get("format") != _MARKER or meta.get("namespace") != self.namespace.hex() or meta.get(
-            "node"
-        ) != h.hex():
-            raise CorruptBlob("file belongs to another namespace or node")
+    def _check_meta(self, meta: dict) -> None:
+        if meta.get("format") != _MARKER or meta.get("namespace") != self.namespace.hex():
+            raise CorruptBlob("file belongs to another namespace")
 
     def _report_broken(self, h: bytes, reason: str) -> None:
         with self._lock:
@@ -409,7 +393,9 @@ class KVStore:
             for name, x in node.slices.items():
                 dtype, shape = self._expected_of(name, len(node.tokens))
                 tensors[name] = (dtype, shape, np.ascontiguousarray(np.asarray(x)))
-            meta = {"format": _MARKER, "namespace": ns.hex(), "node": node.h.hex()}
+            # No node id in the file: equal headers for equal sizes let readers reuse
+            # one parsed header; the index's checksum tells files apart.
+            meta = {"format": _MARKER, "namespace": ns.hex()}
             data = serialize_node(tensors, meta)
             self.blobs.write(ns, node.h, data)
             written.append((node, data, file_checksum(data)))
@@ -448,8 +434,16 @@ class KVStore:
             self._counters.bytes_written += sum(len(d) for _, _, d in added)
         self._enforce_disk_budget()
 
+    def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
+        """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
+        expected = self._expected_by_size.get(ntokens)
+        if expected is None:
+            expected = adapters.expected_tensors(self.layout, ntokens)
+            self._expected_by_size[ntokens] = expected
+        return expected
+
     def _expected_of(self, name: str, ntokens: int):
-        return adapters.expected_tensors(self.layout, ntokens)[name]
+        return self._expected(ntokens)[name]
 
     def _supersede(self, txn, h: bytes, rec: NodeRecord) -> List[bytes]:
         """Drop unpinned leaf siblings whose tokens are a strict prefix of the new node's.
@@ -629,9 +623,9 @@ class KVStore:
                     h,
                     nbytes=rec.nbytes,
                     checksum=rec.checksum,
-                    expected=adapters.expected_tensors(self.layout, rec.ntokens),
+                    expected=self._expected(rec.ntokens),
                 )
-                self._check_meta(meta, h)
+                self._check_meta(meta)
                 self.ram.put(h, RamEntry(data, tensors, rec.kind, True))
             except (CorruptBlob, CorruptRecord, OSError) as e:
                 self._report_broken(h, str(e))
