@@ -129,28 +129,11 @@ def node_slices(
     return out
 
 
-def allocate(layout: Sequence[LayerLayout], ntokens: int) -> List[Tuple[mx.array, mx.array]]:
-    """Evaluated ``(keys, values)`` arrays per layer, ready to be filled in place."""
-    arrays = []
-    for lay in layout:
-        dtype = getattr(mx, lay.dtype)
-        arrays.append(
-            (
-                mx.zeros((1, lay.heads, ntokens, lay.k_dim), dtype=dtype),
-                mx.zeros((1, lay.heads, ntokens, lay.v_dim), dtype=dtype),
-            )
-        )
-    mx.eval(arrays)
-    return arrays
-
-
 def build_cache(layout: Sequence[LayerLayout], arrays, ntokens: int) -> List[Any]:
     """Fresh cache objects holding ``arrays`` (through the classes' ``state`` protocol)."""
     cache = []
     for lay, (k, v) in zip(layout, arrays):
         layer = SUPPORTED_CACHES[lay.cls]()
-        if ntokens < k.shape[2]:
-            k, v = k[:, :, :ntokens, :], v[:, :, :ntokens, :]
         # mlx-lm's KVCache.state is (keys, values, offset); older releases (keys, values).
         layer.state = (k, v, ntokens) if len(layer.state) == 3 else (k, v)
         cache.append(layer)

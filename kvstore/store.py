@@ -15,7 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import adapters
-from .assemble import AssemblyPlan, load_assembled
+from .assemble import AssemblyPlan
 from .blobs import Blobs, CorruptBlob, file_checksum, serialize_node
 from .chunking import as_token_array, chain_hash, chain_hashes, root_hash, split_spans
 from .index import KINDS, CorruptRecord, Index, NodeRecord, StoreError
@@ -200,32 +200,28 @@ class KVStore:
         if not path:
             return make_prompt_cache(self.model), 0
         plan = AssemblyPlan(self.layout, sum(step.take for step in path))
-        failed = [len(path)]
-
-        def fill(buf: memoryview) -> None:
-            jobs, offset = [], 0
-            for step in path:
-                jobs.append(self._readers.submit(self._read_node, step, plan, buf, offset))
-                offset += step.take
-            for i, job in enumerate(jobs):
-                error = job.exception()
-                if error is None or failed[0] < len(path):
-                    continue  # only the first broken node counts: the rest is cut anyway
-                failed[0] = i
-                if isinstance(error, (CorruptBlob, OSError)):
-                    self._report_broken(path[i].h, str(error))
-                else:
-                    log.error("kvstore: reading node failed", exc_info=error)
-                    with self._lock:
-                        self._counters.errors += 1
-
-        big = load_assembled(plan.nbytes, fill)
-        path = path[: failed[0]]  # a broken node: keep only what precedes it
+        jobs, offset = [], 0
+        for step in path:
+            jobs.append(self._readers.submit(self._read_node, step, plan, offset))
+            offset += step.take
+        failed = len(path)
+        for i, job in enumerate(jobs):
+            error = job.exception()
+            if error is None or failed < len(path):
+                continue  # only the first broken node counts: the rest is cut anyway
+            failed = i
+            if isinstance(error, (CorruptBlob, OSError)):
+                self._report_broken(path[i].h, str(error))
+            else:
+                log.error("kvstore: reading node failed", exc_info=error)
+                with self._lock:
+                    self._counters.errors += 1
+        path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
             return make_prompt_cache(self.model), 0
         self._touch(step.h for step in path)
-        return adapters.build_cache(self.layout, plan.layer_arrays(big, n), n), n
+        return adapters.build_cache(self.layout, plan.layer_arrays(n), n), n
 
     def _walk(self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False) -> List[_Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
@@ -268,13 +264,13 @@ class KVStore:
             self._report_broken(h, f"index record: {e}")
             return None
 
-    def _read_node(self, step: _Step, plan: AssemblyPlan, buf: memoryview, offset: int) -> None:
-        """Copy the first ``step.take`` tokens of one node to row ``offset`` of ``buf``.
+    def _read_node(self, step: _Step, plan: AssemblyPlan, offset: int) -> None:
+        """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.
 
         Raises CorruptBlob or OSError when the node's file is broken.
         """
         rec, key = step.rec, step.h
-        targets = plan.targets(buf, offset=offset, take=step.take, node_tokens=rec.ntokens)
+        targets = plan.targets(offset=offset, take=step.take, node_tokens=rec.ntokens)
         entry = self.ram.get(key)
         if entry is not None:
             src = memoryview(entry.data)
