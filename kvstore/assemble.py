@@ -17,6 +17,7 @@ import struct
 from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from .adapters import LayerLayout, dtype_name, tensor_names
 from .blobs import DTYPES
@@ -92,27 +93,26 @@ class AssemblyPlan:
                 specs.append(((1, lay.heads, ntokens, dim), dtype))
                 self.rows[name] = (dim * dtype.size, lay.heads)
         self.arrays = empty_arrays(specs)
-        self.views = {
-            name: memoryview(a).cast("B") for name, a in zip(self.rows, self.arrays)
+        # (heads, ntokens, row bytes) byte views: a node's rows are one slice of these.
+        self.grids = {
+            name: np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(heads, ntokens, row)
+            for (name, (row, heads)), a in zip(self.rows.items(), self.arrays)
         }
         self.nbytes = sum(a.nbytes for a in self.arrays)
 
-    def targets(
-        self, *, offset: int, take: int, node_tokens: int
-    ) -> Dict[str, List[Tuple[int, memoryview]]]:
-        """Scatter targets for the first ``take`` tokens of a node placed at ``offset``.
+    def copy_node(
+        self, src: memoryview, tensors, *, offset: int, take: int, node_tokens: int
+    ) -> None:
+        """Copy the first ``take`` tokens of a node file held in ``src`` to row ``offset``.
 
-        Returns ``tensor name -> [(byte offset inside the node's tensor, destination)]``.
+        ``tensors`` maps names to validated entries (absolute offsets into ``src``).
+        numpy copies release the GIL, so several nodes copy in parallel.
         """
-        out = {}
-        n = self.ntokens
         for name, (row, heads) in self.rows.items():
-            buf, length, stride, first = self.views[name], take * row, n * row, offset * row
-            out[name] = [
-                (hd * node_tokens * row, buf[first + hd * stride : first + hd * stride + length])
-                for hd in range(heads)
-            ]
-        return out
+            entry = tensors[name]
+            block = np.frombuffer(src, dtype=np.uint8, count=entry.end - entry.start, offset=entry.start)
+            block = block.reshape(heads, node_tokens, row)
+            np.copyto(self.grids[name][:, offset : offset + take], block[:, :take])
 
     def layer_arrays(self, ntokens: int) -> List[Tuple[mx.array, mx.array]]:
         """Per-layer ``(keys, values)``, cut to ``ntokens`` when a node failed."""

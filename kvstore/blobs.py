@@ -21,8 +21,6 @@ import xxhash
 from safetensors import TensorSpec, serialize
 
 MAX_HEADER_BYTES = 1 << 20
-_IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux and macOS)
-_BATCH_BYTES = 256 << 10
 
 # mlx dtype name -> (safetensors header code, item size)
 DTYPES: Dict[str, Tuple[str, int]] = {
@@ -142,33 +140,6 @@ def check_layout(
             )
 
 
-# A scatter target: (byte offset inside the tensor, writable memoryview).
-Targets = Mapping[str, Sequence[Tuple[int, memoryview]]]
-
-
-def _plan(tensors: Dict[str, TensorEntry], targets: Targets) -> List[Tuple[int, int, object]]:
-    """File-ordered pieces ``(file offset, length, destination or None)`` covering the data."""
-    out: List[Tuple[int, int, object]] = []
-    ordered = sorted(tensors.items(), key=lambda item: item[1].start)
-    pos = ordered[0][1].start if ordered else 0
-    for name, entry in ordered:
-        # Targets of one tensor come in increasing offsets (heads in order).
-        for off, view in targets.get(name, ()):
-            start = entry.start + off
-            if off < 0 or start + len(view) > entry.end:
-                raise ValueError(f"target outside tensor {name!r}")
-            if start < pos:
-                raise ValueError("overlapping or unordered targets")
-            if start > pos:
-                out.append((pos, start - pos, None))
-            out.append((start, len(view), view))
-            pos = start + len(view)
-        if entry.end > pos:
-            out.append((pos, entry.end - pos, None))
-            pos = entry.end
-    return out
-
-
 class Blobs:
     """Content-addressed chunk files under ``<root>/<ns>/<h[:2]>/<h>.safetensors``.
 
@@ -258,7 +229,7 @@ class Blobs:
         self._headers[key] = (expected, tensors, metadata)
         return head, tensors, metadata
 
-    def scatter(
+    def read_staged(
         self,
         ns: bytes,
         h: bytes,
@@ -266,48 +237,29 @@ class Blobs:
         nbytes: int,
         checksum: int,
         expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
-        targets: Targets,
-    ) -> dict:
-        """Read node ``h`` straight into ``targets`` and verify its checksum.
+        staging: bytearray,
+    ) -> Tuple[memoryview, Dict[str, TensorEntry], dict]:
+        """Read and verify a whole file into ``staging`` (grown as needed).
 
-        Bytes not wanted by a target are read into scratch space so that the
-        whole file is hashed. Returns the file's metadata.
-
-        Raises:
-            CorruptBlob: the file is missing, malformed, or its checksum fails.
-                Targets may then hold partial data and must be discarded.
+        One read and one hash call per file: both release the GIL, unlike the
+        hundreds of small per-piece calls a direct scatter needs. Returns a view of
+        the file's bytes in ``staging``, its tensors and metadata.
         """
         fd = self._open(ns, h, nbytes)
         try:
             head, tensors, metadata = self.read_header(fd, nbytes, expected)
-            plan = _plan(tensors, targets)
-            gap = sum(length for _, length, view in plan if view is None)
-            scratch = memoryview(bytearray(gap))
-            bufs = []
-            for _, length, view in plan:
-                if view is None:
-                    view, scratch = scratch[:length], scratch[length:]
-                bufs.append(view)
-            digest = xxhash.xxh3_64(head)
-            pos = len(head)
-            # Read in batches small enough to be hashed while still in the CPU cache.
-            batch, size = [], 0
-            for view in bufs + [None]:
-                if view is not None:
-                    batch.append(view)
-                    size += len(view)
-                if batch and (view is None or size >= _BATCH_BYTES or len(batch) == _IOV_MAX):
-                    if os.preadv(fd, batch, pos) != size:
-                        raise CorruptBlob("file shrank while being read")
-                    pos += size
-                    for b in batch:
-                        digest.update(b)
-                    batch, size = [], 0
+            if len(staging) < nbytes:
+                staging.extend(bytes(nbytes - len(staging)))
+            view = memoryview(staging)[:nbytes]
+            view[: len(head)] = head
+            rest = view[len(head) :]
+            if os.preadv(fd, [rest], len(head)) != len(rest):
+                raise CorruptBlob("file shrank while being read")
         finally:
             os.close(fd)
-        if digest.intdigest() != checksum:
+        if xxhash.xxh3_64_intdigest(view) != checksum:
             raise CorruptBlob("checksum mismatch")
-        return metadata
+        return view, tensors, metadata
 
     def read_all(
         self,
@@ -318,19 +270,11 @@ class Blobs:
         checksum: int,
         expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
     ) -> Tuple[bytearray, Dict[str, TensorEntry], dict]:
-        """Read and verify a whole file; returns ``(data, tensors, metadata)``."""
-        fd = self._open(ns, h, nbytes)
-        try:
-            data = bytearray(nbytes)
-            got = os.preadv(fd, [data], 0)
-        finally:
-            os.close(fd)
-        if got != nbytes:
-            raise CorruptBlob("file shrank while being read")
-        if xxhash.xxh3_64_intdigest(data) != checksum:
-            raise CorruptBlob("checksum mismatch")
-        _, tensors, metadata = parse_header(data, nbytes)
-        check_layout(tensors, expected)
+        """Read and verify a whole file into a new buffer: ``(data, tensors, metadata)``."""
+        data = bytearray(nbytes)
+        _, tensors, metadata = self.read_staged(
+            ns, h, nbytes=nbytes, checksum=checksum, expected=expected, staging=data
+        )
         return data, tensors, metadata
 
     # -- removal and maintenance ----------------------------------------------

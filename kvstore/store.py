@@ -130,6 +130,7 @@ class KVStore:
         self._touched: Dict[bytes, float] = {}
         self._broken: set = set()
         self._expected_by_size: Dict[int, Dict[str, Tuple[str, Tuple]]] = {}
+        self._staging = threading.local()  # per reader thread: one node file at a time
         self._closed = False
         self._preload_pinned()
         # Pending writes are flushed at interpreter exit even without close().
@@ -270,24 +271,23 @@ class KVStore:
         Raises CorruptBlob or OSError when the node's file is broken.
         """
         rec, key = step.rec, step.h
-        targets = plan.targets(offset=offset, take=step.take, node_tokens=rec.ntokens)
         entry = self.ram.get(key)
         if entry is not None:
-            src = memoryview(entry.data)
-            for name, pieces in targets.items():
-                base = entry.tensors[name].start
-                for off, view in pieces:
-                    view[:] = src[base + off : base + off + len(view)]
-            return
-        meta = self.blobs.scatter(
-            self.namespace,
-            key,
-            nbytes=rec.nbytes,
-            checksum=rec.checksum,
-            expected=self._expected(rec.ntokens),
-            targets=targets,
-        )
-        self._check_meta(meta)
+            data, tensors = memoryview(entry.data), entry.tensors
+        else:
+            staging = getattr(self._staging, "buf", None)
+            if staging is None:
+                staging = self._staging.buf = bytearray()
+            data, tensors, meta = self.blobs.read_staged(
+                self.namespace,
+                key,
+                nbytes=rec.nbytes,
+                checksum=rec.checksum,
+                expected=self._expected(rec.ntokens),
+                staging=staging,
+            )
+            self._check_meta(meta)
+        plan.copy_node(data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens)
 
     def _check_meta(self, meta: dict) -> None:
         if meta.get("format") != _MARKER or meta.get("namespace") != self.namespace.hex():

@@ -1,4 +1,4 @@
-"""Unit tests for kvstore.blobs: chunk file writing, strict header parsing and scatter reads."""
+"""Unit tests for kvstore.blobs: chunk file writing, strict header parsing and verified reads."""
 
 import json
 import math
@@ -112,104 +112,38 @@ def test_written_file_is_valid_safetensors_for_mlx(written):
     np.testing.assert_array_equal(np.array(loaded["1.keys"].view(mx.uint16)), tensors["1.keys"][2])
 
 
-def test_scatter_full_round_trip(written):
-    blobs, tensors, data, checksum, _ = written
-    outs = {name: np.zeros_like(arr) for name, (_, _, arr) in tensors.items()}
-    targets = {name: [(0, memoryview(out).cast("B"))] for name, out in outs.items()}
-    meta = blobs.scatter(
-        NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), targets=targets
+def test_read_staged_round_trip_reuses_and_grows_staging(written, blobs):
+    _, tensors, data, checksum, _ = written
+    staging = bytearray(10)
+    view, parsed, meta = blobs.read_staged(
+        NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), staging=staging
     )
-    assert meta == META
+    assert meta == META and bytes(view) == data and len(staging) >= len(data)
     for name, (_, _, arr) in tensors.items():
-        np.testing.assert_array_equal(outs[name], arr)
-        assert outs[name].tobytes() == arr.tobytes()
-
-
-def test_scatter_partial_ranges_with_gaps(written):
-    blobs, tensors, data, checksum, _ = written
-    _, parsed, _ = parse(data)
-    src = {name: arr.tobytes() for name, (_, _, arr) in tensors.items()}
-    size = len(src["0.keys"])  # 2 * 5 * 4 * 4 = 160 bytes
-    assert size == 160
-    dest = bytearray(b"\xaa" * 1000)
-    mv = memoryview(dest)
-    # (tensor, offset inside the tensor, destination offset, length)
-    wanted = [
-        ("0.keys", 0, 0, 16),
-        ("0.keys", 40, 100, 20),
-        ("0.keys", 130, 200, 30),  # up to the tensor's end
-        ("1.keys", 6, 300, 10),
-        ("1.keys", 50, 400, 0),  # empty range
-    ]
-    targets = {}
-    for name, off, at, n in wanted:
-        targets.setdefault(name, []).append((off, mv[at : at + n]))
-    blobs.scatter(
-        NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), targets=targets
+        assert bytes(view[parsed[name].start : parsed[name].end]) == arr.tobytes()
+    before = len(staging)
+    view2, _, _ = blobs.read_staged(
+        NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), staging=staging
     )
-    expected = bytearray(b"\xaa" * 1000)
-    for name, off, at, n in wanted:
-        expected[at : at + n] = src[name][off : off + n]
-        assert dest[at : at + n] == data[parsed[name].start + off :][:n]
-    assert dest == expected  # nothing written outside the views
+    assert len(staging) == before and bytes(view2) == data
 
 
-def test_scatter_many_pieces_beyond_iov_max(blobs):
-    arr = (np.arange(4096) % 251).astype(np.uint8).reshape(1, 4096, 1)
-    tensors = {"0.keys": ("uint8", arr.shape, arr)}
-    data = serialize_node(tensors, META)
-    blobs.write(NS, H, data)
-    dest = bytearray(4096)
-    mv = memoryview(dest)
-    # 1000 two-byte pieces with two-byte gaps: ~2000 iovecs, several preadv batches
-    targets = {"0.keys": [(off, mv[off : off + 2]) for off in range(0, 4000, 4)]}
-    blobs.scatter(
-        NS,
-        H,
-        nbytes=len(data),
-        checksum=file_checksum(data),
-        expected=expected_of(tensors),
-        targets=targets,
-    )
-    flat = arr.reshape(-1).tobytes()
-    for off in range(0, 4000, 4):
-        assert dest[off : off + 2] == flat[off : off + 2]
-        assert dest[off + 2 : off + 4] == b"\0\0"
-    assert dest[4000:] == bytes(96)
-
-
-def test_scatter_with_large_header(blobs):
-    """A header longer than the first 4 KiB read is fetched whole."""
+def test_read_staged_with_large_header(blobs):
+    """A header longer than the first read is fetched whole."""
     tensors = make_tensors(3)
-    meta = dict(META, padding="x" * 6000)
+    meta = dict(META, padding="x" * 20000)
     data = serialize_node(tensors, meta)
-    assert struct.unpack_from("<Q", data)[0] > 4096
+    assert struct.unpack_from("<Q", data)[0] > 16384
     blobs.write(NS, H, data)
-    out = np.zeros_like(tensors["0.values"][2])
-    got = blobs.scatter(
+    _, _, got = blobs.read_staged(
         NS,
         H,
         nbytes=len(data),
         checksum=file_checksum(data),
         expected=expected_of(tensors),
-        targets={"0.values": [(0, memoryview(out).cast("B"))]},
+        staging=bytearray(),
     )
     assert got == meta
-    np.testing.assert_array_equal(out, tensors["0.values"][2])
-
-
-def test_scatter_target_outside_tensor_is_value_error(written):
-    blobs, tensors, data, checksum, _ = written
-    too_far = memoryview(bytearray(8))
-    with pytest.raises(ValueError):
-        blobs.scatter(
-            NS,
-            H,
-            nbytes=len(data),
-            checksum=checksum,
-            expected=expected_of(tensors),
-            targets={"0.keys": [(156, too_far)]},
-        )
 
 
 # ---------------------------------------------------------------------------
@@ -515,7 +449,7 @@ def test_check_layout():
 
 
 # ---------------------------------------------------------------------------
-# scatter / read_all failures
+# read_staged / read_all failures
 # ---------------------------------------------------------------------------
 
 
@@ -527,11 +461,14 @@ def _flip(path: str, offset: int, mask: int = 0x01):
         f.write(bytes([b ^ mask]))
 
 
-def _scatter_all(blobs, tensors, data_len, checksum):
-    outs = {name: np.zeros_like(arr) for name, (_, _, arr) in tensors.items()}
-    targets = {name: [(0, memoryview(out).cast("B"))] for name, out in outs.items()}
-    return blobs.scatter(
-        NS, H, nbytes=data_len, checksum=checksum, expected=expected_of(tensors), targets=targets
+def _read_staged(blobs, tensors, data_len, checksum):
+    return blobs.read_staged(
+        NS,
+        H,
+        nbytes=data_len,
+        checksum=checksum,
+        expected=expected_of(tensors),
+        staging=bytearray(),
     )
 
 
@@ -543,7 +480,7 @@ def test_checksum_mismatch_on_data_byte(written):
     blobs, tensors, data, checksum, path = written
     _flip(path, len(data) - 7)
     with pytest.raises(CorruptBlob, match="checksum"):
-        _scatter_all(blobs, tensors, len(data), checksum)
+        _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob, match="checksum"):
         _read_all(blobs, tensors, len(data), checksum)
 
@@ -556,7 +493,7 @@ def test_checksum_mismatch_on_header_byte(written):
     with open(path, "rb") as f:
         parse(f.read())  # still a well-formed header
     with pytest.raises(CorruptBlob, match="checksum"):
-        _scatter_all(blobs, tensors, len(data), checksum)
+        _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob, match="checksum"):
         _read_all(blobs, tensors, len(data), checksum)
 
@@ -564,7 +501,7 @@ def test_checksum_mismatch_on_header_byte(written):
 def test_wrong_checksum_value(written):
     blobs, tensors, data, checksum, _ = written
     with pytest.raises(CorruptBlob):
-        _scatter_all(blobs, tensors, len(data), checksum ^ 1)
+        _read_staged(blobs, tensors, len(data), checksum ^ 1)
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, len(data), checksum ^ 1)
 
@@ -576,12 +513,12 @@ def test_truncated_file(written, keep):
     os.truncate(path, keep)
     # the index still says the original size
     with pytest.raises(CorruptBlob):
-        _scatter_all(blobs, tensors, len(data), checksum)
+        _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, len(data), checksum)
     # an index that agrees with the truncated size
     with pytest.raises(CorruptBlob):
-        _scatter_all(blobs, tensors, keep, file_checksum(data[:keep]))
+        _read_staged(blobs, tensors, keep, file_checksum(data[:keep]))
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, keep, file_checksum(data[:keep]))
 
@@ -590,7 +527,7 @@ def test_missing_file(written):
     blobs, tensors, data, checksum, path = written
     os.unlink(path)
     with pytest.raises(CorruptBlob, match="missing"):
-        _scatter_all(blobs, tensors, len(data), checksum)
+        _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob, match="missing"):
         _read_all(blobs, tensors, len(data), checksum)
 
@@ -599,7 +536,7 @@ def test_missing_file(written):
 def test_nbytes_mismatch(written, delta):
     blobs, tensors, data, checksum, _ = written
     with pytest.raises(CorruptBlob):
-        _scatter_all(blobs, tensors, len(data) + delta, checksum)
+        _read_staged(blobs, tensors, len(data) + delta, checksum)
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, len(data) + delta, checksum)
 
@@ -608,7 +545,9 @@ def test_layout_mismatch(written):
     blobs, tensors, data, checksum, _ = written
     expected = dict(expected_of(tensors), **{"0.keys": ("float32", (2, 6, 4))})
     with pytest.raises(CorruptBlob):
-        blobs.scatter(NS, H, nbytes=len(data), checksum=checksum, expected=expected, targets={})
+        blobs.read_staged(
+            NS, H, nbytes=len(data), checksum=checksum, expected=expected, staging=bytearray()
+        )
     with pytest.raises(CorruptBlob):
         blobs.read_all(NS, H, nbytes=len(data), checksum=checksum, expected=expected)
 
@@ -773,7 +712,7 @@ def test_fuzz_mutations_parse_identically_or_raise_corrupt(blobs):
             with pytest.raises(CorruptBlob):
                 blobs.read_all(NS, H, nbytes=nbytes, checksum=checksum, expected=expected)
             with pytest.raises(CorruptBlob):
-                _scatter_all(blobs, tensors, nbytes, checksum)
+                _read_staged(blobs, tensors, nbytes, checksum)
         # 3. even with a checksum that matches the damaged file, no other exception
         try:
             _, parsed, _ = blobs.read_all(
