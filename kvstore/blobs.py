@@ -239,17 +239,17 @@ class Blobs:
         expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
         staging: bytearray,
     ) -> Tuple[memoryview, Dict[str, TensorEntry], dict]:
-        """Read and verify a whole file into ``staging`` (grown as needed).
+        """Read and verify a whole file into ``staging`` (at least ``nbytes`` long).
 
         One read and one hash call per file: both release the GIL, unlike the
         hundreds of small per-piece calls a direct scatter needs. Returns a view of
         the file's bytes in ``staging``, its tensors and metadata.
         """
+        if len(staging) < nbytes:
+            raise ValueError(f"staging buffer of {len(staging)} bytes for a {nbytes}-byte file")
         fd = self._open(ns, h, nbytes)
         try:
             head, tensors, metadata = self.read_header(fd, nbytes, expected)
-            if len(staging) < nbytes:
-                staging.extend(bytes(nbytes - len(staging)))
             view = memoryview(staging)[:nbytes]
             view[: len(head)] = head
             rest = view[len(head) :]

@@ -25,6 +25,10 @@ from .writer import BackgroundWriter
 
 log = logging.getLogger("kvstore")
 
+# kvstore's own MLX graph work (allocating, slicing) is serialized across threads:
+# a server may fetch from HTTP threads while its generation thread saves.
+MLX_LOCK = threading.RLock()
+
 DEFAULT_RAM_BYTES = 512 << 20
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
 _MARKER = "KVSTORE"
@@ -200,7 +204,8 @@ class KVStore:
         path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
         if not path:
             return make_prompt_cache(self.model), 0
-        plan = AssemblyPlan(self.layout, sum(step.take for step in path))
+        with MLX_LOCK:
+            plan = AssemblyPlan(self.layout, sum(step.take for step in path))
         jobs, offset = [], 0
         for step in path:
             jobs.append(self._readers.submit(self._read_node, step, plan, offset))
@@ -222,7 +227,8 @@ class KVStore:
         if n == 0:
             return make_prompt_cache(self.model), 0
         self._touch(step.h for step in path)
-        return adapters.build_cache(self.layout, plan.layer_arrays(n), n), n
+        with MLX_LOCK:
+            return adapters.build_cache(self.layout, plan.layer_arrays(n), n), n
 
     def _walk(self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False) -> List[_Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
@@ -276,8 +282,9 @@ class KVStore:
             data, tensors = memoryview(entry.data), entry.tensors
         else:
             staging = getattr(self._staging, "buf", None)
-            if staging is None:
-                staging = self._staging.buf = bytearray()
+            if staging is None or len(staging) < rec.nbytes:
+                # A new buffer rather than a resize: an earlier view may still be alive.
+                staging = self._staging.buf = bytearray(rec.nbytes)
             data, tensors, meta = self.blobs.read_staged(
                 self.namespace,
                 key,
@@ -330,26 +337,26 @@ class KVStore:
         Returns:
             The number of new nodes queued for writing.
         """
-        self._check_open()
-        arr = as_token_array(tokens)
-        if len(arr) == 0:
-            raise ValueError("tokens is empty: nothing to save")
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        arr = self._checked(tokens, kind, "save")
         adapters.check_cache(self.layout, cache, len(arr))
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
     def save_prefix(self, tokens, cache: Sequence[Any], *, kind: str = "user", pin: bool = False) -> int:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
         (a generate loop's cache after the first new token): only the prefix is stored."""
+        arr = self._checked(tokens, kind, "save")
+        adapters.check_cache(self.layout, cache, len(arr), exact=False)
+        return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+
+    def _checked(self, tokens, kind: str, what: str) -> np.ndarray:
+        """Validate the arguments every write entry point shares."""
         self._check_open()
         arr = as_token_array(tokens)
         if len(arr) == 0:
-            raise ValueError("tokens is empty: nothing to save")
+            raise ValueError(f"tokens is empty: nothing to {what}")
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        adapters.check_cache(self.layout, cache, len(arr), exact=False)
-        return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+        return arr
 
     def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
         path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True))
@@ -358,12 +365,13 @@ class KVStore:
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
         hashes = chain_hashes(parent, arr, spans)
         nodes, nbytes = [], 0
-        for (s, e), h in zip(spans, hashes):
-            slices = adapters.node_slices(self.layout, cache, s, e)
-            nbytes += sum(x.nbytes for x in slices.values())
-            nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
-            parent = h
-        mx.eval([n.slices for n in nodes])  # views of the cache's buffers: no copy
+        with MLX_LOCK:
+            for (s, e), h in zip(spans, hashes):
+                slices = adapters.node_slices(self.layout, cache, s, e)
+                nbytes += sum(x.nbytes for x in slices.values())
+                nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
+                parent = h
+            mx.eval([n.slices for n in nodes])  # views of the cache's buffers: no copy
         existing = [step.h for step in path]
         self._touch(existing)
 
@@ -566,12 +574,7 @@ class KVStore:
         Returns:
             ``{"tokens": len, "computed": model tokens run, "reused": tokens restored}``.
         """
-        self._check_open()
-        arr = as_token_array(tokens)
-        if len(arr) == 0:
-            raise ValueError("tokens is empty: nothing to prefill")
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        arr = self._checked(tokens, kind, "prefill")
         _check_int("step_tokens", step_tokens, minimum=1)
         stored = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True))
         if sum(step.take for step in stored) == len(arr):

@@ -112,9 +112,13 @@ def test_written_file_is_valid_safetensors_for_mlx(written):
     np.testing.assert_array_equal(np.array(loaded["1.keys"].view(mx.uint16)), tensors["1.keys"][2])
 
 
-def test_read_staged_round_trip_reuses_and_grows_staging(written, blobs):
+def test_read_staged_round_trip_reuses_staging(written, blobs):
     _, tensors, data, checksum, _ = written
-    staging = bytearray(10)
+    with pytest.raises(ValueError, match="staging buffer"):
+        blobs.read_staged(
+            NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), staging=bytearray(10)
+        )
+    staging = bytearray(len(data) + 100)
     view, parsed, meta = blobs.read_staged(
         NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), staging=staging
     )
@@ -141,7 +145,7 @@ def test_read_staged_with_large_header(blobs):
         nbytes=len(data),
         checksum=file_checksum(data),
         expected=expected_of(tensors),
-        staging=bytearray(),
+        staging=bytearray(len(data)),
     )
     assert got == meta
 
@@ -468,7 +472,7 @@ def _read_staged(blobs, tensors, data_len, checksum):
         nbytes=data_len,
         checksum=checksum,
         expected=expected_of(tensors),
-        staging=bytearray(),
+        staging=bytearray(max(data_len, 0) + 64),
     )
 
 
@@ -546,7 +550,7 @@ def test_layout_mismatch(written):
     expected = dict(expected_of(tensors), **{"0.keys": ("float32", (2, 6, 4))})
     with pytest.raises(CorruptBlob):
         blobs.read_staged(
-            NS, H, nbytes=len(data), checksum=checksum, expected=expected, staging=bytearray()
+            NS, H, nbytes=len(data), checksum=checksum, expected=expected, staging=bytearray(len(data))
         )
     with pytest.raises(CorruptBlob):
         blobs.read_all(NS, H, nbytes=len(data), checksum=checksum, expected=expected)

@@ -400,7 +400,8 @@ def test_stream_generate_matches_mlx_lm(tmp_path, model, tokenizer):
 def test_threads_fetch_while_saving(tmp_path, model):
     prompts = [random_tokens(200, seed=300 + i) for i in range(6)]
     caches = [compute_cache(model, p) for p in prompts]
-    refs = {i: [c.keys[:, :, :199] for c in caches[i]] for i in range(len(prompts))}
+    # Compared with numpy: MLX graph evaluation is not meant to run on several threads.
+    refs = {i: [np.array(c.keys[:, :, :199]) for c in caches[i]] for i in range(len(prompts))}
     errors = []
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as s:
 
@@ -411,7 +412,7 @@ def test_threads_fetch_while_saving(tmp_path, model):
                         cache, n = s.fetch(p)
                         if n:
                             for got, want in zip(cache, refs[i]):
-                                assert mx.array_equal(got.keys, want[:, :, :n]).item()
+                                assert np.array_equal(np.asarray(got.keys), want[:, :, :n])
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(e)
 
