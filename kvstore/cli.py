@@ -1,0 +1,389 @@
+"""The ``kvstore`` command line: prefill prompts offline and manage a store."""
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import List, Optional
+
+EXIT_OK, EXIT_FAILED_LINES, EXIT_ERROR = 0, 1, 2
+
+
+class CLIError(Exception):
+    """A problem that ends the command with one clear message."""
+
+
+def default_store() -> str:
+    """``$KVSTORE_DIR``, else ``<user cache>/kvstore/store``."""
+    env = os.environ.get("KVSTORE_DIR")
+    if env:
+        return env
+    from .default_model import cache_root
+
+    return os.path.join(cache_root(), "store")
+
+
+def _size(text: str) -> int:
+    """Parse ``123``, ``10K``, ``512M``, ``2G`` (binary units) into bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    try:
+        if t and t[-1] in units:
+            value = int(float(t[:-1]) * units[t[-1]])
+        else:
+            value = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 2G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size must not be negative: {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# -- model and store ---------------------------------------------------------
+
+
+def load_model(name: Optional[str]):
+    """Load an mlx-lm model; None means the bundled default (converted on first use)."""
+    from mlx_lm import load
+
+    if name is None:
+        from .default_model import ensure_default_model
+
+        try:
+            name = ensure_default_model()
+        except Exception as e:
+            raise CLIError(f"cannot prepare the default model: {e}") from None
+    try:
+        return load(name)
+    except Exception as e:
+        raise CLIError(f"cannot load model {name!r}: {type(e).__name__}: {e}") from None
+
+
+def open_store(path: str, model, tokenizer, *, chunk_tokens: int):
+    from . import KVStore, StoreError, UnsupportedCacheError
+
+    try:
+        return KVStore(path, model, tokenizer, chunk_tokens=chunk_tokens)
+    except (StoreError, UnsupportedCacheError) as e:
+        raise CLIError(str(e)) from None
+
+
+def _context_length(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    for key in ("max_position_embeddings", "context_length", "max_seq_len"):
+        value = getattr(args, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# -- prefill -----------------------------------------------------------------
+
+
+def cmd_prefill(args) -> int:
+    from tqdm import tqdm
+
+    from .prompts import PromptError, parse_line, read_lines
+
+    if not os.path.isfile(args.prompts):
+        raise CLIError(f"{args.prompts}: no such file")
+    try:
+        lines = list(read_lines(args.prompts))
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"{args.prompts}: cannot read: {e}") from None
+    model, tokenizer = load_model(args.model)
+    limit = _context_length(model)
+    if args.max_tokens_per_prompt:
+        limit = min(limit or args.max_tokens_per_prompt, args.max_tokens_per_prompt)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+
+    summary = {"prompts": len(lines), "prefilled": 0, "skipped": 0, "failed": 0}
+    summary.update({"tokens_computed": 0, "tokens_reused": 0})
+    tic = time.perf_counter()
+    store = open_store(args.store, model, tokenizer, chunk_tokens=args.chunk_tokens)
+    with store, tqdm(total=len(lines), unit="prompt", disable=args.quiet or None) as bar:
+        for lineno, text in lines:
+            where = f"{args.prompts}:{lineno}"
+            try:
+                line = parse_line(
+                    lineno, text, tokenizer, default_kind=args.kind, default_pin=args.pin, vocab_size=vocab
+                )
+                if limit is not None and len(line.tokens) > limit:
+                    raise PromptError(f"prompt has {len(line.tokens)} tokens, more than the limit of {limit}")
+            except PromptError as e:
+                summary["failed"] += 1
+                bar.write(f"{where}: {e}", file=sys.stderr)
+                if args.strict:
+                    break
+                bar.update(1)
+                continue
+            computed = _prefill_line(store, line)
+            summary["tokens_computed"] += computed
+            summary["tokens_reused"] += len(line.tokens) - computed
+            summary["prefilled" if computed else "skipped"] += 1
+            bar.set_postfix(computed=summary["tokens_computed"], reused=summary["tokens_reused"])
+            bar.update(1)
+        stats = store.stats()
+    summary["bytes_written"] = stats["bytes_written"]
+    summary["writes_dropped"] = stats["writes_dropped"]
+    summary["seconds"] = round(time.perf_counter() - tic, 3)
+    summary["store"] = store.path
+    _print_summary(summary, args.json)
+    return EXIT_FAILED_LINES if summary["failed"] else EXIT_OK
+
+
+def _prefill_line(store, line) -> int:
+    """Prefill one prompt; the system prompt is its own node, of kind "system".
+
+    Each step is flushed before the next, so a crash loses at most this prompt and
+    the next step reuses what the previous one wrote.
+    """
+    computed = 0
+    if 0 < line.system_end < len(line.tokens):
+        done = store.prefill(line.tokens[: line.system_end], kind="system", pin=line.pin)
+        computed += done["computed"]
+        store.flush()
+    done = store.prefill(line.tokens, kind=line.kind, pin=line.pin, boundaries=line.boundaries)
+    store.flush()
+    return computed + done["computed"]
+
+
+def _print_summary(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, sort_keys=True))
+        return
+    s = summary
+    print(
+        f"{s['prompts']} prompts: {s['prefilled']} prefilled, {s['skipped']} already stored, "
+        f"{s['failed']} failed\n"
+        f"tokens: {s['tokens_computed']} computed, {s['tokens_reused']} reused from the store\n"
+        f"{_human(s['bytes_written'])} written to {s['store']} in {s['seconds']:.1f} s"
+    )
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# -- management ----------------------------------------------------------------
+
+
+def _maintenance():
+    from . import maintenance
+
+    return maintenance
+
+
+def _guard_store(path: str) -> None:
+    if not os.path.isdir(os.path.join(path, "index")):
+        raise CLIError(f"{path}: no kvstore here (set --store or $KVSTORE_DIR)")
+
+
+def cmd_stats(args) -> int:
+    _guard_store(args.store)
+    stats = _maintenance().store_stats(args.store)
+    if args.json:
+        print(json.dumps(stats, sort_keys=True, default=str))
+        return EXIT_OK
+    print(f"store {args.store}: {_human(stats.get('bytes_on_disk', 0))} on disk", end="")
+    budget = stats.get("disk_budget")
+    print(f", budget {_human(budget)}" if budget else ", no disk budget")
+    for ns in stats.get("namespaces", []):
+        print(
+            f"  {ns['id'][:12]} {ns.get('model_type') or '?':<12} nodes {ns['nodes']:>6}  "
+            f"prompts {ns['prompts']:>5}  tokens {ns['tokens']:>8}  {_human(ns['bytes']):>10}  "
+            f"pinned {_human(ns['pinned_bytes'])}"
+        )
+    return EXIT_OK
+
+
+def cmd_ls(args) -> int:
+    _guard_store(args.store)
+    trees = _maintenance().list_tree(args.store, max_depth=args.depth)
+    if args.json:
+        print(json.dumps(trees, sort_keys=True, default=str))
+        return EXIT_OK
+    decode = _decoder(args)
+    for ns in trees:
+        print(f"namespace {ns['namespace'][:12]} ({ns.get('model_type') or '?'})")
+        for node in ns["children"]:
+            _print_node(node, decode, "  ")
+        if ns.get("more"):
+            print(f"  ... {ns['more']} more")
+    return EXIT_OK
+
+
+def _decoder(args):
+    if not args.decode:
+        return None
+    _, tokenizer = load_model(args.model)
+    return lambda ids: tokenizer.decode(ids)
+
+
+def _print_node(node: dict, decode, indent: str) -> None:
+    text = decode(node["first_tokens"]) if decode else " ".join(map(str, node["first_tokens"][:8]))
+    text = text.replace("\n", "\\n")[:48]
+    flags = node["kind"] + (", pinned" if node["pinned"] else "")
+    print(f"{indent}{node['id'][:12]} {node['tokens']:>5} tok  [{flags}]  {text!r}")
+    for child in node.get("children", []):
+        _print_node(child, decode, indent + "  ")
+    if node.get("more"):
+        print(f"{indent}  ... {node['more']} more")
+
+
+def cmd_verify(args) -> int:
+    _guard_store(args.store)
+    report = _maintenance().verify(args.store, fix=args.fix)
+    if args.json:
+        print(json.dumps(report, sort_keys=True, default=str))
+    else:
+        for p in report["problems"]:
+            print(f"{p['kind']}: {p.get('file') or p.get('node')}: {p.get('detail', '')}")
+        print("clean" if report["clean"] else "problems found" + (" (fixed)" if args.fix else ""))
+    return EXIT_OK if report["clean"] else EXIT_FAILED_LINES
+
+
+def cmd_gc(args) -> int:
+    _guard_store(args.store)
+    report = _maintenance().gc(
+        args.store, max_bytes=args.max_bytes, drop_namespaces=args.drop_model or ()
+    )
+    print(json.dumps(report, sort_keys=True, default=str) if args.json else _gc_text(report))
+    return EXIT_OK
+
+
+def _gc_text(report: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in sorted(report.items()))
+
+
+def cmd_pin(args, pinned: bool = True) -> int:
+    _guard_store(args.store)
+    from .prompts import PromptError, parse_line, read_lines
+
+    if args.node:
+        if not args.namespace:
+            raise CLIError("--node needs --namespace (see `kvstore stats`)")
+        n = _maintenance().pin_path(args.store, args.namespace, args.node, pinned)
+        print(f"{'pinned' if pinned else 'unpinned'} {n} nodes")
+        return EXIT_OK
+    model, tokenizer = load_model(args.model)
+    if args.file:
+        texts = [(f"{args.file}:{no}", t) for no, t in read_lines(args.file)]
+    elif args.text is not None:
+        texts = [("text", json.dumps({"prompt": args.text}))]
+    else:
+        raise CLIError("give a prompt text, --file PROMPTS.jsonl or --node ID")
+    total, failed = 0, 0
+    with open_store(args.store, model, tokenizer, chunk_tokens=args.chunk_tokens) as store:
+        for where, text in texts:
+            try:
+                line = parse_line(0, text, tokenizer)
+            except PromptError as e:
+                print(f"{where}: {e}", file=sys.stderr)
+                failed += 1
+                continue
+            total += _pin_tokens(store, line.tokens, pinned)
+    print(f"{'pinned' if pinned else 'unpinned'} {total} nodes")
+    return EXIT_FAILED_LINES if failed else EXIT_OK
+
+
+def _pin_tokens(store, tokens, pinned: bool) -> int:
+    """(Un)pin the stored path of ``tokens`` (as far as it is stored)."""
+    import numpy as np
+
+    arr = np.asarray(tokens, dtype=np.int32)
+    path = store.index.read(lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True))
+    if not path:
+        return 0
+    store.flush()
+    return _maintenance().pin_path(store.path, store.namespace.hex(), path[-1].h.hex(), pinned)
+
+
+# -- parser --------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="Persistent KV caches for mlx-lm: prefill once, reuse forever."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p, *, model=False):
+        p.add_argument("--store", default=default_store(), help="store directory (default: %(default)s)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        if model:
+            p.add_argument("--model", default=None, help="mlx-lm model path or hub id (default: SmolLM2-135M-Instruct)")
+            p.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per node (default: 256)")
+
+    p = sub.add_parser("prefill", help="compute and store the KV of prompts from a JSONL file")
+    p.add_argument("prompts", help="JSONL: {messages|prompt|tokens, id?, kind?, pin?} per line")
+    common(p, model=True)
+    p.add_argument("--kind", default="user", choices=["system", "user", "assistant"], help="default kind")
+    p.add_argument("--pin", action="store_true", help="pin every prompt (default: per line)")
+    p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
+    p.add_argument("--strict", action="store_true", help="stop at the first bad line")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prefill)
+
+    p = sub.add_parser("stats", help="what the store holds, per model")
+    common(p)
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("ls", help="the stored prefixes as a tree")
+    common(p)
+    p.add_argument("--depth", type=_positive, default=4)
+    p.add_argument("--decode", action="store_true", help="decode first tokens (loads --model's tokenizer)")
+    p.add_argument("--model", default=None)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")
+    common(p)
+    p.add_argument("--fix", action="store_true", help="quarantine what is broken")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", help="remove orphans, temp files, broken nodes; evict to a budget")
+    common(p)
+    p.add_argument("--max-bytes", type=_size, default=None, help="evict down to this size (e.g. 2G)")
+    p.add_argument("--drop-model", action="append", metavar="ID", help="drop a namespace (repeatable)")
+    p.set_defaults(func=cmd_gc)
+
+    for name, pinned in (("pin", True), ("unpin", False)):
+        p = sub.add_parser(name, help=f"{name} a stored prefix (by text, JSONL file or node id)")
+        common(p, model=True)
+        p.add_argument("text", nargs="?", default=None, help="prompt text")
+        p.add_argument("--file", help="JSONL file of prompts")
+        p.add_argument("--node", help="node id (hex) with --namespace")
+        p.add_argument("--namespace", help="namespace id (hex) for --node")
+        p.set_defaults(func=lambda a, _p=pinned: cmd_pin(a, _p))
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"kvstore {args.command}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"kvstore {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Reading prompt files: one JSON object per line, turned into tokens and node boundaries.
+
+Each line is one of ``{"messages": [...]}`` (rendered with the tokenizer's chat
+template), ``{"prompt": "text"}`` or ``{"tokens": [ints]}``, with optional ``"id"``,
+``"kind"`` and ``"pin"``. Every problem is a :class:`PromptError` naming the field.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from .chunking import as_token_array
+from .generate import encode_prompt
+from .index import KINDS
+
+SHAPES = ("messages", "prompt", "tokens")
+OPTIONAL = ("id", "kind", "pin")
+
+
+class PromptError(ValueError):
+    """A prompt line that cannot be used; the message says which field and why."""
+
+
+@dataclass
+class PromptLine:
+    """A parsed line: the tokens to prefill and where nodes must end."""
+
+    lineno: int
+    tokens: List[int]
+    id: Optional[str] = None
+    kind: str = "user"
+    pin: bool = False
+    system_end: int = 0  # tokens of the system prompt (stored with kind "system")
+    boundaries: List[int] = field(default_factory=list)
+
+
+def read_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """``(line number, text)`` of the non-blank lines of a file (1-based numbers)."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def parse_line(
+    lineno: int,
+    text: str,
+    tokenizer,
+    *,
+    default_kind: str = "user",
+    default_pin: bool = False,
+    vocab_size: Optional[int] = None,
+) -> PromptLine:
+    """Parse one JSONL line into tokens; raises PromptError with the reason."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PromptError(f"invalid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(obj, dict):
+        raise PromptError(f"expected a JSON object, got {type(obj).__name__}")
+    shapes = [k for k in SHAPES if k in obj]
+    if len(shapes) != 1:
+        found = ", ".join(shapes) or "none of them"
+        raise PromptError(f"expected exactly one of {', '.join(SHAPES)}; found {found}")
+    unknown = sorted(set(obj) - set(SHAPES) - set(OPTIONAL))
+    if unknown:
+        raise PromptError(f"unknown field {unknown[0]!r}")
+    line = PromptLine(lineno, [], kind=default_kind, pin=default_pin)
+    if "id" in obj:
+        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+            raise PromptError(f"field 'id' must be a string or int, got {_type(obj['id'])}")
+        line.id = str(obj["id"])
+    if "kind" in obj:
+        if obj["kind"] not in KINDS:
+            raise PromptError(f"field 'kind' must be one of {', '.join(KINDS)}, got {obj['kind']!r}")
+        line.kind = obj["kind"]
+    if "pin" in obj:
+        if not isinstance(obj["pin"], bool):
+            raise PromptError(f"field 'pin' must be true or false, got {_type(obj['pin'])}")
+        line.pin = obj["pin"]
+
+    shape = shapes[0]
+    if shape == "tokens":
+        line.tokens = _tokens(obj["tokens"], vocab_size)
+    elif shape == "prompt":
+        if not isinstance(obj["prompt"], str):
+            raise PromptError(f"field 'prompt' must be a string, got {_type(obj['prompt'])}")
+        if not obj["prompt"].strip():
+            raise PromptError("field 'prompt' is empty")
+        line.tokens = list(encode_prompt(tokenizer, obj["prompt"]))
+    else:
+        line.tokens, line.system_end, line.boundaries = render_messages(tokenizer, obj["messages"])
+    if not line.tokens:
+        raise PromptError(f"field {shape!r} gives no tokens")
+    return line
+
+
+def _tokens(value, vocab_size: Optional[int]) -> List[int]:
+    if not isinstance(value, list):
+        raise PromptError(f"field 'tokens' must be a list of ints, got {_type(value)}")
+    if not value:
+        raise PromptError("field 'tokens' is empty")
+    try:
+        arr = as_token_array(value, what="tokens")
+    except (TypeError, ValueError) as e:
+        raise PromptError(f"field {e}") from None
+    if vocab_size is not None and int(arr.max()) >= vocab_size:
+        bad = int((arr >= vocab_size).argmax())
+        raise PromptError(f"field tokens[{bad}] = {arr[bad]} is outside the vocabulary ({vocab_size})")
+    return arr.tolist()
+
+
+def _chat(tokenizer, messages: Sequence[dict], *, generation_prompt: bool) -> List[int]:
+    out = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, add_generation_prompt=generation_prompt
+    )
+    if isinstance(out, dict) or hasattr(out, "keys"):  # some tokenizers return an encoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def render_messages(tokenizer, messages) -> Tuple[List[int], int, List[int]]:
+    """Render a conversation; return ``(tokens, system prompt end, turn ends)``.
+
+    The generation prompt is added when the last message is not the assistant's, as
+    a server would render the request. Every message end that is a prefix of the
+    whole rendering becomes a node boundary, so each turn is reusable on its own.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("field 'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise PromptError(f"field messages[{i}] must be an object, got {_type(m)}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise PromptError(f"field messages[{i}].{key} must be a string, got {_type(m.get(key))}")
+    if not any(m["content"].strip() for m in messages):
+        raise PromptError("field 'messages' has only empty contents")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise PromptError("the model's tokenizer has no chat template; use 'prompt' or 'tokens'")
+    try:
+        tokens = _chat(tokenizer, messages, generation_prompt=messages[-1]["role"] != "assistant")
+        ends = [len(p) for p in _prefixes(tokenizer, messages, tokens)]
+        system_end = _system_end(tokenizer, messages, tokens)
+    except Exception as e:  # templates raise their own errors (e.g. role order)
+        raise PromptError(f"chat template failed: {e}") from None
+    boundaries = sorted({e for e in ends + [system_end] if 0 < e < len(tokens)})
+    return tokens, system_end, boundaries
+
+
+def _system_end(tokenizer, messages, tokens) -> int:
+    """Where the system prompt ends, found as mlx-lm's server finds it: the common
+    prefix with the system messages followed by an empty user turn."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n == 0:
+        return 0
+    probe = _chat(tokenizer, messages[:n] + [{"role": "user", "content": ""}], generation_prompt=False)
+    end = next((i for i, (a, b) in enumerate(zip(probe, tokens)) if a != b), 0)
+    return end if 0 < end < len(tokens) else 0
+
+
+def _prefixes(tokenizer, messages, tokens) -> List[List[int]]:
+    """Renderings of the first k messages that are prefixes of the whole (or [] if not)."""
+    out = []
+    for k in range(1, len(messages) + 1):
+        part = _chat(tokenizer, messages[:k], generation_prompt=False)
+        out.append(part if tokens[: len(part)] == part else [])
+    return out
+
+
+def _type(value) -> str:
+    return "null" if value is None else type(value).__name__
+
