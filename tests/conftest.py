@@ -19,6 +19,7 @@ def tiny_llama(seed: int = 0, *, layers: int = 2, hidden: int = 64, dtype=mx.flo
         rms_norm_eps=1e-5,
         vocab_size=VOCAB,
         tie_word_embeddings=False,
+        max_position_embeddings=4096,
     )
     mx.random.seed(seed)
     model = llama.Model(args)
@@ -77,10 +78,38 @@ def tiny_tokenizer():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"w{i}": i for i in range(3, VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    # Roles are words w5 (system), w6 (user), w7 (assistant).
+    out.chat_template = (
+        "{% for m in messages %}<s> {{ {'system': 'w5', 'user': 'w6', 'assistant': 'w7'}"
+        "[m['role']] }} {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<s> w7 {% endif %}"
+    )
+    return out
+
+
+def save_tiny_model(path, seed: int = 0):
+    """Write a tiny random llama + tokenizer as an mlx-lm model directory."""
+    import dataclasses
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+
+    path = Path(path)
+    model = tiny_llama(seed)
+    save_model(path, model)
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    save_config(config, config_path=path / "config.json")
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")
