@@ -14,12 +14,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import adapters
+from . import adapters, maintenance
 from .assemble import AssemblyPlan
 from .blobs import Blobs, CorruptBlob, file_checksum, serialize_node
 from .chunking import as_token_array, chain_hash, chain_hashes, root_hash, split_spans
 from .index import KINDS, CorruptRecord, Index, NodeRecord, StoreError
-from .policy import DiskNode, disk_victims, stronger_kind
+from .policy import stronger_kind
 from .ram import RamEntry, RamTier
 from .writer import BackgroundWriter
 
@@ -125,6 +125,8 @@ class KVStore:
 
         self.index = Index(os.path.join(self.path, "index"))
         self.index.register_namespace(self.namespace, self.description)
+        if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
+            maintenance.write_disk_budget(self.index, disk_bytes)
         self.blobs = Blobs(os.path.join(self.path, "blobs"), os.path.join(self.path, "quarantine"))
         self.ram = RamTier(ram_bytes)
         self.writer = BackgroundWriter(max_pending_bytes=max_pending_bytes)
@@ -471,92 +473,43 @@ class KVStore:
     # -- removal -------------------------------------------------------------
 
     def _unlink_unindexed(self, hashes: Sequence[bytes]) -> None:
-        """Unlink files of deleted nodes, under the writer lock.
-
-        Another process may have re-added a node between our delete and now; holding
-        the LMDB write lock while checking the index makes the unlink safe.
-        """
-        if not hashes:
-            return
+        """Unlink files of deleted nodes, re-checking the index under the writer lock
+        (:func:`kvstore.maintenance.release_files`)."""
         for h in hashes:
             self.ram.discard(h)
-
-        def unlink(txn):
-            for h in hashes:
-                if self.index.get_node(self.namespace, h, txn) is None:
-                    self.blobs.remove(self.namespace, h)
-
-        self.index.write(unlink)
+        maintenance.release_files(self.index, self.blobs, [(self.namespace, h) for h in hashes])
 
     def _quarantine(self, h: bytes, reason: str) -> None:
-        """Writer thread: remove a broken node and its descendants from the index."""
+        """Writer thread: remove a broken node and its descendants from the index, then
+        move its file to quarantine and unlink theirs."""
         ns = self.namespace
-
-        def drop(txn):
-            gone, todo = [], [h]
-            while todo:
-                x = todo.pop()
-                todo.extend(self.index.children(ns, x, txn))
-                self.index.delete_node(txn, ns, x)
-                gone.append(x)
-            return gone
-
-        gone = self.index.write(drop)
-        where = self.blobs.quarantine(ns, h, reason)
-        if where:
+        gone = self.index.write(lambda txn: maintenance.delete_subtree(self.index, txn, ns, h))
+        keys = [(ns, h)] + [(ns, x) for x, _ in gone if x != h]
+        for _, x in keys:
+            self.ram.discard(x)
+        released = maintenance.release_files(
+            self.index, self.blobs, keys, quarantine={(ns, h): reason}
+        )
+        if released.quarantined:
             with self._lock:
-                self._counters.quarantined.append(where)
-        self._unlink_unindexed([x for x in gone if x != h])
+                self._counters.quarantined.extend(released.quarantined)
 
     def _enforce_disk_budget(self) -> None:
-        """Evict least recently used unpinned leaves until the store fits ``disk_bytes``."""
+        """Evict least recently used unpinned leaves until the store fits ``disk_bytes``
+        (:func:`kvstore.maintenance.evict_to_budget`)."""
         if self.disk_bytes is None:
             return
         self._flush_touches()  # eviction order must see the latest accesses
-        while True:
-            excess = self.index.total_bytes() - self.disk_bytes
-            if excess <= 0:
-                return
-
-            def scan(txn):
-                nodes = {}
-                for ns, h, raw in self.index.iter_nodes(txn):
-                    try:
-                        rec = NodeRecord.decode(raw)
-                    except CorruptRecord:
-                        continue
-                    atime = self.index.atime(txn, ns, h)
-                    nodes[ns, h] = DiskNode(atime, rec.nbytes, (ns, rec.parent), rec.pinned)
-                return nodes
-
-            victims = disk_victims(self.index.read(scan), excess)
-            if not victims:
-                log.warning("kvstore: disk budget exceeded by %d bytes of pinned nodes", excess)
-                return
-
-            def evict(txn):
-                gone = []
-                for ns, h in victims:
-                    rec = self.index.get_node(ns, h, txn)
-                    if rec is not None and not rec.pinned and not self.index.has_children(txn, ns, h):
-                        self.index.delete_node(txn, ns, h)
-                        gone.append((ns, h))
-                return gone
-
-            gone = self.index.write(evict)
-            for ns, h in gone:
-                self.ram.discard(h)
-
-            def unlink(txn):
-                for ns, h in gone:
-                    if self.index.get_node(ns, h, txn) is None:
-                        self.blobs.remove(ns, h)
-
-            self.index.write(unlink)
-            with self._lock:
-                self._counters.nodes_evicted += len(gone)
-            if not gone:
-                return
+        evicted = maintenance.evict_to_budget(self.index, self.blobs, self.disk_bytes)
+        for (_, h), _ in evicted.gone:
+            self.ram.discard(h)
+        with self._lock:
+            self._counters.nodes_evicted += evicted.nodes
+        if evicted.excess:
+            log.warning(
+                "kvstore: disk budget exceeded by %d bytes that cannot be evicted (pinned)",
+                evicted.excess,
+            )
 
     # -- prefill -----------------------------------------------------------
 
