@@ -271,4 +271,4 @@ print(json.dumps({{"n": n, "same": warm == cold, "text": tok.decode(warm)}}))
                          timeout=900, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["n"] > 20 and result["same"], result
+    assert result["n"] > 10 and result["same"], result  # the system prompt came from the store
