@@ -218,8 +218,9 @@ def cmd_ls(args) -> int:
     if args.json:
         print(json.dumps(trees, sort_keys=True, default=str))
         return EXIT_OK
-    decode = _decoder(args)
+    decoders = {} if args.no_decode else _decoders(args.store, args.model)
     for ns in trees:
+        decode = decoders.get(ns["namespace"])
         print(f"namespace {ns['namespace'][:12]} ({ns.get('model_type') or '?'})")
         for node in ns["children"]:
             _print_node(node, decode, "  ")
@@ -228,11 +229,32 @@ def cmd_ls(args) -> int:
     return EXIT_OK
 
 
-def _decoder(args):
-    if not args.decode:
-        return None
-    _, tokenizer = load_model(args.model)
-    return lambda ids: tokenizer.decode(ids)
+def _decoders(store: str, model: Optional[str]) -> dict:
+    """Token decoders for the namespaces whose vocabulary is the model's tokenizer's."""
+    from mlx_lm.utils import load_tokenizer
+
+    from .index import Index
+    from .namespace import vocab_digest
+
+    try:
+        if model is None:
+            from .default_model import ensure_default_model
+
+            model = ensure_default_model()
+        tokenizer = load_tokenizer(model)
+    except Exception as e:  # listing still works, with token ids
+        print(f"kvstore ls: not decoding tokens ({type(e).__name__}: {e})", file=sys.stderr)
+        return {}
+    digest = vocab_digest(tokenizer)
+    index = Index(os.path.join(store, "index"), create=False)
+    try:
+        return {
+            ns.hex(): tokenizer.decode
+            for ns, desc in index.namespaces().items()
+            if desc.get("vocab") == digest
+        }
+    finally:
+        index.close()
 
 
 def _print_node(node: dict, decode, indent: str) -> None:
@@ -347,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", help="the stored prefixes as a tree")
     common(p)
     p.add_argument("--depth", type=_positive, default=4)
-    p.add_argument("--decode", action="store_true", help="decode first tokens (loads --model's tokenizer)")
-    p.add_argument("--model", default=None)
+    p.add_argument("--no-decode", action="store_true", help="show token ids, not text")
+    p.add_argument("--model", default=None, help="whose tokenizer decodes (default: SmolLM2)")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")

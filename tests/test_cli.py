@@ -229,7 +229,9 @@ def test_stats_and_ls(tmp_path, tiny_model_dir):
     assert ns["id"][:12] in text
     tree = json.loads(kvstore("ls", "--store", store, "--json").stdout)
     assert tree and tree[0]["children"]
-    assert kvstore("ls", "--store", store).returncode == 0
+    listing = kvstore("ls", "--store", store, "--model", tiny_model_dir)
+    assert listing.returncode == 0 and "w5" in listing.stdout  # decoded: the system role word
+    assert "w5" not in kvstore("ls", "--store", store, "--no-decode").stdout
     proc = kvstore("stats", "--store", tmp_path / "nothing")
     assert proc.returncode == 2 and "no kvstore" in proc.stderr
 
