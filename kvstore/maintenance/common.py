@@ -1,0 +1,438 @@
+"""Shared maintenance helpers: opening a store, its disk budget, deletion (index first,
+files afterwards), leaf-first LRU eviction, resolving namespace and node names, and
+argument checks."""
+
+import json
+import os
+from collections.abc import Iterable as _IterableABC
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+
+from ..adapters import LayerLayout
+from ..blobs import DTYPES, Blobs
+from ..chunking import HASH_BYTES
+from ..index import CorruptRecord, Index, NodeRecord
+from ..policy import DiskNode, disk_victims
+
+Key = Tuple[bytes, bytes]  # (namespace, node hash)
+
+DISK_BUDGET_KEY = b"disk_bytes"  # in the meta DB: the last budget a KVStore was opened with
+
+_RELEASE_BATCH = 1024  # files unlinked per write transaction (the writer lock is held)
+_MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
+
+
+# -- opening ---------------------------------------------------------------------------
+
+
+@contextmanager
+def _opened(path) -> Iterator[Tuple[Index, Blobs]]:
+    """The store's index (never created here) and chunk files; the index is closed after."""
+    path = os.fspath(path)
+    index = Index(os.path.join(path, "index"), create=False)
+    try:
+        blobs = Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine"))
+        yield index, blobs
+    finally:
+        index.close()
+
+
+# -- disk budget -----------------------------------------------------------------------
+
+
+def write_disk_budget(index: Index, nbytes: Optional[int]) -> None:
+    """Record ``nbytes`` as the store's disk budget (None: forget it)."""
+
+    def put(txn):
+        if nbytes is None:
+            txn.delete(DISK_BUDGET_KEY, db=index.db["meta"])
+        else:
+            txn.put(DISK_BUDGET_KEY, str(int(nbytes)).encode(), db=index.db["meta"])
+
+    index.write(put)
+
+
+def read_disk_budget(index: Index, txn=None) -> Optional[int]:
+    """The recorded disk budget in bytes, or None when none (or an unreadable one) is."""
+    if txn is None:
+        return index.read(lambda t: read_disk_budget(index, t))
+    raw = txn.get(DISK_BUDGET_KEY, db=index.db["meta"])
+    try:
+        value = int(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is None or value >= 0 else None
+
+
+def disk_budget(path) -> Optional[int]:
+    """The disk budget recorded in the store at ``path`` by ``KVStore(disk_bytes=...)``.
+
+    Args:
+        path: The store directory.
+
+    Returns:
+        The budget in bytes, or None when no budget was recorded.
+
+    Raises:
+        StoreError: ``path`` is not a kvstore directory.
+    """
+    with _opened(path) as (index, _):
+        return read_disk_budget(index)
+
+
+def set_disk_budget(path, nbytes: Optional[int]) -> None:
+    """Record (or with None, forget) the disk budget that :func:`gc` enforces by default.
+
+    Args:
+        path: The store directory.
+        nbytes: The budget in bytes, or None.
+
+    Raises:
+        StoreError: ``path`` is not a kvstore directory.
+    """
+    _check_optional_int("nbytes", nbytes)
+    with _opened(path) as (index, _):
+        write_disk_budget(index, nbytes)
+
+
+# -- deleting: index first, files afterwards -------------------------------------------
+
+
+def delete_subtree(
+    index: Index, txn, ns: bytes, h: bytes
+) -> List[Tuple[bytes, Optional[NodeRecord]]]:
+    """Remove node ``h`` and all its descendants from the index (files are left alone).
+
+    Runs inside a write transaction; counters follow (:meth:`Index.delete_node`).
+
+    Returns:
+        ``(hash, record)`` of every node that was in the index (record None for a
+        record that did not decode). Pass them to :func:`release_files` afterwards.
+    """
+    gone, todo, seen = [], [h], set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        todo.extend(index.children(ns, x, txn))
+        existed = txn.get(ns + x, db=index.db["nodes"]) is not None
+        rec = index.delete_node(txn, ns, x)
+        if existed:
+            gone.append((x, rec))
+    return gone
+
+
+@dataclass
+class Released:
+    """What :func:`release_files` did."""
+
+    unlinked: int = 0
+    bytes: int = 0  # bytes of the unlinked files
+    quarantined: List[str] = field(default_factory=list)  # where quarantined files went
+
+
+def release_files(
+    index: Index,
+    blobs: Blobs,
+    keys: Iterable[Key],
+    *,
+    quarantine: Optional[Mapping[Key, str]] = None,
+) -> Released:
+    """Second step of a deletion: unlink (or quarantine) the files of deleted nodes.
+
+    Runs write transactions (holding LMDB's writer lock) that re-check each node is
+    still absent from the index, so a node another process re-added meanwhile keeps its
+    file.
+
+    Args:
+        index: The store's index.
+        blobs: The store's chunk files.
+        keys: ``(namespace, hash)`` of nodes already deleted from the index.
+        quarantine: For the nodes whose file is broken: the reason, and the file is
+            moved to the quarantine directory instead of being unlinked.
+
+    Returns:
+        Counts of what was unlinked and where quarantined files went.
+    """
+    keys = list(dict.fromkeys(keys))
+    quarantine = quarantine or {}
+    out = Released()
+    for i in range(0, len(keys), _RELEASE_BATCH):
+        batch = keys[i : i + _RELEASE_BATCH]
+
+        def release(txn):
+            done = Released()
+            for ns, h in batch:
+                if txn.get(ns + h, db=index.db["nodes"]) is not None:
+                    continue  # re-added meanwhile: the file is its again
+                try:
+                    size = os.stat(blobs.path(ns, h)).st_size
+                except FileNotFoundError:
+                    continue
+                reason = quarantine.get((ns, h))
+                if reason is None:
+                    blobs.remove(ns, h)
+                    done.unlinked += 1
+                    done.bytes += size
+                else:
+                    where = blobs.quarantine(ns, h, reason)
+                    if where:
+                        done.quarantined.append(where)
+            return done
+
+        done = index.write(release)
+        out.unlinked += done.unlinked
+        out.bytes += done.bytes
+        out.quarantined += done.quarantined
+    return out
+
+
+def _delete_namespace(index: Index, txn, ns: bytes) -> List[Tuple[bytes, Optional[NodeRecord]]]:
+    """Remove everything of namespace ``ns`` from the index, in a write transaction.
+
+    Returns ``(hash, record)`` of its nodes (record None where it did not decode).
+    """
+    gone = []
+    for key, raw in _prefixed(txn, index.db["nodes"], ns):
+        try:
+            rec = NodeRecord.decode(raw)
+        except CorruptRecord:
+            rec = None
+        gone.append((key[len(ns) :], rec))
+    for name in ("nodes", "children", "atime", "pins"):
+        for key, _ in _prefixed(txn, index.db[name], ns):
+            txn.delete(key, db=index.db[name])
+    txn.delete(ns, db=index.db["counters"])
+    txn.delete(ns, db=index.db["namespaces"])
+    return gone
+
+
+def _prefixed(txn, db, prefix: bytes) -> List[Tuple[bytes, bytes]]:
+    cur = txn.cursor(db=db)
+    out = []
+    if cur.set_range(prefix):
+        for k, v in cur:
+            if not k.startswith(prefix):
+                break
+            out.append((bytes(k), bytes(v)))
+    return out
+
+
+# -- eviction --------------------------------------------------------------------------
+
+
+@dataclass
+class Eviction:
+    """What :func:`evict_to_budget` did."""
+
+    gone: List[Tuple[Key, NodeRecord]] = field(default_factory=list)  # in eviction order
+    excess: int = 0  # bytes still above the budget (what could not be evicted)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.gone)
+
+    @property
+    def bytes(self) -> int:
+        return sum(rec.nbytes for _, rec in self.gone)
+
+    @property
+    def pinned(self) -> int:
+        return sum(rec.pinned for _, rec in self.gone)
+
+
+def disk_nodes(index: Index, txn) -> Dict[Key, DiskNode]:
+    """Every decodable node of the store as eviction sees it."""
+    nodes = {}
+    for ns, h, raw in index.iter_nodes(txn):
+        try:
+            rec = NodeRecord.decode(raw)
+        except CorruptRecord:
+            continue
+        nodes[ns, h] = DiskNode(index.atime(txn, ns, h), rec.nbytes, (ns, rec.parent), rec.pinned)
+    return nodes
+
+
+def _pinned_last(nodes: Mapping[Key, DiskNode]) -> Dict[Key, DiskNode]:
+    """The same nodes, all evictable, with every pinned node ranked after every other.
+
+    Pinned access times are lifted above the newest unpinned one, so leaf-first LRU
+    order takes unpinned leaves (and parents freed by them) first and pinned leaves only
+    when nothing else is left, least recently used first among them.
+    """
+    pinned = [n.atime for n in nodes.values() if n.pinned]
+    if not pinned:
+        return dict(nodes)
+    lift = max(n.atime for n in nodes.values()) - min(pinned) + 1.0
+    return {
+        k: n._replace(atime=n.atime + lift, pinned=False) if n.pinned else n
+        for k, n in nodes.items()
+    }
+
+
+def evict_to_budget(
+    index: Index, blobs: Blobs, max_bytes: int, *, pinned_last: bool = False
+) -> Eviction:
+    """Evict least recently used leaves until the indexed bytes fit ``max_bytes``.
+
+    Each round deletes its victims from the index in one write transaction (re-checking
+    that each is still a leaf, and unpinned unless ``pinned_last``), then releases their
+    files (:func:`release_files`).
+
+    Args:
+        index: The store's index (all namespaces count against the budget).
+        blobs: The store's chunk files.
+        max_bytes: The budget.
+        pinned_last: Evict pinned nodes too, after every unpinned one. Without it
+            pinned nodes never go.
+
+    Returns:
+        The evicted nodes and how many bytes remain above the budget.
+    """
+    result = Eviction()
+    while True:
+        result.excess = max(0, index.total_bytes() - max_bytes)
+        if result.excess == 0:
+            return result
+        nodes = index.read(lambda txn: disk_nodes(index, txn))
+        victims = disk_victims(_pinned_last(nodes) if pinned_last else nodes, result.excess)
+        if not victims:
+            return result
+
+        def evict(txn):
+            gone = []
+            for ns, h in victims:
+                try:
+                    rec = index.get_node(ns, h, txn)
+                except CorruptRecord:
+                    continue
+                if (
+                    rec is not None
+                    and (pinned_last or not rec.pinned)
+                    and not index.has_children(txn, ns, h)
+                ):
+                    index.delete_node(txn, ns, h)
+                    gone.append(((ns, h), rec))
+            return gone
+
+        gone = index.write(evict)
+        release_files(index, blobs, [key for key, _ in gone])
+        result.gone += gone
+        if not gone:  # another process changed the tree under us: stop here
+            return result
+
+
+# -- namespaces and names --------------------------------------------------------------
+
+
+def _descriptions(index: Index, txn) -> Dict[bytes, Any]:
+    """Namespace descriptions by id: the parsed JSON, or a string saying why it is unusable."""
+    out = {}
+    for k, v in txn.cursor(db=index.db["namespaces"]):
+        try:
+            desc = json.loads(bytes(v))
+            if not isinstance(desc, dict):
+                desc = "description is not a JSON object"
+        except (ValueError, UnicodeDecodeError) as e:
+            desc = f"description is not JSON: {str(e)[:80]}"
+        out[bytes(k)] = desc
+    return out
+
+
+def _layout(desc: Any) -> List[LayerLayout]:
+    """The cache layout a namespace description records; ValueError when unusable."""
+    if isinstance(desc, str):
+        raise ValueError(desc)
+    layers = desc.get("layout") if isinstance(desc, dict) else None
+    if not isinstance(layers, list) or not layers:
+        raise ValueError("description has no cache layout")
+    out = []
+    for i, d in enumerate(layers):
+        try:
+            lay = LayerLayout(**d)
+        except TypeError:
+            raise ValueError(f"layout of layer {i} is malformed") from None
+        dims = (lay.heads, lay.k_dim, lay.v_dim)
+        if lay.dtype not in DTYPES or not all(isinstance(x, int) and x > 0 for x in dims):
+            raise ValueError(f"layout of layer {i} is malformed")
+        out.append(lay)
+    return out
+
+
+def _known_namespaces(index: Index, txn) -> Set[bytes]:
+    """Namespaces with a description, counters or nodes (one cursor seek per namespace)."""
+    out = {bytes(k) for k, _ in txn.cursor(db=index.db["namespaces"])}
+    out |= {bytes(k) for k, _ in txn.cursor(db=index.db["counters"])}
+    cur = txn.cursor(db=index.db["nodes"])
+    found = cur.first()
+    while found:
+        ns = bytes(cur.key())[:HASH_BYTES]
+        out.add(ns)
+        after = _successor(ns)
+        found = after is not None and cur.set_range(after)
+    return {ns for ns in out if len(ns) == HASH_BYTES}  # a shorter key names no namespace
+
+
+def _successor(prefix: bytes) -> Optional[bytes]:
+    """The smallest key after every key starting with ``prefix``, None if there is none."""
+    n = int.from_bytes(prefix, "big") + 1
+    return None if n >> (8 * len(prefix)) else n.to_bytes(len(prefix), "big")
+
+
+def _hex_spec(spec, what: str) -> str:
+    if isinstance(spec, (bytes, bytearray)):
+        return bytes(spec).hex()
+    if not isinstance(spec, str):
+        raise TypeError(f"{what} must be a hex string, got {type(spec).__name__}")
+    s = spec.strip().lower()
+    if not _MIN_PREFIX <= len(s) <= 2 * HASH_BYTES or any(c not in "0123456789abcdef" for c in s):
+        raise ValueError(f"{what} {spec!r}: expected {_MIN_PREFIX} to 32 hex digits of an id")
+    return s
+
+
+def _resolve_namespace(known: Iterable[bytes], spec) -> bytes:
+    s = _hex_spec(spec, "namespace")
+    matches = sorted(ns for ns in known if ns.hex().startswith(s))
+    if not matches:
+        raise ValueError(f"no namespace {s} in this store")
+    if len(matches) > 1:
+        raise ValueError(f"namespace {s} is ambiguous: {', '.join(m.hex() for m in matches)}")
+    return matches[0]
+
+
+def _resolve_node(index: Index, txn, ns: bytes, spec) -> bytes:
+    s = _hex_spec(spec, "node")
+    start = ns + bytes.fromhex(s[: len(s) // 2 * 2])
+    matches = []
+    for key, _ in _prefixed(txn, index.db["nodes"], start):
+        h = key[len(ns) :]
+        if h.hex().startswith(s):
+            matches.append(h)
+            if len(matches) > 1:
+                raise ValueError(f"node {s} is ambiguous in namespace {ns.hex()}")
+    if not matches:
+        raise ValueError(f"no node {s} in namespace {ns.hex()}")
+    return matches[0]
+
+
+# -- argument checks -------------------------------------------------------------------
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_optional_int(name: str, value) -> None:
+    if value is not None:
+        _check_int(name, value, minimum=0)
+
+
+def _spec_list(name: str, specs) -> list:
+    if isinstance(specs, (str, bytes)) or not isinstance(specs, _IterableABC):
+        raise TypeError(f"{name} must be a list of hex ids, got {type(specs).__name__}")
+    return list(specs)

@@ -1,0 +1,296 @@
+"""Garbage collection (:func:`gc`) and pinning (:func:`set_pinned`, :func:`pin_path`)."""
+
+import os
+import time
+from typing import Any, Dict, Iterable, List, Optional, Set
+
+from ..chunking import HASH_BYTES, root_hash
+from ..index import CorruptRecord, Index, StoreError
+from .common import (
+    Eviction,
+    _check_optional_int,
+    _delete_namespace,
+    _known_namespaces,
+    _opened,
+    _prefixed,
+    _resolve_namespace,
+    _resolve_node,
+    _spec_list,
+    evict_to_budget,
+    read_disk_budget,
+    release_files,
+)
+from .verify import _Fixed, _scan_files, _verify
+
+# -- gc --------------------------------------------------------------------------------
+
+
+def gc(
+    path,
+    *,
+    max_bytes: Optional[int] = None,
+    drop_namespaces: Iterable = (),
+    keep_namespaces: Optional[Iterable] = None,
+    temp_age_seconds: float = 3600,
+    now: Optional[float] = None,
+    check_data: bool = True,
+) -> Dict[str, Any]:
+    """Collect garbage and shrink a store, without loading a model.
+
+    In order: drops whole namespaces; removes broken nodes as ``verify(fix=True)``
+    does; evicts down to the budget, least recently used unpinned leaves first
+    (leaf-first) and only if that is not enough, pinned leaves too (least recently used
+    first); finally unlinks orphan chunk files and temp files older than
+    ``temp_age_seconds``. Every deletion leaves the index first and unlinks the file
+    afterwards, re-checking the index under the writer lock.
+
+    Args:
+        path: The store directory.
+        max_bytes: Budget for the indexed chunk files; None: the budget recorded by
+            ``KVStore(disk_bytes=...)`` (:func:`disk_budget`), or no eviction if none.
+        drop_namespaces: Namespaces to remove entirely (nodes, files, pins, counters,
+            description): hex ids or prefixes of at least 8 hex digits.
+        keep_namespaces: If given, every namespace not named here is dropped too.
+        temp_age_seconds: Temp files younger than this may be writes in progress and
+            are kept.
+        now: The current time (Unix seconds) for temp file ages; default ``time.time()``.
+        check_data: Read and checksum every file to find broken nodes; False checks
+            only that files exist with the recorded size.
+
+    Returns:
+        ``path`` and counts of what went: ``namespaces_dropped`` (hex ids), ``dropped_nodes``,
+        ``dropped_bytes``, ``broken_nodes``, ``broken_bytes``, ``problems`` (the errors
+        found, as in :func:`verify`), ``quarantined``, ``index_repairs``, ``budget``,
+        ``evicted_nodes``, ``evicted_bytes``, ``evicted_pinned``, ``over_budget``
+        (bytes still above the budget), ``orphans_removed``, ``orphan_bytes``,
+        ``temp_removed``, ``temp_bytes``, ``temp_kept``, ``bytes_before`` /
+        ``bytes_after`` (indexed bytes) and ``bytes_freed`` (the recorded sizes of the
+        dropped, broken and evicted nodes plus the orphan and temp files unlinked).
+
+    Raises:
+        StoreError: ``path`` is not a kvstore directory.
+        ValueError: a namespace is unknown or ambiguous, or named both to drop and to
+            keep; bad budgets or ages.
+    """
+    _check_optional_int("max_bytes", max_bytes)
+    if isinstance(temp_age_seconds, bool) or not isinstance(temp_age_seconds, (int, float)):
+        raise TypeError(f"temp_age_seconds must be a number, got {temp_age_seconds!r}")
+    if temp_age_seconds < 0:
+        raise ValueError(f"temp_age_seconds must be >= 0, got {temp_age_seconds}")
+    drop_specs = _spec_list("drop_namespaces", drop_namespaces)
+    keep_specs = None if keep_namespaces is None else _spec_list("keep_namespaces", keep_namespaces)
+    now = time.time() if now is None else now
+    path = os.fspath(path)
+    with _opened(path) as (index, blobs):
+        report: Dict[str, Any] = {"path": path, "bytes_before": index.total_bytes()}
+
+        # 1. Whole namespaces.
+        known = index.read(lambda txn: _known_namespaces(index, txn))
+        drop = {_resolve_namespace(known, s) for s in drop_specs}
+        if keep_specs is not None:
+            keep = {_resolve_namespace(known, s) for s in keep_specs}
+            if drop & keep:
+                both = ", ".join(sorted(ns.hex() for ns in drop & keep))
+                raise ValueError(f"namespaces named both to drop and to keep: {both}")
+            drop |= known - keep
+        dropped_nodes = dropped_bytes = 0
+        for ns in sorted(drop):
+            gone = index.write(lambda txn, ns=ns: _delete_namespace(index, txn, ns))
+            dropped_nodes += len(gone)
+            dropped_bytes += sum(rec.nbytes for _, rec in gone if rec is not None)
+            release_files(index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES])
+        report.update(
+            namespaces_dropped=sorted(ns.hex() for ns in drop),
+            dropped_nodes=dropped_nodes,
+            dropped_bytes=dropped_bytes,
+        )
+
+        # 2. Broken nodes.
+        checked = _verify(index, blobs, fix=True, check_data=check_data, walk_files=False, now=now)
+        fixed = checked["fixed"] or _Fixed().report()
+        report.update(
+            problems=checked["problems"],
+            broken_nodes=fixed["nodes_removed"],
+            broken_bytes=fixed["bytes_removed"],
+            quarantined=fixed["quarantined"],
+            index_repairs=fixed["index_repairs"],
+        )
+
+        # 3. The budget: unpinned leaves first, pinned only when nothing else is left.
+        budget = max_bytes if max_bytes is not None else read_disk_budget(index)
+        evicted = (
+            evict_to_budget(index, blobs, budget, pinned_last=True)
+            if budget is not None
+            else Eviction()
+        )
+        report.update(
+            budget=budget,
+            evicted_nodes=evicted.nodes,
+            evicted_bytes=evicted.bytes,
+            evicted_pinned=evicted.pinned,
+            over_budget=evicted.excess,
+        )
+
+        # 4. Orphan and temp files.
+        orphans = [f for f in _scan_files(index, blobs, now=now) if f.problem["kind"] == "orphan"]
+        released = release_files(index, blobs, [f.key for f in orphans if f.key is not None])
+        for f in orphans:
+            if f.key is None:  # no node can ever name it: no index check needed
+                try:
+                    size = os.stat(f.problem["file"]).st_size
+                    os.unlink(f.problem["file"])
+                except FileNotFoundError:
+                    continue
+                released.unlinked += 1
+                released.bytes += size
+        temp_removed = temp_bytes = temp_kept = 0
+        for kind, p in blobs.iter_files():
+            if kind != "temp":
+                continue
+            try:
+                st = os.stat(p)
+                if now - st.st_mtime <= temp_age_seconds:
+                    temp_kept += 1
+                    continue
+                os.unlink(p)
+            except FileNotFoundError:
+                continue
+            temp_removed += 1
+            temp_bytes += st.st_size
+        for ns in drop:
+            _remove_empty_dirs(os.path.join(blobs.root, ns.hex()))
+        report.update(
+            orphans_removed=released.unlinked,
+            orphan_bytes=released.bytes,
+            temp_removed=temp_removed,
+            temp_bytes=temp_bytes,
+            temp_kept=temp_kept,
+            bytes_after=index.total_bytes(),
+        )
+    report["bytes_freed"] = (
+        dropped_bytes + fixed["bytes_removed"] + evicted.bytes + released.bytes + temp_bytes
+    )
+    return report
+
+
+def _remove_empty_dirs(root: str) -> None:
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass  # not empty, or gone
+
+
+# -- pins ------------------------------------------------------------------------------
+
+
+def set_pinned(path, namespace_hex, node_hexes: Iterable, pinned: bool) -> int:
+    """Pin or unpin individual nodes (no ancestors or descendants; see :func:`pin_path`).
+
+    A pinned node is never evicted by ``KVStore`` (and by :func:`gc` only when nothing
+    unpinned is left); its ancestors stay anyway, since eviction is leaf-first.
+
+    Args:
+        path: The store directory.
+        namespace_hex: The namespace (hex id or a prefix of at least 8 hex digits).
+        node_hexes: Node ids (hex, or prefixes of at least 8 hex digits).
+        pinned: Pin (True) or unpin (False).
+
+    Returns:
+        How many nodes changed.
+
+    Raises:
+        StoreError: ``path`` is not a kvstore directory.
+        ValueError: an unknown or ambiguous namespace or node (nothing is changed).
+    """
+    specs = _spec_list("node_hexes", node_hexes)
+    with _opened(path) as (index, _):
+
+        def apply(txn):
+            ns = _resolve_namespace(_known_namespaces(index, txn), namespace_hex)
+            hashes = [_resolve_node(index, txn, ns, s) for s in specs]
+            return sum(_set_pin(index, txn, ns, h, pinned) for h in dict.fromkeys(hashes))
+
+        return index.write(apply)
+
+
+def pin_path(path, namespace_hex, leaf_hex, pinned: bool) -> int:
+    """Pin or unpin a whole stored prefix: a node and the path from the root to it.
+
+    Pinning pins the node and all its ancestors. Unpinning releases the node, all its
+    descendants (a pinned descendant would keep the node anyway) and each ancestor that
+    no other pinned node still depends on, i.e. that has no pinned descendant outside
+    the released subtree. So pinning a prompt and unpinning it again restores the pins
+    as they were, and unpinning one prompt never unpins a prefix another pinned prompt
+    shares.
+
+    Args:
+        path: The store directory.
+        namespace_hex: The namespace (hex id or a prefix of at least 8 hex digits).
+        leaf_hex: The node (hex id or a prefix of at least 8 hex digits); usually a
+            prompt's last node.
+        pinned: Pin (True) or unpin (False).
+
+    Returns:
+        How many nodes changed.
+
+    Raises:
+        StoreError: ``path`` is not a kvstore directory, or a record on the path is
+            corrupt (run ``verify(fix=True)``).
+        ValueError: an unknown or ambiguous namespace or node.
+    """
+    with _opened(path) as (index, _):
+
+        def apply(txn):
+            ns = _resolve_namespace(_known_namespaces(index, txn), namespace_hex)
+            h = _resolve_node(index, txn, ns, leaf_hex)
+            path_up = _ancestry(index, txn, ns, h)  # h first
+            if pinned:
+                targets = path_up
+            else:
+                below = [h]
+                todo = [h]
+                while todo:
+                    kids = index.children(ns, todo.pop(), txn)
+                    below += kids
+                    todo += kids
+                # Pinned nodes off the released path and subtree keep their ancestors.
+                released = set(below) | set(path_up)
+                needed: Set[bytes] = set()
+                for key, _ in _prefixed(txn, index.db["pins"], ns):
+                    other = key[len(ns) :]
+                    if other not in released and other not in needed:
+                        needed.update(_ancestry(index, txn, ns, other))
+                targets = below
+                for a in path_up[1:]:  # bottom-up; above a needed node, all are needed
+                    if a in needed:
+                        break
+                    targets.append(a)
+            return sum(_set_pin(index, txn, ns, x, pinned) for x in targets)
+
+        return index.write(apply)
+
+
+def _set_pin(index: Index, txn, ns: bytes, h: bytes, pinned: bool) -> bool:
+    try:
+        return index.set_pinned(txn, ns, h, pinned)
+    except CorruptRecord as e:
+        raise StoreError(f"node {h.hex()} has a corrupt record ({e}); run verify --fix") from None
+
+
+def _ancestry(index: Index, txn, ns: bytes, h: bytes) -> List[bytes]:
+    """``h`` and its ancestors, up to the root (``h`` first)."""
+    root, out, seen = root_hash(ns), [], set()
+    while h != root and h not in seen:
+        seen.add(h)
+        try:
+            rec = index.get_node(ns, h, txn)
+        except CorruptRecord as e:
+            raise StoreError(
+                f"node {h.hex()} has a corrupt record ({e}); run verify --fix"
+            ) from None
+        if rec is None:
+            break
+        out.append(h)
+        h = rec.parent
+    return out

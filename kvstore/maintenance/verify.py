@@ -1,0 +1,460 @@
+"""Verification and repair of a store's index records and chunk files (:func:`verify`)."""
+
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from ..adapters import LayerLayout, expected_tensors
+from ..blobs import Blobs, CorruptBlob, check_layout, file_checksum, parse_header
+from ..chunking import HASH_BYTES, chain_hash, root_hash
+from ..index import CorruptRecord, Index, NodeRecord, child_key
+from .common import (
+    Key,
+    _delete_namespace,
+    _descriptions,
+    _layout,
+    _opened,
+    delete_subtree,
+    release_files,
+)
+
+# Findings that are reported but do not make a store unclean: leftovers of crashes and
+# of writes in progress, which gc removes (orphans, old temp files) or leaves (strays).
+INFO_KINDS = frozenset({"orphan", "temp", "stray"})
+
+
+# -- verify ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Finding:
+    """One problem, and what fixing it takes."""
+
+    problem: Dict[str, Any]
+    key: Optional[Key] = None  # the node concerned
+    raw: Optional[bytes] = None  # its record when found: a fix acts only if it is unchanged
+    action: Optional[str] = None  # "quarantine", "remove", "drop", "delete_key", "repair"
+    apply: Optional[Callable[[Any], None]] = None  # for "repair": run in a write transaction
+
+
+def _problem(kind: str, ns=None, h=None, file=None, detail: str = "") -> Dict[str, Any]:
+    return {
+        "kind": kind,
+        "namespace": ns.hex() if ns is not None else None,
+        "node": h.hex() if h is not None else None,
+        "file": file,
+        "detail": detail,
+    }
+
+
+@dataclass
+class _IndexScan:
+    descriptions: Dict[bytes, Any]
+    layouts: Dict[bytes, List[LayerLayout]]
+    nodes: Dict[Key, Tuple[bytes, Optional[NodeRecord]]]  # raw record, decoded (None: corrupt)
+    findings: List[_Finding]
+
+
+def _scan_index(index: Index, txn) -> _IndexScan:
+    """Check every record and description; no file is read."""
+    descs = _descriptions(index, txn)
+    layouts, findings = {}, []
+    for ns, desc in descs.items():
+        try:
+            layouts[ns] = _layout(desc)
+        except ValueError as e:
+            findings.append(
+                _Finding(_problem("description", ns, detail=str(e)), key=(ns, b""), action="drop")
+            )
+    nodes: Dict[Key, Tuple[bytes, Optional[NodeRecord]]] = {}
+    for ns, h, raw in index.iter_nodes(txn):
+        if len(ns) + len(h) != 2 * HASH_BYTES:
+            nodes[ns, h] = (raw, None)
+            detail = f"index key of {len(ns) + len(h)} bytes"
+            findings.append(
+                _Finding(_problem("record", detail=detail), (ns, h), raw, action="delete_key")
+            )
+            continue
+        try:
+            nodes[ns, h] = (raw, NodeRecord.decode(raw))
+        except CorruptRecord as e:
+            nodes[ns, h] = (raw, None)
+            findings.append(
+                _Finding(_problem("record", ns, h, detail=str(e)), (ns, h), raw, "quarantine")
+            )
+    counts: Dict[bytes, int] = {}
+    for (ns, h), (raw, rec) in nodes.items():
+        if len(ns) + len(h) == 2 * HASH_BYTES:  # a malformed key is no namespace's
+            counts[ns] = counts.get(ns, 0) + 1
+        if rec is None:
+            continue
+        parent = nodes.get((ns, rec.parent))
+        if rec.parent == root_hash(ns):
+            bad = rec.start != 0 and f"starts at token {rec.start} but hangs from the root"
+        elif parent is None:
+            detail = f"parent {rec.parent.hex()[:12]} is not in the index"
+            findings.append(
+                _Finding(_problem("unreachable", ns, h, detail=detail), (ns, h), raw, "remove")
+            )
+            continue
+        else:
+            end = parent[1].end if parent[1] is not None else rec.start
+            bad = end != rec.start and f"starts at token {rec.start}, its parent ends at {end}"
+        if not bad and chain_hash(rec.parent, rec.tokens) != h:
+            bad = "node id does not match its parent and tokens"
+        if bad:
+            findings.append(
+                _Finding(_problem("record", ns, h, detail=bad), (ns, h), raw, "quarantine")
+            )
+    for ns in sorted(set(counts) - set(descs)):
+        detail = f"{counts[ns]} nodes but no namespace description"
+        findings.append(
+            _Finding(_problem("description", ns, detail=detail), (ns, b""), action="drop")
+        )
+    return _IndexScan(descs, layouts, nodes, findings)
+
+
+def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
+    """Where trie edges, access times, pins and counters disagree with the node records.
+
+    Namespaces with corrupt records or unusable descriptions are left out of the
+    comparison (their own findings cover them; fixing those comes first).
+    """
+    skip = {ns for (ns, _), (_, rec) in scan.nodes.items() if rec is None}
+    skip |= {ns for ns in scan.descriptions if ns not in scan.layouts}
+    skip |= {ns for ns, _ in scan.nodes if ns not in scan.descriptions}
+    good = {k: rec for k, (_, rec) in scan.nodes.items() if rec is not None and k[0] not in skip}
+    raw_keys = {ns + h for ns, h in scan.nodes}
+    out: List[_Finding] = []
+
+    def diff(db: str, key: bytes, value: Optional[bytes], ns: bytes, h: Optional[bytes], detail):
+        def apply(t, db=db, key=key, value=value):
+            if value is None:
+                t.delete(key, db=index.db[db])
+            else:
+                t.put(key, value, db=index.db[db])
+
+        out.append(_Finding(_problem("index", ns, h, detail=detail), action="repair", apply=apply))
+
+    edges = {child_key(ns, rec.parent, rec.tokens, h): (ns, h) for (ns, h), rec in good.items()}
+    seen = set()
+    for k, _ in txn.cursor(db=index.db["children"]):
+        k = bytes(k)
+        ns = k[:HASH_BYTES]
+        if k in edges:
+            seen.add(k)
+        elif ns not in skip:
+            diff("children", k, None, ns, k[-HASH_BYTES:], "trie edge without its node")
+    for k in edges.keys() - seen:
+        ns, h = edges[k]
+        diff("children", k, b"", ns, h, "node has no trie edge")
+    with_atime = set()
+    for k, v in txn.cursor(db=index.db["atime"]):
+        k = bytes(k)
+        ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
+        if k not in raw_keys and ns not in skip:
+            diff("atime", k, None, ns, h, "access time of a node not in the index")
+        elif len(v) == 8:
+            with_atime.add(k)
+    for (ns, h), rec in good.items():
+        if ns + h not in with_atime:
+            when = struct.pack("<d", rec.created)  # as Index.put_node writes it
+            diff("atime", ns + h, when, ns, h, "node has no (readable) access time")
+    pinned = set()
+    for k, _ in txn.cursor(db=index.db["pins"]):
+        k = bytes(k)
+        ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
+        rec = good.get((ns, h))
+        if rec is not None and rec.pinned:
+            pinned.add(k)
+        elif ns not in skip:
+            diff("pins", k, None, ns, h, "pin of an unpinned node or of no node")
+    for (ns, h), rec in good.items():
+        if rec.pinned and ns + h not in pinned:
+            diff("pins", ns + h, b"", ns, h, "pinned node missing from the pins table")
+    sums: Dict[bytes, List[int]] = {}
+    for (ns, _), rec in good.items():
+        s = sums.setdefault(ns, [0, 0, 0, 0])
+        s[0] += 1
+        s[1] += rec.ntokens
+        s[2] += rec.nbytes
+        s[3] += rec.nbytes * rec.pinned
+    packer = Index._COUNTERS  # the counters' record format, owned by the index
+    stored = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.db["counters"])}
+    for ns in sorted((set(sums) | set(stored)) - skip):
+        want = tuple(sums.get(ns, (0, 0, 0, 0)))
+        raw = stored.get(ns)
+        have = packer.unpack(raw) if raw is not None and len(raw) == packer.size else None
+        if have != want and not (raw is None and want == (0, 0, 0, 0)):
+            out.append(
+                _Finding(
+                    _problem("counters", ns, detail=f"counters say {have}, the records {want}"),
+                    action="repair",
+                    apply=lambda t, ns=ns, want=want: t.put(
+                        ns, packer.pack(*want), db=index.db["counters"]
+                    ),
+                )
+            )
+    return out
+
+
+def _file_marker() -> str:
+    from ..store import _MARKER  # late: the store imports this module
+
+    return _MARKER
+
+
+def _check_file(
+    blobs: Blobs,
+    ns: bytes,
+    h: bytes,
+    rec: NodeRecord,
+    expected: Mapping[str, Tuple[str, Tuple]],
+    *,
+    check_data: bool,
+) -> Optional[Tuple[str, str]]:
+    """``(kind, detail)`` of what is wrong with a node's file, or None."""
+    path = blobs.path(ns, h)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return "missing", "file is missing"
+    if size != rec.nbytes:
+        return "size", f"file has {size} bytes, the index says {rec.nbytes}"
+    if not check_data:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return "missing", f"file cannot be read: {e}"
+    if len(data) != rec.nbytes:
+        return "size", f"file has {len(data)} bytes, the index says {rec.nbytes}"
+    try:
+        _, tensors, meta = parse_header(data, len(data))
+        check_layout(tensors, expected)
+    except CorruptBlob as e:
+        return "header", str(e)
+    if meta.get("format") != _file_marker() or meta.get("namespace") != ns.hex():
+        return "namespace", f"file metadata names namespace {meta.get('namespace')!r}"
+    if file_checksum(data) != rec.checksum:
+        return "checksum", "checksum mismatch"
+    return None
+
+
+def _check_files(
+    index: Index, blobs: Blobs, scan: _IndexScan, *, check_data: bool
+) -> Tuple[List[_Finding], int, int]:
+    """Check every node file against its record and namespace layout.
+
+    Returns the findings still true after a re-read of the index (a node evicted while
+    its file was checked is not a problem), the files checked and their bytes.
+    """
+    findings, expected, checked, nbytes = [], {}, 0, 0
+    for (ns, h), (raw, rec) in scan.nodes.items():
+        if rec is None or ns not in scan.layouts:
+            continue
+        exp = expected.get((ns, rec.ntokens))
+        if exp is None:
+            exp = expected[ns, rec.ntokens] = expected_tensors(scan.layouts[ns], rec.ntokens)
+        bad = _check_file(blobs, ns, h, rec, exp, check_data=check_data)
+        checked += 1
+        nbytes += rec.nbytes
+        if bad:
+            problem = _problem(bad[0], ns, h, blobs.path(ns, h), bad[1])
+            findings.append(_Finding(problem, (ns, h), raw, "quarantine"))
+
+    def still(txn):
+        return [f for f in findings if txn.get(f.key[0] + f.key[1], db=index.db["nodes"]) == f.raw]
+
+    return (index.read(still) if findings else []), checked, nbytes
+
+
+def _scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
+    """Orphan chunk files, temp files and files kvstore did not write, under ``blobs/``.
+
+    An orphan is a ``.safetensors`` file no index record names: at a node's path but
+    without the node (its finding has the node's key), or at a path no node can have
+    (misnamed or misplaced: no key).
+    """
+    out, candidates = [], []
+    for kind, p in blobs.iter_files():
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        key = blobs.parse_path(p) if kind == "blob" else None
+        if key is not None:
+            candidates.append((key, p, st.st_size))
+        elif kind == "blob":
+            detail = f"{st.st_size} bytes, not at the path of any node"
+            out.append(_Finding(_problem("orphan", file=p, detail=detail)))
+        elif kind == "temp":
+            age = max(0.0, now - st.st_mtime)
+            detail = f"temp file of {st.st_size} bytes, {age:.0f} s old"
+            out.append(_Finding(_problem("temp", file=p, detail=detail)))
+        else:
+            detail = f"not a kvstore file ({st.st_size} bytes)"
+            out.append(_Finding(_problem("stray", file=p, detail=detail)))
+
+    def orphans(txn):
+        return [
+            _Finding(_problem("orphan", ns, h, p, f"{size} bytes, no index entry"), (ns, h))
+            for (ns, h), p, size in candidates
+            if txn.get(ns + h, db=index.db["nodes"]) is None
+        ]
+
+    return index.read(orphans) + out
+
+
+@dataclass
+class _Fixed:
+    nodes_removed: int = 0
+    bytes_removed: int = 0
+    index_repairs: int = 0
+    skipped: int = 0  # problem nodes changed by another process before the fix
+    quarantined: List[str] = field(default_factory=list)
+    files_unlinked: int = 0
+
+    def report(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
+    """Remove broken nodes (and descendants) and repair the index, then release files.
+
+    File problems found outside the transaction are acted on only if the node's record
+    is unchanged; index problems are found again inside the write transaction, until a
+    re-scan finds none, so nodes cut off by a removal go too.
+    """
+
+    def fix(txn):
+        done, gone, quarantine = _Fixed(), {}, {}
+
+        def remove(f: _Finding) -> bool:
+            """Act on one finding; False when nothing changed."""
+            ns, h = f.key
+            if f.action == "drop":
+                existed = txn.get(ns, db=index.db["namespaces"]) is not None
+                removed = _delete_namespace(index, txn, ns)
+                if not (existed or removed):
+                    return False
+            elif f.action == "delete_key":
+                if not txn.delete(ns + h, db=index.db["nodes"]):
+                    return False
+                done.nodes_removed += 1
+                return True
+            elif (ns, h) in gone:  # already removed with a broken ancestor
+                removed = []
+            elif txn.get(ns + h, db=index.db["nodes"]) != f.raw:
+                done.skipped += 1
+                return False
+            else:
+                removed = delete_subtree(index, txn, ns, h)
+                gone[ns, h] = None
+            if f.action == "quarantine":
+                quarantine[ns, h] = f"{f.problem['kind']}: {f.problem['detail']}"
+            for x, rec in removed:
+                gone[ns, x] = rec
+                done.nodes_removed += 1
+                done.bytes_removed += rec.nbytes if rec is not None else 0
+            return True
+
+        for f in file_findings:
+            remove(f)
+        while True:  # until a re-scan finds nothing more (or nothing more can be done)
+            scan = _scan_index(index, txn)
+            if not any([remove(f) for f in scan.findings]):
+                break
+        for f in _index_diffs(index, txn, scan):
+            f.apply(txn)
+            done.index_repairs += 1
+        return done, [k for k in gone if len(k[1]) == HASH_BYTES], quarantine
+
+    done, gone, quarantine = index.write(fix)
+    released = release_files(index, blobs, gone, quarantine=quarantine)
+    done.quarantined = released.quarantined
+    done.files_unlinked = released.unlinked
+    return done
+
+
+def _verify(
+    index: Index, blobs: Blobs, *, fix: bool, check_data: bool, walk_files: bool, now: float
+) -> Dict[str, Any]:
+    def index_scan(txn):
+        scan = _scan_index(index, txn)
+        return scan, scan.findings + _index_diffs(index, txn, scan)
+
+    scan, findings = index.read(index_scan)
+    file_findings, checked, nbytes = _check_files(index, blobs, scan, check_data=check_data)
+    findings += file_findings
+    if walk_files:
+        findings += _scan_files(index, blobs, now=now)
+    problems = [f.problem for f in findings]
+    kinds = [p["kind"] for p in problems]
+    errors = sum(k not in INFO_KINDS for k in kinds)
+    report = {
+        "clean": errors == 0,
+        "errors": errors,
+        "orphans": kinds.count("orphan"),
+        "temp_files": kinds.count("temp"),
+        "stray_files": kinds.count("stray"),
+        "namespaces": len(set(scan.descriptions) | {ns for ns, _ in scan.nodes}),
+        "nodes": len(scan.nodes),
+        "files_checked": checked,
+        "bytes_checked": nbytes,
+        "problems": problems,
+        "fixed": None,
+    }
+    if fix and errors:
+        report["fixed"] = _fix(index, blobs, file_findings).report()
+    return report
+
+
+def verify(path, *, fix: bool = False) -> Dict[str, Any]:
+    """Check every index record and chunk file of a store, without loading a model.
+
+    Each node's file must exist, have the recorded size, a valid header whose tensors
+    match the namespace's layout for the node's token count, metadata naming the node's
+    namespace, and the recorded xxh3-64 checksum (the whole file is read). Records must
+    decode, hang from the root or from a node in the index, start where their parent
+    ends and carry the id their parent and tokens hash to; trie edges, access times,
+    pins and counters must agree with the records. Files in ``blobs/`` that no record
+    names are reported too.
+
+    Problem kinds: ``missing``, ``size``, ``header``, ``namespace`` (file of another
+    namespace), ``checksum``, ``record`` (corrupt or inconsistent index record),
+    ``unreachable`` (parent not in the index), ``description`` (namespace description
+    missing or unusable), ``index`` (edges, access times, pins), ``counters``; and,
+    not counted as errors, ``orphan`` (chunk file without a record), ``temp`` (a temp
+    file: a write in progress or a crash's leftover) and ``stray`` (not a kvstore file).
+
+    Args:
+        path: The store directory.
+        fix: Repair what is broken: broken nodes leave the index with their
+            descendants (counters follow), broken nodes' files go to the quarantine
+            directory and their descendants' files are unlinked; the nodes of a
+            namespace without a usable description are dropped; edges, access times,
+            pins and counters are rewritten from the records. Orphan and temp files
+            are left to :func:`gc`.
+
+    Returns:
+        ``{"path", "clean", "errors", "orphans", "temp_files", "stray_files",
+        "namespaces", "nodes", "files_checked", "bytes_checked", "problems", "fixed"}``:
+        ``clean`` is
+        True when nothing but orphan, temp and stray files was found (before any fix);
+        each problem is ``{"kind", "namespace", "node", "file", "detail"}`` (hex ids,
+        None where not applicable); ``fixed`` is None, or with ``fix`` and errors,
+        ``{"nodes_removed", "bytes_removed", "index_repairs", "skipped", "quarantined",
+        "files_unlinked"}`` (``skipped``: problem nodes another process changed before
+        the fix, left alone).
+
+    Raises:
+        StoreError: ``path`` is not a kvstore directory.
+    """
+    path = os.fspath(path)
+    with _opened(path) as (index, blobs):
+        report = _verify(index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time())
+    return {"path": path, **report}
