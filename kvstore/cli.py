@@ -344,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvstore", description="Persistent KV caches for mlx-lm: prefill once, reuse forever."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "serve",
+        help="mlx-lm's OpenAI-compatible server with the persistent cache (see `kvstore serve -h`)",
+        add_help=False,
+    )
 
     def common(p, *, model=False):
         p.add_argument("--store", default=default_store(), help="store directory (default: %(default)s)")
@@ -396,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":
+        # Everything after `serve` goes to mlx-lm's own server parser, untouched.
+        from .server import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

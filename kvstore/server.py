@@ -1,0 +1,469 @@
+"""``kvstore serve``: mlx-lm's own HTTP server with a persistent prompt cache.
+
+The real ``mlx_lm.server`` runs unchanged; three of its module-level names are
+replaced while it runs:
+
+* ``LRUPromptCache`` by a factory returning :class:`PersistentPromptCache` (mlx-lm's
+  own ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
+* ``ModelProvider`` by a subclass that lets the cache find the loaded model;
+* ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which adds
+  ``GET /kvstore/stats`` and applies ``--strip-pattern`` to request bodies.
+
+Strip patterns are compiled with ``re.MULTILINE`` and removed (``re.sub(p, "", ...)``)
+from every message's text content and from plain prompts before tokenization, so a
+per-request line does not change the prompt's tokens and defeat the cache. The usual
+example, a billing header that some clients put at the top of the system prompt::
+
+    kvstore serve --model M --strip-pattern '^x-anthropic-billing-header: .*\\n?'
+
+Counters: one log line per request (``kvstore: prompt N tokens: reused R (ram|disk|miss),
+computing C, restore T ms``) and ``GET /kvstore/stats`` (JSON: this process's totals,
+the RAM LRU, and each open store's ``KVStore.stats()``). Also runnable as
+``python -m kvstore.server``.
+"""
+
+import argparse
+import functools
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+log = logging.getLogger("kvstore.server")
+
+_COUNTER_NAMES = (
+    "requests",
+    "ram_hits",
+    "disk_hits",
+    "misses",
+    "tokens_requested",
+    "tokens_reused",
+    "tokens_reused_ram",
+    "tokens_reused_disk",
+    "tokens_computed",
+    "restore_seconds",
+    "saves",
+    "saves_skipped",
+    "store_errors",
+)
+
+
+class PersistentPromptCache:
+    """mlx-lm's ``LRUPromptCache`` backed by a :class:`kvstore.KVStore` per model.
+
+    Same interface as ``mlx_lm.models.cache.LRUPromptCache``. ``fetch_nearest_cache``
+    returns the longer of the RAM LRU's nearest cache and the store's longest stored
+    prefix; ``insert_cache`` inserts into the RAM LRU and queues the prompt's KV for the
+    store (background writer). Storage problems are logged, never raised.
+
+    Args:
+        store_dir: The store directory (created when missing).
+        model_provider: Anything with ``model``, ``tokenizer`` and ``model_key``
+            attributes (``mlx_lm.server.ModelProvider``); a store is opened lazily
+            for the model currently loaded, keyed by ``model_key``.
+        max_size, max_bytes: The RAM LRU's limits (as ``LRUPromptCache``).
+        store_kwargs: Extra keyword arguments for ``KVStore``.
+    """
+
+    def __init__(
+        self,
+        store_dir: str,
+        model_provider,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        store_kwargs: Optional[Dict[str, Any]] = None,
+    ):
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.store_dir = os.fspath(store_dir)
+        self.model_provider = model_provider
+        self.store_kwargs = dict(store_kwargs or {})
+        self._lru = LRUPromptCache(max_size, max_bytes)
+        self._stores: Dict[Any, Any] = {}  # model key -> KVStore, or None (unusable)
+        self._lock = threading.Lock()
+        self._counters = {name: 0 for name in _COUNTER_NAMES}
+
+    # -- the LRUPromptCache interface --------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
+
+    @property
+    def max_size(self) -> int:
+        return self._lru.max_size
+
+    @property
+    def max_bytes(self) -> int:
+        return self._lru.max_bytes
+
+    def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None):
+        self._lru.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def stats_by_type(self):
+        return self._lru.stats_by_type()
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        """``(cache or None, rest_tokens)``: the longest reusable prefix, RAM or disk.
+
+        As ``LRUPromptCache``, except that a prompt found only on disk keeps at least
+        its last token to compute (the store restores at most ``len(tokens) - 1``).
+        On a tie the RAM cache is used; the store is not asked when RAM already
+        covers ``len(tokens) - 1`` tokens.
+        """
+        cache, rest = self._lru.fetch_nearest_cache(model, tokens)
+        ram_n = len(tokens) - len(rest) if cache is not None else 0
+        source, n, seconds = ("ram" if ram_n else None), ram_n, 0.0
+        # The store gives at most len(tokens) - 1 tokens: ask only when it may do better.
+        store = self._store_for(model) if ram_n < len(tokens) - 1 else None
+        if store is not None:
+            tic = time.perf_counter()
+            try:
+                disk_cache, disk_n = store.fetch(tokens)
+            except Exception:
+                log.exception("kvstore: store fetch failed; continuing without it")
+                self._count(store_errors=1)
+                disk_cache, disk_n = None, 0
+            seconds = time.perf_counter() - tic
+            if disk_n > ram_n:
+                cache, rest, source, n = disk_cache, tokens[disk_n:], "disk", disk_n
+        self._count(
+            requests=1,
+            ram_hits=source == "ram",
+            disk_hits=source == "disk",
+            misses=source is None,
+            tokens_requested=len(tokens),
+            tokens_reused=n,
+            tokens_reused_ram=n if source == "ram" else 0,
+            tokens_reused_disk=n if source == "disk" else 0,
+            tokens_computed=len(rest),
+            restore_seconds=seconds,
+        )
+        log.info(
+            "kvstore: prompt %d tokens: reused %d (%s), computing %d, restore %.1f ms",
+            len(tokens),
+            n,
+            source or "miss",
+            len(rest),
+            seconds * 1e3,
+        )
+        return cache, rest
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: List[int],
+        prompt_cache: List[Any],
+        *,
+        cache_type: str = "assistant",
+    ):
+        """Insert into the RAM LRU and queue the KV of ``tokens`` for the store."""
+        self._lru.insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        store = self._store_for(model)
+        if store is None:
+            return
+        held = _plain_kv_tokens(prompt_cache)
+        if not tokens or held == 0:
+            self._count(saves_skipped=1)
+            return
+        # A cache that holds fewer tokens than its key (mlx-lm's sequential path keys
+        # the cache with the last generated token, which was never fed) is saved for
+        # the tokens it does hold.
+        try:
+            store.save_prefix(list(tokens[:held]), prompt_cache, kind=cache_type)
+            self._count(saves=1)
+        except Exception as e:
+            log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
+            self._count(saves_skipped=1, store_errors=1)
+
+    # -- stores ---------------------------------------------------------------
+
+    def _store_for(self, model_key):
+        """The open store of ``model_key``, or None (another model, or no store)."""
+        with self._lock:
+            if model_key in self._stores:
+                return self._stores[model_key]
+        provider = self.model_provider
+        if (
+            provider is None
+            or getattr(provider, "model_key", None) != model_key
+            or provider.model is None
+        ):
+            return None
+        store = None
+        if getattr(provider, "draft_model", None) is not None:
+            log.warning("kvstore: a draft model is loaded; the store is not used")
+        elif getattr(provider, "processor", None) is not None:
+            log.warning("kvstore: a vision model is loaded; the store is not used")
+        else:
+            try:
+                from .store import KVStore
+
+                store = KVStore(
+                    self.store_dir, provider.model, provider.tokenizer, **self.store_kwargs
+                )
+                log.info(
+                    "kvstore: store %s opened for %s",
+                    self.store_dir,
+                    model_key[0] if isinstance(model_key, tuple) else model_key,
+                )
+            except Exception as e:
+                log.warning(
+                    "kvstore: store %s not usable (%s: %s); serving from RAM only",
+                    self.store_dir,
+                    type(e).__name__,
+                    e,
+                )
+                self._count(store_errors=1)
+        with self._lock:
+            old = {k: s for k, s in self._stores.items() if s is not None}
+            self._stores = {model_key: store}  # one model at a time, like ModelProvider
+        for s in old.values():
+            _close_quietly(s)
+        return store
+
+    def open_store(self, model_key):
+        """Open the store of ``model_key`` now (else done at its first request)."""
+        return self._store_for(model_key)
+
+    def flush(self) -> None:
+        """Wait until every queued write of every open store is on disk."""
+        with self._lock:
+            stores = [s for s in self._stores.values() if s is not None]
+        for s in stores:
+            try:
+                s.flush()
+            except Exception:
+                log.exception("kvstore: flush failed")
+
+    def close(self) -> None:
+        """Flush and close the stores. Idempotent."""
+        with self._lock:
+            stores, self._stores = [s for s in self._stores.values() if s is not None], {}
+        for s in stores:
+            _close_quietly(s)
+
+    def stats(self) -> Dict[str, Any]:
+        """This process's counters, the RAM LRU, and each open store's ``stats()``."""
+        with self._lock:
+            out: Dict[str, Any] = dict(self._counters)
+            stores = [s for s in self._stores.values() if s is not None]
+        out["ram_sequences"] = len(self._lru)
+        out["ram_bytes"] = self._lru.nbytes
+        out["store_dir"] = self.store_dir
+        out["stores"] = []
+        for s in stores:
+            try:
+                out["stores"].append(s.stats())
+            except Exception as e:
+                out["stores"].append({"error": f"{type(e).__name__}: {e}"})
+        return out
+
+    def _count(self, **deltas) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._counters[name] += d
+
+
+def _plain_kv_tokens(cache: Sequence[Any]) -> int:
+    """Tokens held by every layer of a list of plain mlx-lm ``KVCache`` objects;
+    0 for anything else (rotating, quantized, batch caches, a draft model's, ...)."""
+    from mlx_lm.models.cache import KVCache
+
+    if not isinstance(cache, (list, tuple)) or not cache:
+        return 0
+    if not all(type(c) is KVCache and c.keys is not None for c in cache):
+        return 0
+    return min(c.offset for c in cache)
+
+
+def _close_quietly(store) -> None:
+    try:
+        store.close()
+    except Exception:
+        log.exception("kvstore: closing the store failed")
+
+
+# -- request bodies -------------------------------------------------------------
+
+
+def strip_text(text: str, patterns: Sequence["re.Pattern"]) -> str:
+    for p in patterns:
+        text = p.sub("", text)
+    return text
+
+
+def strip_body(body: Dict[str, Any], patterns: Sequence["re.Pattern"]) -> None:
+    """Remove ``patterns`` from a chat or completion request body, in place."""
+    if not patterns or not isinstance(body, dict):
+        return
+    if isinstance(body.get("prompt"), str):
+        body["prompt"] = strip_text(body["prompt"], patterns)
+    for m in body.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            m["content"] = strip_text(content, patterns)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    part["text"] = strip_text(part["text"], patterns)
+
+
+def make_handler_class(base, patterns: Sequence["re.Pattern"]):
+    """mlx-lm's ``APIHandler`` plus ``GET /kvstore/stats`` and ``--strip-pattern``."""
+
+    class KVStoreAPIHandler(base):
+        def handle_chat_completions(self):
+            strip_body(self.body, patterns)
+            return super().handle_chat_completions()
+
+        def handle_text_completions(self):
+            strip_body(self.body, patterns)
+            return super().handle_text_completions()
+
+        def do_GET(self):
+            if self.path.split("?")[0] != "/kvstore/stats":
+                return super().do_GET()
+            cache = getattr(self.response_generator, "prompt_cache", None)
+            if isinstance(cache, PersistentPromptCache):
+                status, body = 200, cache.stats()
+            else:
+                status, body = 503, {"error": "no persistent prompt cache"}
+            self._set_completion_headers(status)
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+            self.wfile.flush()
+
+    return KVStoreAPIHandler
+
+
+# -- command line ----------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstore serve",
+        add_help=False,
+        allow_abbrev=False,
+        description="mlx_lm.server with a persistent prompt cache. Every option not "
+        "listed here is passed to mlx_lm.server (see `mlx_lm.server --help`).",
+    )
+    p.add_argument(
+        "--store", help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore/store)"
+    )
+    p.add_argument(
+        "--strip-pattern",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="remove matches (re.MULTILINE) from message contents and prompts before "
+        "tokenization; repeatable. E.g. '^x-anthropic-billing-header: .*\\n?'",
+    )
+    return p
+
+
+def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
+    """``kvstore serve [--store DIR] [--strip-pattern REGEX ...] [mlx_lm.server options]``.
+
+    Runs ``mlx_lm.server.main()`` with the persistent prompt cache until SIGTERM or
+    SIGINT, then flushes and closes the stores. With ``hard_exit`` (the default) the
+    process then ends with ``os._exit(0)``; otherwise returns the exit status.
+    """
+    import mlx_lm.server as mls
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        print("\nmlx_lm.server options:\n")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        patterns = [re.compile(p, re.MULTILINE) for p in args.strip_pattern]
+    except re.error as e:
+        print(f"kvstore serve: bad --strip-pattern: {e}", file=sys.stderr)
+        return 2
+    if args.store is None:
+        from .cli import default_store
+
+        args.store = default_store()
+    store_dir = os.path.expanduser(args.store)
+
+    caches: List[PersistentPromptCache] = []
+    providers: List[Any] = []
+
+    class KVStoreModelProvider(mls.ModelProvider):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            providers.append(self)
+
+        def _load(self, *a, **kw):
+            super()._load(*a, **kw)
+            for cache in caches:  # open the store now: pinned prefixes are preloaded
+                cache.open_store(self.model_key)
+
+    def prompt_cache_factory(max_size: int = 10, max_bytes: int = 1 << 63):
+        cache = PersistentPromptCache(
+            store_dir, providers[-1] if providers else None, max_size, max_bytes
+        )
+        caches.append(cache)
+        return cache
+
+    handler = make_handler_class(mls.APIHandler, patterns)
+    saved = {
+        name: getattr(mls, name) for name in ("LRUPromptCache", "ModelProvider", "_run_http_server")
+    }
+    mls.LRUPromptCache = prompt_cache_factory
+    mls.ModelProvider = KVStoreModelProvider
+    mls._run_http_server = functools.partial(saved["_run_http_server"], handler_class=handler)
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # mlx-lm's serve_forever shutdown path
+
+    old_term = signal.signal(signal.SIGTERM, on_sigterm)
+    old_argv = sys.argv
+    sys.argv = ["kvstore serve"] + rest
+    status = 0
+    try:
+        mls.main()
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        if not caches:
+            raise
+        # E.g. the port is taken: mlx-lm's generation thread is already running and
+        # would keep the process alive.
+        log.exception("kvstore serve: the server failed")
+        status = 1
+    finally:
+        sys.argv = old_argv
+        signal.signal(signal.SIGTERM, old_term)
+        for name, value in saved.items():
+            setattr(mls, name, value)
+        for cache in caches:
+            cache.close()  # waits for pending writes
+        if caches:
+            log.info("kvstore: stores flushed and closed")
+    if caches and hard_exit:
+        # After mlx_lm.server's shutdown, the interpreter's teardown sometimes aborts in
+        # MLX's C++ threads ("terminate called without an active exception", exit -6;
+        # plain mlx_lm.server on SIGINT does the same). Everything is on disk by now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""``kvstore serve``: the persistent prompt cache and the real mlx-lm server around it."""
+
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from mlx_lm.models.cache import LRUPromptCache
+
+from conftest import compute_cache, random_tokens
+from kvstore.server import PersistentPromptCache, strip_body
+
+pytestmark = pytest.mark.slow
+
+KEY = ("tiny", None, None)
+
+
+def provider(model, tokenizer):
+    return SimpleNamespace(
+        model=model, tokenizer=tokenizer, model_key=KEY, draft_model=None, processor=None
+    )
+
+
+def keys_of(cache, n):
+    return np.array(cache[0].keys[..., :n, :])
+
+
+# -- PersistentPromptCache ---------------------------------------------------------
+
+
+def test_restart_restores_from_disk(tmp_path, model, tokenizer):
+    tokens = random_tokens(300, seed=1)
+    cache = compute_cache(model, tokens)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    pc.insert_cache(KEY, tokens, cache, cache_type="system")
+    assert pc.stats()["saves"] == 1
+    pc.close()
+
+    pc2 = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))  # a restart
+    assert len(pc2) == 0
+    got, rest = pc2.fetch_nearest_cache(KEY, tokens + [7, 8, 9])
+    assert rest == [7, 8, 9]
+    assert got[0].offset == 300
+    np.testing.assert_array_equal(keys_of(got, 300), keys_of(cache, 300))
+    s = pc2.stats()
+    assert (s["disk_hits"], s["ram_hits"], s["misses"]) == (1, 0, 0)
+    assert (s["tokens_reused_disk"], s["tokens_computed"]) == (300, 3)
+    pc2.close()
+
+
+def test_ram_or_disk_whichever_is_longer(tmp_path, model, tokenizer):
+    tokens = random_tokens(200, seed=2)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    pc.close()
+
+    pc2 = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    # RAM holds a shorter prefix (not written to disk: its save is skipped).
+    pc2._lru.insert_cache(KEY, tokens[:40], compute_cache(model, tokens[:40]))
+    query = tokens + [1, 2]
+    got, rest = pc2.fetch_nearest_cache(KEY, query)
+    assert len(rest) == 2 and got[0].offset == 200
+    assert pc2.stats()["disk_hits"] == 1
+
+    # Now RAM holds the whole prompt: RAM wins, the store is not even asked.
+    pc2.insert_cache(KEY, query, compute_cache(model, query))
+    got, rest = pc2.fetch_nearest_cache(KEY, query + [3])
+    assert rest == [3] and got[0].offset == len(query)
+    s = pc2.stats()
+    assert (s["ram_hits"], s["disk_hits"]) == (1, 1)
+    # A cache holding fewer tokens than its key: what it holds is saved.
+    saves = pc2.stats()["saves"]
+    pc2.insert_cache(KEY, tokens + [4, 5, 6], compute_cache(model, tokens))
+    assert pc2.stats()["saves"] == saves + 1
+    # Not a list of plain KVCache objects: not saved.
+    from mlx_lm.models.cache import RotatingKVCache
+
+    pc2.insert_cache(KEY, [1, 2, 3], [RotatingKVCache(max_size=8)])
+    assert pc2.stats()["saves_skipped"] == 1
+    pc2.close()
+
+
+def test_rest_tokens_match_lru_prompt_cache(tmp_path, model, tokenizer):
+    tokens = random_tokens(120, seed=3)
+    cache = compute_cache(model, tokens)
+    queries = {
+        "exact": tokens,
+        "longer": tokens + [11, 12, 13],
+        "shorter": tokens[:70],
+        "diverging": tokens[:50] + [13, 14, 15],
+        "other": [9, 9, 9, 9],
+    }
+    lru = LRUPromptCache()
+    lru.insert_cache(KEY, tokens, cache)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    pc.insert_cache(KEY, tokens, cache)
+    pc.flush()
+    disk_only = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    for name, q in queries.items():
+        want_cache, want_rest = lru.fetch_nearest_cache(KEY, list(q))
+        got_cache, got_rest = pc.fetch_nearest_cache(KEY, list(q))
+        assert got_rest == want_rest, name
+        assert (got_cache is None) == (want_cache is None), name
+        # From disk alone: the same, except that an exact prompt keeps its last token
+        # to compute (the store restores at most len(tokens) - 1 tokens).
+        d_cache, d_rest = disk_only.fetch_nearest_cache(KEY, list(q))
+        assert d_rest == (q[-1:] if name == "exact" else want_rest), name
+        if d_cache is not None:
+            n = len(q) - len(d_rest)
+            assert d_cache[0].offset == n
+            np.testing.assert_array_equal(keys_of(d_cache, n), keys_of(cache, n))
+    assert disk_only.stats()["misses"] == 1
+    pc.close()
+    disk_only.close()
+
+
+def test_store_errors_never_break_a_request(tmp_path, model, tokenizer, monkeypatch):
+    tokens = random_tokens(100, seed=4)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    store = pc.open_store(KEY)
+
+    def boom(*a, **kw):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(store, "fetch", boom)
+    monkeypatch.setattr(store, "save_prefix", boom)
+    assert pc.fetch_nearest_cache(KEY, tokens) == (None, tokens)
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens))  # RAM only
+    got, rest = pc.fetch_nearest_cache(KEY, tokens + [5])
+    assert rest == [5] and got[0].offset == 100
+    assert pc.stats()["store_errors"] == 2
+    monkeypatch.undo()
+    pc.close()
+
+    # An unusable store directory: RAM only, no exception.
+    (tmp_path / "file").write_text("not a store")
+    pc = PersistentPromptCache(tmp_path / "file", provider(model, tokenizer))
+    assert pc.fetch_nearest_cache(KEY, tokens) == (None, tokens)
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    assert pc.fetch_nearest_cache(KEY, tokens + [5])[1] == [5]
+    assert pc.stats()["store_errors"] >= 1
+    # Another model than the loaded one: RAM only.
+    assert pc.fetch_nearest_cache(("other", None, None), tokens) == (None, tokens)
+    pc.close()
+
+
+def test_strip_body():
+    pats = [re.compile(r"^x-anthropic-billing-header: .*\n?", re.MULTILINE)]
+    body = {
+        "messages": [
+            {
+                "role": "system",
+                "content": "x-anthropic-billing-header: cc_version=1.2; id=42\nYou are w5.",
+            },
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi\nx-anthropic-billing-header: a\n"}],
+            },
+        ],
+        "prompt": "x-anthropic-billing-header: z\nw9",
+    }
+    strip_body(body, pats)
+    assert body["messages"][0]["content"] == "You are w5."
+    assert body["messages"][1]["content"][0]["text"] == "hi\n"
+    assert body["prompt"] == "w9"
+
+
+# -- end to end: real server processes ---------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(port, path, body=None, timeout=60):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Server:
+    def __init__(self, args, log_path):
+        self.port = free_port()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        cmd = [sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready(timeout=60)
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def _wait_ready(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if request(self.port, "/health", timeout=2)["status"] == "ok":
+                    return
+            except (OSError, urllib.error.URLError):
+                pass
+            assert time.monotonic() < deadline, "server did not start:\n" + self.output()
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def chat(self, body):
+        return request(self.port, "/v1/chat/completions", body)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("server did not stop on SIGTERM:\n" + self.output())
+        self.log.close()
+        return rc
+
+
+SYSTEM = " ".join(f"w{3 + (i * 7) % 509}" for i in range(300))
+
+
+def chat_body(user, system=SYSTEM):
+    return {
+        "model": "default_model",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "temperature": 0,
+        "max_tokens": 8,
+    }
+
+
+def answer(response):
+    return response["choices"][0]["message"]["content"]
+
+
+def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
+    store = str(tmp_path / "store")
+    kv = ["kvstore.server", "--model", tiny_model_dir, "--store", store]
+    first = chat_body("w10 w11 w12 w13")
+    second = chat_body("w20 w21 w22")
+
+    plain = Server(["mlx_lm", "server", "--model", tiny_model_dir], tmp_path / "plain.log")
+    try:
+        want_first, want_second = answer(plain.chat(first)), answer(plain.chat(second))
+    finally:
+        plain.stop()
+
+    s1 = Server(kv, tmp_path / "run1.log")
+    try:
+        assert answer(s1.chat(first)) == want_first
+        stats = request(s1.port, "/kvstore/stats")
+        assert stats["misses"] == 1 and stats["saves"] >= 1
+    finally:
+        assert s1.stop() == 0, s1.output()
+    assert "stores flushed and closed" in s1.output()
+
+    s2 = Server(kv, tmp_path / "run2.log")  # a restart: nothing in RAM
+    try:
+        r = s2.chat(second)
+        stats = request(s2.port, "/kvstore/stats")
+    finally:
+        assert s2.stop() == 0, s2.output()
+    assert answer(r) == want_second
+    assert stats["disk_hits"] == 1 and stats["ram_hits"] == 0
+    assert stats["tokens_reused_disk"] >= 300  # the whole system prompt, from disk
+    assert stats["tokens_computed"] == stats["tokens_requested"] - stats["tokens_reused"]
+    assert stats["stores"][0]["hits"] == 1
+    assert re.search(r"kvstore: prompt \d+ tokens: reused (\d+) \(disk\)", s2.output())
+
+    # Corrupt every chunk file: the request still succeeds, computed from scratch.
+    files = glob.glob(os.path.join(store, "blobs", "**", "*.safetensors"), recursive=True)
+    assert files
+    for path in files:
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 64)
+            f.write(b"\xff" * 64)
+    s3 = Server(kv, tmp_path / "run3.log")
+    try:
+        r = s3.chat(second)
+        stats = request(s3.port, "/kvstore/stats")
+    finally:
+        assert s3.stop() == 0, s3.output()
+    assert answer(r) == want_second
+    assert stats["stores"][0]["corrupt"] >= 1
+    assert stats["disk_hits"] == 0 and stats["misses"] == 1
+
+
+def test_serve_strip_pattern(tmp_path, tiny_model_dir):
+    kv = [
+        "kvstore.server",
+        "--model",
+        tiny_model_dir,
+        "--store",
+        str(tmp_path / "store"),
+        "--strip-pattern",
+        r"^x-anthropic-billing-header: .*\n?",
+    ]
+    s = Server(kv, tmp_path / "run.log")
+    try:
+        a = s.chat(chat_body("w30 w31", system="x-anthropic-billing-header: w100 w101\n" + SYSTEM))
+        b = s.chat(chat_body("w30 w31", system="x-anthropic-billing-header: w200\n" + SYSTEM))
+        stats = request(s.port, "/kvstore/stats")
+    finally:
+        assert s.stop() == 0, s.output()
+    assert answer(a) == answer(b)
+    # Same tokens once the header is gone: the second prompt is all cached.
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    assert stats["requests"] == 2 and stats["tokens_reused"] >= a["usage"]["prompt_tokens"] - 1
