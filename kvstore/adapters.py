@@ -75,7 +75,9 @@ def tensor_names(i: int) -> Tuple[str, str]:
     return f"{i}.keys", f"{i}.values"
 
 
-def expected_tensors(layout: Sequence[LayerLayout], ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
+def expected_tensors(
+    layout: Sequence[LayerLayout], ntokens: int
+) -> Dict[str, Tuple[str, Tuple]]:
     """``name -> (dtype, shape)`` of a node file holding ``ntokens`` tokens."""
     out = {}
     for i, lay in enumerate(layout):
@@ -86,17 +88,28 @@ def expected_tensors(layout: Sequence[LayerLayout], ntokens: int) -> Dict[str, T
 
 
 def check_cache(
-    layout: Sequence[LayerLayout], cache: Sequence[Any], ntokens: int, *, exact: bool = True
+    layout: Sequence[LayerLayout],
+    cache: Sequence[Any],
+    ntokens: int,
+    *,
+    exact: bool = True,
 ) -> None:
     """Raise ValueError unless ``cache`` matches the layout and holds ``ntokens`` tokens
     (at least ``ntokens`` when not ``exact``)."""
     if not isinstance(cache, (list, tuple)):
-        raise TypeError(f"cache must be a list of cache objects, got {type(cache).__name__}")
+        raise TypeError(
+            f"cache must be a list of cache objects, got {type(cache).__name__}"
+        )
     if len(cache) != len(layout):
         raise ValueError(f"cache has {len(cache)} layers, the model has {len(layout)}")
     for i, (layer, lay) in enumerate(zip(cache, layout)):
-        if type(layer).__name__ != lay.cls or type(layer) is not SUPPORTED_CACHES[lay.cls]:
-            raise ValueError(f"cache layer {i} is {type(layer).__name__}, expected {lay.cls}")
+        if (
+            type(layer).__name__ != lay.cls
+            or type(layer) is not SUPPORTED_CACHES[lay.cls]
+        ):
+            raise ValueError(
+                f"cache layer {i} is {type(layer).__name__}, expected {lay.cls}"
+            )
         held = layer.offset if layer.keys is not None else 0
         if held != ntokens if exact else held < ntokens:
             raise ValueError(

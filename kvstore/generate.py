@@ -46,7 +46,9 @@ def stream_generate(
         kwargs: Passed to ``mlx_lm.stream_generate`` (not ``prompt_cache``).
     """
     if "prompt_cache" in kwargs:
-        raise ValueError("kvstore.stream_generate manages prompt_cache itself; do not pass one")
+        raise ValueError(
+            "kvstore.stream_generate manages prompt_cache itself; do not pass one"
+        )
     if kwargs.get("draft_model") is not None:
         raise ValueError("kvstore.stream_generate does not support draft_model yet")
     tokens = encode_prompt(tokenizer, prompt)

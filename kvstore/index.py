@@ -86,12 +86,18 @@ class NodeRecord:
         if kind >= len(KINDS) or flags > 1:
             raise CorruptRecord(f"record kind {kind} / flags {flags} out of range")
         if len(raw) != size + 4 * n or n == 0:
-            raise CorruptRecord(f"record holds {len(raw) - size} token bytes, not {4 * n}")
+            raise CorruptRecord(
+                f"record holds {len(raw) - size} token bytes, not {4 * n}"
+            )
         tokens = np.frombuffer(raw, dtype="<i4", offset=size)
-        return cls(parent, start, tokens, nbytes, checksum, KINDS[kind], bool(flags), created)
+        return cls(
+            parent, start, tokens, nbytes, checksum, KINDS[kind], bool(flags), created
+        )
 
 
-def child_key(ns: bytes, parent: bytes, tokens: np.ndarray, child: bytes = b"") -> bytes:
+def child_key(
+    ns: bytes, parent: bytes, tokens: np.ndarray, child: bytes = b""
+) -> bytes:
     """Edge key: namespace, parent, the child's first tokens (big-endian, padded), child.
 
     Big-endian ids make byte order equal token order, so the child sharing the
@@ -127,7 +133,11 @@ class Index:
             env, refs = _OPEN.get(self._key, (None, 0))
             if env is None:
                 env = lmdb.open(
-                    path, map_size=map_size, max_dbs=len(self._DBS), subdir=True, readahead=False
+                    path,
+                    map_size=map_size,
+                    max_dbs=len(self._DBS),
+                    subdir=True,
+                    readahead=False,
                 )
             _OPEN[self._key] = (env, refs + 1)
         self.env = env
@@ -143,7 +153,9 @@ class Index:
         def check(txn):
             version = txn.get(b"format_version", db=self.db["meta"])
             if version is None:
-                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self.db["meta"])
+                txn.put(
+                    b"format_version", str(FORMAT_VERSION).encode(), db=self.db["meta"]
+                )
                 txn.put(b"created", repr(time.time()).encode(), db=self.db["meta"])
                 return FORMAT_VERSION
             return int(version)
@@ -213,7 +225,9 @@ class Index:
 
     def namespaces(self) -> Dict[bytes, dict]:
         def get(txn):
-            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self.db["namespaces"])}
+            return {
+                bytes(k): json.loads(v) for k, v in txn.cursor(db=self.db["namespaces"])
+            }
 
         return self.read(get)
 
@@ -364,7 +378,9 @@ class Index:
 
         return self.read(get)
 
-    def iter_nodes(self, txn, ns: Optional[bytes] = None) -> Iterator[Tuple[bytes, bytes, bytes]]:
+    def iter_nodes(
+        self, txn, ns: Optional[bytes] = None
+    ) -> Iterator[Tuple[bytes, bytes, bytes]]:
         """Yield ``(namespace, hash, raw record)`` for every node (of one namespace)."""
         cur = txn.cursor(db=self.db["nodes"])
         start = ns or b""
@@ -387,4 +403,6 @@ class Index:
     def total_bytes(self, txn=None) -> int:
         if txn is None:
             return self.read(self.total_bytes)
-        return sum(self._COUNTERS.unpack(v)[2] for _, v in txn.cursor(db=self.db["counters"]))
+        return sum(
+            self._COUNTERS.unpack(v)[2] for _, v in txn.cursor(db=self.db["counters"])
+        )

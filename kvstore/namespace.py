@@ -83,7 +83,9 @@ def fingerprint(
     config = _config(model)
     description = {
         "format_version": FORMAT_VERSION,
-        "model_type": (config or {}).get("model_type") if isinstance(config, dict) else None,
+        "model_type": (
+            (config or {}).get("model_type") if isinstance(config, dict) else None
+        ),
         "config": config,
         "weight_headers": weight_headers,
         "weights": weight_content,

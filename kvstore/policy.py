@@ -11,6 +11,7 @@ RAM_ORDER: Tuple[Tuple[bool, str], ...] = tuple(
     (pinned, kind) for pinned in (False, True) for kind in KINDS
 )
 
+
 class DiskNode(NamedTuple):
     """What eviction needs to know of a node on disk."""
 
@@ -42,8 +43,11 @@ def disk_victims(nodes: Mapping[Hashable, DiskNode], excess: int) -> List[Hashab
         Keys in eviction order (children before their parents).
     """
     children = Counter(n.parent for n in nodes.values() if n.parent in nodes)
-    heap = [(n.atime, i, key) for i, (key, n) in enumerate(nodes.items())
-            if not n.pinned and children[key] == 0]
+    heap = [
+        (n.atime, i, key)
+        for i, (key, n) in enumerate(nodes.items())
+        if not n.pinned and children[key] == 0
+    ]
     heapq.heapify(heap)
     victims, freed, tie = [], 0, len(nodes)
     while heap and freed < excess:

@@ -68,15 +68,21 @@ def parse_line(
     line = PromptLine(lineno, [], kind=default_kind, pin=default_pin)
     if "id" in obj:
         if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
-            raise PromptError(f"field 'id' must be a string or int, got {_type(obj['id'])}")
+            raise PromptError(
+                f"field 'id' must be a string or int, got {_type(obj['id'])}"
+            )
         line.id = str(obj["id"])
     if "kind" in obj:
         if obj["kind"] not in KINDS:
-            raise PromptError(f"field 'kind' must be one of {', '.join(KINDS)}, got {obj['kind']!r}")
+            raise PromptError(
+                f"field 'kind' must be one of {', '.join(KINDS)}, got {obj['kind']!r}"
+            )
         line.kind = obj["kind"]
     if "pin" in obj:
         if not isinstance(obj["pin"], bool):
-            raise PromptError(f"field 'pin' must be true or false, got {_type(obj['pin'])}")
+            raise PromptError(
+                f"field 'pin' must be true or false, got {_type(obj['pin'])}"
+            )
         line.pin = obj["pin"]
 
     shape = shapes[0]
@@ -84,12 +90,16 @@ def parse_line(
         line.tokens = _tokens(obj["tokens"], vocab_size)
     elif shape == "prompt":
         if not isinstance(obj["prompt"], str):
-            raise PromptError(f"field 'prompt' must be a string, got {_type(obj['prompt'])}")
+            raise PromptError(
+                f"field 'prompt' must be a string, got {_type(obj['prompt'])}"
+            )
         if not obj["prompt"].strip():
             raise PromptError("field 'prompt' is empty")
         line.tokens = list(encode_prompt(tokenizer, obj["prompt"]))
     else:
-        line.tokens, line.system_end, line.boundaries = render_messages(tokenizer, obj["messages"])
+        line.tokens, line.system_end, line.boundaries = render_messages(
+            tokenizer, obj["messages"]
+        )
     if not line.tokens:
         raise PromptError(f"field {shape!r} gives no tokens")
     return line
@@ -106,7 +116,9 @@ def _tokens(value, vocab_size: Optional[int]) -> List[int]:
         raise PromptError(f"field {e}") from None
     if vocab_size is not None and int(arr.max()) >= vocab_size:
         bad = int((arr >= vocab_size).argmax())
-        raise PromptError(f"field tokens[{bad}] = {arr[bad]} is outside the vocabulary ({vocab_size})")
+        raise PromptError(
+            f"field tokens[{bad}] = {arr[bad]} is outside the vocabulary ({vocab_size})"
+        )
     return arr.tolist()
 
 
@@ -114,7 +126,9 @@ def _chat(tokenizer, messages: Sequence[dict], *, generation_prompt: bool) -> Li
     out = tokenizer.apply_chat_template(
         list(messages), tokenize=True, add_generation_prompt=generation_prompt
     )
-    if isinstance(out, dict) or hasattr(out, "keys"):  # some tokenizers return an encoding
+    if isinstance(out, dict) or hasattr(
+        out, "keys"
+    ):  # some tokenizers return an encoding
         out = out["input_ids"]
     return list(out)
 
@@ -133,13 +147,19 @@ def render_messages(tokenizer, messages) -> Tuple[List[int], int, List[int]]:
             raise PromptError(f"field messages[{i}] must be an object, got {_type(m)}")
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
-                raise PromptError(f"field messages[{i}].{key} must be a string, got {_type(m.get(key))}")
+                raise PromptError(
+                    f"field messages[{i}].{key} must be a string, got {_type(m.get(key))}"
+                )
     if not any(m["content"].strip() for m in messages):
         raise PromptError("field 'messages' has only empty contents")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise PromptError("the model's tokenizer has no chat template; use 'prompt' or 'tokens'")
+        raise PromptError(
+            "the model's tokenizer has no chat template; use 'prompt' or 'tokens'"
+        )
     try:
-        tokens = _chat(tokenizer, messages, generation_prompt=messages[-1]["role"] != "assistant")
+        tokens = _chat(
+            tokenizer, messages, generation_prompt=messages[-1]["role"] != "assistant"
+        )
         ends = [len(p) for p in _prefixes(tokenizer, messages, tokens)]
         system_end = _system_end(tokenizer, messages, tokens)
     except Exception as e:  # templates raise their own errors (e.g. role order)
@@ -156,7 +176,11 @@ def _system_end(tokenizer, messages, tokens) -> int:
         n += 1
     if n == 0:
         return 0
-    probe = _chat(tokenizer, messages[:n] + [{"role": "user", "content": ""}], generation_prompt=False)
+    probe = _chat(
+        tokenizer,
+        messages[:n] + [{"role": "user", "content": ""}],
+        generation_prompt=False,
+    )
     end = next((i for i, (a, b) in enumerate(zip(probe, tokens)) if a != b), 0)
     return end if 0 < end < len(tokens) else 0
 
@@ -172,4 +196,3 @@ def _prefixes(tokenizer, messages, tokens) -> List[List[int]]:
 
 def _type(value) -> str:
     return "null" if value is None else type(value).__name__
-

@@ -66,7 +66,11 @@ class RamTier:
             rank = RAM_ORDER.index(bucket)
             # Never evict a more important bucket to make room for a less important
             # entry, and evict nothing at all when the entry would not fit anyway.
-            evictable = sum(e.nbytes for b in RAM_ORDER[: rank + 1] for e in self._buckets[b].values())
+            evictable = sum(
+                e.nbytes
+                for b in RAM_ORDER[: rank + 1]
+                for e in self._buckets[b].values()
+            )
             if self._nbytes - evictable + entry.nbytes > self.max_bytes:
                 return False
             self._discard(key)

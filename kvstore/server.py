@@ -106,7 +106,9 @@ class PersistentPromptCache:
     def max_bytes(self) -> int:
         return self._lru.max_bytes
 
-    def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None):
+    def trim_to(
+        self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
+    ):
         self._lru.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
 
     def stats_by_type(self):
@@ -209,7 +211,10 @@ class PersistentPromptCache:
                 from .store import KVStore
 
                 store = KVStore(
-                    self.store_dir, provider.model, provider.tokenizer, **self.store_kwargs
+                    self.store_dir,
+                    provider.model,
+                    provider.tokenizer,
+                    **self.store_kwargs,
                 )
                 log.info(
                     "kvstore: store %s opened for %s",
@@ -248,7 +253,9 @@ class PersistentPromptCache:
     def close(self) -> None:
         """Flush and close the stores. Idempotent."""
         with self._lock:
-            stores, self._stores = [s for s in self._stores.values() if s is not None], {}
+            stores, self._stores = [
+                s for s in self._stores.values() if s is not None
+            ], {}
         for s in stores:
             _close_quietly(s)
 
@@ -360,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
         "listed here is passed to mlx_lm.server (see `mlx_lm.server --help`).",
     )
     p.add_argument(
-        "--store", help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore/store)"
+        "--store",
+        help="store directory (default: $KVSTORE_DIR, else ~/.cache/kvstore/store)",
     )
     p.add_argument(
         "--strip-pattern",
@@ -421,11 +429,14 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
 
     handler = make_handler_class(mls.APIHandler, patterns)
     saved = {
-        name: getattr(mls, name) for name in ("LRUPromptCache", "ModelProvider", "_run_http_server")
+        name: getattr(mls, name)
+        for name in ("LRUPromptCache", "ModelProvider", "_run_http_server")
     }
     mls.LRUPromptCache = prompt_cache_factory
     mls.ModelProvider = KVStoreModelProvider
-    mls._run_http_server = functools.partial(saved["_run_http_server"], handler_class=handler)
+    mls._run_http_server = functools.partial(
+        saved["_run_http_server"], handler_class=handler
+    )
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt  # mlx-lm's serve_forever shutdown path

@@ -107,7 +107,9 @@ class KVStore:
         if disk_bytes is not None:
             _check_int("disk_bytes", disk_bytes, minimum=0)
         if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+            raise TypeError(
+                f"path must be a str or os.PathLike, got {type(path).__name__}"
+            )
         self.path = os.fspath(path)
         _prepare_dir(self.path)
 
@@ -127,10 +129,14 @@ class KVStore:
         self.index.register_namespace(self.namespace, self.description)
         if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
             maintenance.write_disk_budget(self.index, disk_bytes)
-        self.blobs = Blobs(os.path.join(self.path, "blobs"), os.path.join(self.path, "quarantine"))
+        self.blobs = Blobs(
+            os.path.join(self.path, "blobs"), os.path.join(self.path, "quarantine")
+        )
         self.ram = RamTier(ram_bytes)
         self.writer = BackgroundWriter(max_pending_bytes=max_pending_bytes)
-        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="kvstore-read")
+        self._readers = ThreadPoolExecutor(
+            read_threads, thread_name_prefix="kvstore-read"
+        )
         self._counters = _Counters()
         self._lock = threading.Lock()
         self._touched: Dict[bytes, float] = {}
@@ -232,7 +238,9 @@ class KVStore:
         with MLX_LOCK:
             return adapters.build_cache(self.layout, plan.layer_arrays(n), n), n
 
-    def _walk(self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False) -> List[_Step]:
+    def _walk(
+        self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
+    ) -> List[_Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
 
         With ``full_only`` the walk stops before a node that is not wholly used.
@@ -248,7 +256,9 @@ class KVStore:
                 if rec is not None and np.array_equal(rec.tokens, query):
                     step = _Step(h, rec, C)
             if step is None:
-                for h, rec, common in self.index.nearest_children(self.namespace, parent, query, txn):
+                for h, rec, common in self.index.nearest_children(
+                    self.namespace, parent, query, txn
+                ):
                     if h not in self._broken:
                         step = _Step(h, rec, common)
                         break
@@ -296,10 +306,15 @@ class KVStore:
                 staging=staging,
             )
             self._check_meta(meta)
-        plan.copy_node(data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens)
+        plan.copy_node(
+            data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens
+        )
 
     def _check_meta(self, meta: dict) -> None:
-        if meta.get("format") != _MARKER or meta.get("namespace") != self.namespace.hex():
+        if (
+            meta.get("format") != _MARKER
+            or meta.get("namespace") != self.namespace.hex()
+        ):
             raise CorruptBlob("file belongs to another namespace")
 
     def _report_broken(self, h: bytes, reason: str) -> None:
@@ -308,7 +323,11 @@ class KVStore:
                 return
             self._broken.add(h)
             self._counters.corrupt += 1
-        log.warning("kvstore: node %s is broken (%s); treating it as a miss", h.hex()[:12], reason)
+        log.warning(
+            "kvstore: node %s is broken (%s); treating it as a miss",
+            h.hex()[:12],
+            reason,
+        )
         self.ram.discard(h)
         self.writer.submit(lambda: self._quarantine(h, reason))
 
@@ -343,9 +362,12 @@ class KVStore:
         adapters.check_cache(self.layout, cache, len(arr))
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
-    def save_prefix(self, tokens, cache: Sequence[Any], *, kind: str = "user", pin: bool = False) -> int:
+    def save_prefix(
+        self, tokens, cache: Sequence[Any], *, kind: str = "user", pin: bool = False
+    ) -> int:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
-        (a generate loop's cache after the first new token): only the prefix is stored."""
+        (a generate loop's cache after the first new token): only the prefix is stored.
+        """
         arr = self._checked(tokens, kind, "save")
         adapters.check_cache(self.layout, cache, len(arr), exact=False)
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
@@ -361,7 +383,9 @@ class KVStore:
         return arr
 
     def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
-        path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True))
+        path = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+        )
         pos = sum(step.take for step in path)
         parent = path[-1].h if path else self.root
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
@@ -383,11 +407,16 @@ class KVStore:
         if (nodes or pin) and not self.writer.submit(job, nbytes):
             with self._lock:
                 self._counters.writes_dropped += 1
-            log.warning("kvstore: %d bytes of writes pending; dropped a save", self.writer.pending_bytes)
+            log.warning(
+                "kvstore: %d bytes of writes pending; dropped a save",
+                self.writer.pending_bytes,
+            )
             return 0
         return len(nodes)
 
-    def _write_nodes(self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]):
+    def _write_nodes(
+        self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
+    ):
         """Writer thread: publish the files, then commit their nodes in one transaction."""
         ns = self.namespace
         written = []
@@ -414,11 +443,22 @@ class KVStore:
             for node, data, checksum in written:
                 if data is None:
                     continue
-                parent_ok = node.parent == self.root or self.index.get_node(ns, node.parent, txn)
+                parent_ok = node.parent == self.root or self.index.get_node(
+                    ns, node.parent, txn
+                )
                 # A file evicted by another process after we wrote it must not be indexed.
                 if not parent_ok or not os.path.exists(self.blobs.path(ns, node.h)):
                     break
-                rec = NodeRecord(node.parent, node.start, node.tokens, len(data), checksum, kind, pin, now)
+                rec = NodeRecord(
+                    node.parent,
+                    node.start,
+                    node.tokens,
+                    len(data),
+                    checksum,
+                    kind,
+                    pin,
+                    now,
+                )
                 if self.index.put_node(txn, ns, node.h, rec):
                     if not added:
                         superseded = self._supersede(txn, node.h, rec)
@@ -435,7 +475,9 @@ class KVStore:
                 _, tensors, _ = _parse(data)
                 self.ram.put(h, RamEntry(data, tensors, rec.kind, rec.pinned))
         with self._lock:
-            self._broken.difference_update(h for h, _, _ in added)  # healed by a rewrite
+            self._broken.difference_update(
+                h for h, _, _ in added
+            )  # healed by a rewrite
             self._counters.nodes_written += len(added)
             self._counters.bytes_written += sum(len(d) for _, _, d in added)
         self._enforce_disk_budget()
@@ -457,7 +499,9 @@ class KVStore:
         The new node can be sliced to restore them, so keeping them only costs bytes.
         """
         gone = []
-        for sib, srec, common in self.index.nearest_children(self.namespace, rec.parent, rec.tokens, txn):
+        for sib, srec, common in self.index.nearest_children(
+            self.namespace, rec.parent, rec.tokens, txn
+        ):
             if (
                 sib != h
                 and common == srec.ntokens < rec.ntokens
@@ -477,13 +521,17 @@ class KVStore:
         (:func:`kvstore.maintenance.release_files`)."""
         for h in hashes:
             self.ram.discard(h)
-        maintenance.release_files(self.index, self.blobs, [(self.namespace, h) for h in hashes])
+        maintenance.release_files(
+            self.index, self.blobs, [(self.namespace, h) for h in hashes]
+        )
 
     def _quarantine(self, h: bytes, reason: str) -> None:
         """Writer thread: remove a broken node and its descendants from the index, then
         move its file to quarantine and unlink theirs."""
         ns = self.namespace
-        gone = self.index.write(lambda txn: maintenance.delete_subtree(self.index, txn, ns, h))
+        gone = self.index.write(
+            lambda txn: maintenance.delete_subtree(self.index, txn, ns, h)
+        )
         keys = [(ns, h)] + [(ns, x) for x, _ in gone if x != h]
         for _, x in keys:
             self.ram.discard(x)
@@ -529,11 +577,17 @@ class KVStore:
         """
         arr = self._checked(tokens, kind, "prefill")
         _check_int("step_tokens", step_tokens, minimum=1)
-        stored = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True))
+        stored = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+        )
         if sum(step.take for step in stored) == len(arr):
             self._touch(step.h for step in stored)
             if pin:
-                self.writer.submit(lambda: self._write_nodes([], kind=kind, pin=True, existing=[s.h for s in stored]))
+                self.writer.submit(
+                    lambda: self._write_nodes(
+                        [], kind=kind, pin=True, existing=[s.h for s in stored]
+                    )
+                )
             return {"tokens": len(arr), "computed": 0, "reused": len(arr)}
         cache, n = self.fetch(arr)
         for s in range(n, len(arr), step_tokens):
@@ -558,7 +612,10 @@ class KVStore:
             touched, self._touched = self._touched, {}
         if touched:
             self.index.write(
-                lambda txn: [self.index.touch(txn, self.namespace, h, t) for h, t in touched.items()]
+                lambda txn: [
+                    self.index.touch(txn, self.namespace, h, t)
+                    for h, t in touched.items()
+                ]
             )
 
     def _preload_pinned(self) -> None:

@@ -28,7 +28,10 @@ class BackgroundWriter:
 
     def submit(self, job: Callable[[], None], nbytes: int = 0) -> bool:
         with self._lock:
-            if self.pending_bytes and self.pending_bytes + nbytes > self.max_pending_bytes:
+            if (
+                self.pending_bytes
+                and self.pending_bytes + nbytes > self.max_pending_bytes
+            ):
                 self.dropped += 1
                 return False
             self.pending_bytes += nbytes

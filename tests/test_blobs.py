@@ -91,7 +91,9 @@ def test_serialize_parse_round_trip():
 def test_write_read_all_round_trip(written):
     blobs, tensors, data, checksum, path = written
     assert os.path.isfile(path)
-    assert path == os.path.join(blobs.root, NS.hex(), H.hex()[:2], H.hex() + ".safetensors")
+    assert path == os.path.join(
+        blobs.root, NS.hex(), H.hex()[:2], H.hex() + ".safetensors"
+    )
     got, parsed, meta = blobs.read_all(
         NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors)
     )
@@ -109,25 +111,42 @@ def test_written_file_is_valid_safetensors_for_mlx(written):
     np.testing.assert_array_equal(np.array(loaded["0.keys"]), tensors["0.keys"][2])
     np.testing.assert_array_equal(np.array(loaded["0.values"]), tensors["0.values"][2])
     assert loaded["1.keys"].dtype == mx.bfloat16
-    np.testing.assert_array_equal(np.array(loaded["1.keys"].view(mx.uint16)), tensors["1.keys"][2])
+    np.testing.assert_array_equal(
+        np.array(loaded["1.keys"].view(mx.uint16)), tensors["1.keys"][2]
+    )
 
 
 def test_read_staged_round_trip_reuses_staging(written, blobs):
     _, tensors, data, checksum, _ = written
     with pytest.raises(ValueError, match="staging buffer"):
         blobs.read_staged(
-            NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), staging=bytearray(10)
+            NS,
+            H,
+            nbytes=len(data),
+            checksum=checksum,
+            expected=expected_of(tensors),
+            staging=bytearray(10),
         )
     staging = bytearray(len(data) + 100)
     view, parsed, meta = blobs.read_staged(
-        NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), staging=staging
+        NS,
+        H,
+        nbytes=len(data),
+        checksum=checksum,
+        expected=expected_of(tensors),
+        staging=staging,
     )
     assert meta == META and bytes(view) == data and len(staging) >= len(data)
     for name, (_, _, arr) in tensors.items():
         assert bytes(view[parsed[name].start : parsed[name].end]) == arr.tobytes()
     before = len(staging)
     view2, _, _ = blobs.read_staged(
-        NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors), staging=staging
+        NS,
+        H,
+        nbytes=len(data),
+        checksum=checksum,
+        expected=expected_of(tensors),
+        staging=staging,
     )
     assert len(staging) == before and bytes(view2) == data
 
@@ -313,7 +332,9 @@ def test_parse_header_rejects_unknown_dtype(entry):
 )
 def test_parse_header_rejects_bad_or_huge_shapes(shape, offsets):
     with pytest.raises(CorruptBlob):
-        parse(raw_file({"a": dict(F32_1, shape=shape, data_offsets=offsets)}, b"\0" * 4))
+        parse(
+            raw_file({"a": dict(F32_1, shape=shape, data_offsets=offsets)}, b"\0" * 4)
+        )
 
 
 @pytest.mark.parametrize(
@@ -447,7 +468,16 @@ def test_check_layout():
     bf16_vs_f16 = dict(expected, **{"1.keys": ("float16", expected["1.keys"][1])})
     wrong_shape = dict(expected, **{"0.keys": ("float32", (2, 4, 5))})
     wrong_rank = dict(expected, **{"0.keys": ("float32", (2, 5, 4, 1))})
-    for bad in (missing, extra, renamed, wrong_dtype, bf16_vs_f16, wrong_shape, wrong_rank, {}):
+    for bad in (
+        missing,
+        extra,
+        renamed,
+        wrong_dtype,
+        bf16_vs_f16,
+        wrong_shape,
+        wrong_rank,
+        {},
+    ):
         with pytest.raises(CorruptBlob):
             check_layout(parsed, bad)
 
@@ -477,7 +507,9 @@ def _read_staged(blobs, tensors, data_len, checksum):
 
 
 def _read_all(blobs, tensors, data_len, checksum):
-    return blobs.read_all(NS, H, nbytes=data_len, checksum=checksum, expected=expected_of(tensors))
+    return blobs.read_all(
+        NS, H, nbytes=data_len, checksum=checksum, expected=expected_of(tensors)
+    )
 
 
 def test_checksum_mismatch_on_data_byte(written):
@@ -550,7 +582,12 @@ def test_layout_mismatch(written):
     expected = dict(expected_of(tensors), **{"0.keys": ("float32", (2, 6, 4))})
     with pytest.raises(CorruptBlob):
         blobs.read_staged(
-            NS, H, nbytes=len(data), checksum=checksum, expected=expected, staging=bytearray(len(data))
+            NS,
+            H,
+            nbytes=len(data),
+            checksum=checksum,
+            expected=expected,
+            staging=bytearray(len(data)),
         )
     with pytest.raises(CorruptBlob):
         blobs.read_all(NS, H, nbytes=len(data), checksum=checksum, expected=expected)
@@ -598,9 +635,9 @@ def _random_json(rng: random.Random, depth: int = 0):
     if r < 0.75:
         return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
     return {
-        rng.choice(["a", "dtype", "shape", "data_offsets", "__metadata__", "0.keys"]): _random_json(
-            rng, depth + 1
-        )
+        rng.choice(
+            ["a", "dtype", "shape", "data_offsets", "__metadata__", "0.keys"]
+        ): _random_json(rng, depth + 1)
         for _ in range(rng.randrange(4))
     }
 
@@ -643,7 +680,11 @@ def _mutate(rng: random.Random, data: bytes, header: dict) -> bytes:
         else:
             h[name] = _random_json(rng)
     else:
-        h = _random_json(rng) if rng.random() < 0.5 else dict(h, extra=_random_json(rng))
+        h = (
+            _random_json(rng)
+            if rng.random() < 0.5
+            else dict(h, extra=_random_json(rng))
+        )
     head = json.dumps(h).encode()
     if rng.random() < 0.2:
         body = body[: rng.randrange(len(body) + 1)]
@@ -668,7 +709,8 @@ def _check_invariants(m: bytes, start: int, tensors) -> None:
 
 def _relative(data_start, tensors):
     return {
-        n: (e.dtype, e.shape, e.start - data_start, e.end - data_start) for n, e in tensors.items()
+        n: (e.dtype, e.shape, e.start - data_start, e.end - data_start)
+        for n, e in tensors.items()
     }
 
 
@@ -705,7 +747,9 @@ def test_fuzz_mutations_parse_identically_or_raise_corrupt(blobs):
             pass
         else:
             # re-encoded JSON may move the data section: compare offsets inside it
-            assert _relative(start, parsed) == _relative(data_start, orig), f"mutation {i}"
+            assert _relative(start, parsed) == _relative(
+                data_start, orig
+            ), f"mutation {i}"
             assert len(m) - start == len(data) - data_start
             assert isinstance(meta, dict)
             outcomes["same"] += 1
@@ -714,7 +758,9 @@ def test_fuzz_mutations_parse_identically_or_raise_corrupt(blobs):
             f.write(m)
         for nbytes in {len(m), len(data)}:
             with pytest.raises(CorruptBlob):
-                blobs.read_all(NS, H, nbytes=nbytes, checksum=checksum, expected=expected)
+                blobs.read_all(
+                    NS, H, nbytes=nbytes, checksum=checksum, expected=expected
+                )
             with pytest.raises(CorruptBlob):
                 _read_staged(blobs, tensors, nbytes, checksum)
         # 3. even with a checksum that matches the damaged file, no other exception
@@ -726,7 +772,9 @@ def test_fuzz_mutations_parse_identically_or_raise_corrupt(blobs):
             pass
         else:
             start = 8 + struct.unpack_from("<Q", m)[0]
-            assert _relative(start, parsed) == _relative(data_start, orig), f"mutation {i}"
+            assert _relative(start, parsed) == _relative(
+                data_start, orig
+            ), f"mutation {i}"
     # the generator exercised both outcomes
     assert outcomes["corrupt"] > 150
     assert outcomes["same"] > 10

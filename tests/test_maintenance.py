@@ -19,7 +19,9 @@ from kvstore.index import _OPEN, FORMAT_VERSION, Index
 
 C = 64
 A = random_tokens(300, seed=21)  # 4 full chunks and a 44-token tail: nodes a[0..4]
-B = A[:128] + random_tokens(100, seed=22)  # shares a[0], a[1]; then b[2] (64), b[3] (36)
+B = A[:128] + random_tokens(
+    100, seed=22
+)  # shares a[0], a[1]; then b[2] (64), b[3] (36)
 X = random_tokens(150, seed=23)  # the other model's prompt: 64 + 64 + 22
 
 
@@ -29,7 +31,9 @@ def node_hashes(ns: bytes, tokens) -> list:
 
 
 def blob_path(path, ns: bytes, h: bytes) -> str:
-    return Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine")).path(ns, h)
+    return Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine")).path(
+        ns, h
+    )
 
 
 def with_index(path, fn):
@@ -103,7 +107,9 @@ def test_stats_match_what_was_saved(store):
     st = m.store_stats(store.path)
     assert st["format_version"] == FORMAT_VERSION
     assert st["disk_budget"] is None
-    assert [n["id"] for n in st["namespaces"]] == sorted([store.ns.hex(), store.other.hex()])
+    assert [n["id"] for n in st["namespaces"]] == sorted(
+        [store.ns.hex(), store.other.hex()]
+    )
     mine = ns_stats(store.path, store.ns)
     assert store.stats["nodes"] == mine["nodes"] == 7
     assert store.stats["stored_tokens"] == mine["tokens"] == 400
@@ -121,15 +127,24 @@ def test_stats_match_what_was_saved(store):
     assert other["bytes"] == store.other_stats["bytes_on_disk"]
     totals = st["totals"]
     assert (totals["namespaces"], totals["nodes"], totals["prompts"]) == (2, 10, 3)
-    assert totals["bytes"] == st["bytes_on_disk"] == store.other_stats["store_bytes_on_disk"]
+    assert (
+        totals["bytes"]
+        == st["bytes_on_disk"]
+        == store.other_stats["store_bytes_on_disk"]
+    )
     assert totals["file_bytes"] == st["file_bytes"] == totals["bytes"]
-    assert totals["files"] == 10 and totals["temp_files"] == totals["quarantine_files"] == 0
+    assert (
+        totals["files"] == 10
+        and totals["temp_files"] == totals["quarantine_files"] == 0
+    )
     assert totals["index_bytes"] > 0
 
 
 def test_list_tree_shape(store):
     trees = m.list_tree(store.path)
-    assert [t["namespace"] for t in trees] == sorted([store.ns.hex(), store.other.hex()])
+    assert [t["namespace"] for t in trees] == sorted(
+        [store.ns.hex(), store.other.hex()]
+    )
     mine = next(t for t in trees if t["namespace"] == store.ns.hex())
     assert (mine["model_type"], mine["nodes"], mine["more"]) == ("llama", 7, 0)
     (n0,) = mine["children"]
@@ -153,7 +168,9 @@ def test_list_tree_shape(store):
 
 
 def test_list_tree_limits(store):
-    (tree,) = m.list_tree(store.path, namespace=store.ns.hex()[:8], max_depth=2, max_children=1)
+    (tree,) = m.list_tree(
+        store.path, namespace=store.ns.hex()[:8], max_depth=2, max_children=1
+    )
     assert tree["namespace"] == store.ns.hex()
     n1 = tree["children"][0]["children"][0]
     assert n1["children"] == [] and n1["more"] == 2
@@ -203,7 +220,12 @@ def test_empty_store(tmp_path, model):
     KVStore(path, model, chunk_tokens=C).close()
     st = m.store_stats(path)
     (ns,) = st["namespaces"]
-    assert (ns["nodes"], ns["prompts"], ns["oldest"], ns["last_access"]) == (0, 0, None, None)
+    assert (ns["nodes"], ns["prompts"], ns["oldest"], ns["last_access"]) == (
+        0,
+        0,
+        None,
+        None,
+    )
     assert st["bytes_on_disk"] == st["file_bytes"] == 0
     assert m.list_tree(path)[0]["children"] == []
     assert m.verify(path)["clean"] and m.verify(path)["nodes"] == 0
@@ -213,7 +235,11 @@ def test_empty_store(tmp_path, model):
 def test_verify_clean_store(store):
     report = m.verify(store.path)
     assert report["clean"] and report["errors"] == 0 and report["problems"] == []
-    assert (report["namespaces"], report["nodes"], report["files_checked"]) == (2, 10, 10)
+    assert (report["namespaces"], report["nodes"], report["files_checked"]) == (
+        2,
+        10,
+        10,
+    )
     assert report["bytes_checked"] == m.store_stats(store.path)["bytes_on_disk"]
     assert report["fixed"] is None
     assert m.verify(store.path, fix=True)["fixed"] is None  # nothing to do
@@ -251,7 +277,9 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_verify_finds_and_fixes_a_broken_file(store, model, damage):
     victim = blob_path(store.path, store.ns, store.a[2])  # tokens 128..192, A's only
-    if damage == "other-namespace":  # the other model's first node: same shapes and size
+    if (
+        damage == "other-namespace"
+    ):  # the other model's first node: same shapes and size
         source = blob_path(store.path, store.other, store.x[0])
     else:
         source = blob_path(store.path, store.ns, store.a[3])
@@ -260,14 +288,18 @@ def test_verify_finds_and_fixes_a_broken_file(store, model, damage):
     assert not report["clean"] and report["errors"] == 1
     (problem,) = report["problems"]
     assert problem["kind"] == DAMAGE[damage]
-    assert problem["namespace"] == store.ns.hex() and problem["node"] == store.a[2].hex()
+    assert (
+        problem["namespace"] == store.ns.hex() and problem["node"] == store.a[2].hex()
+    )
     assert problem["file"] == victim and problem["detail"]
 
     fixed = m.verify(store.path, fix=True)["fixed"]
     assert fixed["nodes_removed"] == 3  # a[2] with its descendants a[3], a[4]
     assert fixed["skipped"] == 0 and fixed["files_unlinked"] == 2
     assert len(fixed["quarantined"]) == (0 if damage == "delete" else 1)
-    assert all(q.startswith(str(store.path / "quarantine")) for q in fixed["quarantined"])
+    assert all(
+        q.startswith(str(store.path / "quarantine")) for q in fixed["quarantined"]
+    )
     after = m.verify(store.path)
     assert after["clean"] and after["problems"] == []
     mine = ns_stats(store.path, store.ns)
@@ -292,7 +324,11 @@ def test_verify_finds_and_fixes_corrupt_index_records(store, model):
     assert fixed["index_repairs"] >= 2  # a[1]'s edge to a[2], and the counters
     assert m.verify(store.path)["problems"] == []
     mine = ns_stats(store.path, store.ns)
-    assert (mine["nodes"], mine["tokens"], mine["bytes"]) == (4, 228, mine["file_bytes"])
+    assert (mine["nodes"], mine["tokens"], mine["bytes"]) == (
+        4,
+        228,
+        mine["file_bytes"],
+    )
     assert_restores(model, store.path, A, 128)
     assert_restores(model, store.path, B, len(B))
 
@@ -326,11 +362,19 @@ def test_verify_repairs_index_tables(store):
 
     with_index(store.path, damage)
     report = m.verify(store.path)
-    assert sorted(p["kind"] for p in report["problems"]) == ["counters", "index", "index"]
+    assert sorted(p["kind"] for p in report["problems"]) == [
+        "counters",
+        "index",
+        "index",
+    ]
     assert m.verify(store.path, fix=True)["fixed"]["index_repairs"] == 3
     assert m.verify(store.path)["problems"] == []
     mine = ns_stats(store.path, store.ns)
-    assert (mine["nodes"], mine["tokens"], mine["bytes"]) == (7, 400, store.stats["bytes_on_disk"])
+    assert (mine["nodes"], mine["tokens"], mine["bytes"]) == (
+        7,
+        400,
+        store.stats["bytes_on_disk"],
+    )
 
 
 def test_orphans_and_temp_files_are_reported_but_clean(store):
@@ -351,7 +395,10 @@ def test_orphans_and_temp_files_are_reported_but_clean(store):
     assert (report["orphans"], report["temp_files"], report["stray_files"]) == (2, 1, 1)
     files = {p["kind"]: p["file"] for p in report["problems"] if p["kind"] != "orphan"}
     assert files == {"temp": temp, "stray": str(store.path / "blobs" / "notes.txt")}
-    assert {p["file"] for p in report["problems"] if p["kind"] == "orphan"} == {orphan, misplaced}
+    assert {p["file"] for p in report["problems"] if p["kind"] == "orphan"} == {
+        orphan,
+        misplaced,
+    }
 
 
 # -- gc ---------------------------------------------------------------------------------
@@ -369,13 +416,21 @@ def test_gc_removes_orphans_and_old_temp_files(store):
             f.write(b"x" * 100)
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     report = m.gc(store.path)
-    assert report["orphans_removed"] == 1 and report["orphan_bytes"] == os.path.getsize(src)
-    assert (report["temp_removed"], report["temp_bytes"], report["temp_kept"]) == (1, 100, 1)
+    assert report["orphans_removed"] == 1 and report["orphan_bytes"] == os.path.getsize(
+        src
+    )
+    assert (report["temp_removed"], report["temp_bytes"], report["temp_kept"]) == (
+        1,
+        100,
+        1,
+    )
     assert report["budget"] is None and report["evicted_nodes"] == 0
     assert report["broken_nodes"] == 0 and report["namespaces_dropped"] == []
     assert report["bytes_freed"] == report["orphan_bytes"] + 100
     assert report["bytes_before"] == report["bytes_after"]
-    assert not os.path.exists(orphan) and not os.path.exists(old) and os.path.exists(fresh)
+    assert (
+        not os.path.exists(orphan) and not os.path.exists(old) and os.path.exists(fresh)
+    )
     assert os.path.exists(src) and ns_stats(store.path, store.ns)["nodes"] == 7
     assert m.verify(store.path)["temp_files"] == 1
     # An hour later the fresh one is old too.
@@ -387,16 +442,22 @@ def test_gc_removes_broken_nodes(store, model):
     _damage(blob_path(store.path, store.ns, store.a[2]), "truncate", "")
     _damage(blob_path(store.path, store.ns, store.b[2]), "flip-data", "")
     quick = m.gc(store.path, check_data=False)  # sizes only: finds the truncated file
-    assert quick["broken_nodes"] == 3 and [p["kind"] for p in quick["problems"]] == ["size"]
+    assert quick["broken_nodes"] == 3 and [p["kind"] for p in quick["problems"]] == [
+        "size"
+    ]
     assert len(quick["quarantined"]) == 1
     full = m.gc(store.path)
-    assert full["broken_nodes"] == 2 and [p["kind"] for p in full["problems"]] == ["checksum"]
+    assert full["broken_nodes"] == 2 and [p["kind"] for p in full["problems"]] == [
+        "checksum"
+    ]
     assert m.verify(store.path)["problems"] == []
     assert_restores(model, store.path, B, 128)
 
 
 def test_gc_evicts_unpinned_lru_leaves_first_and_pinned_last(tmp_path, model):
-    prompts = [random_tokens(128, seed=400 + i) for i in range(4)]  # two equal nodes each
+    prompts = [
+        random_tokens(128, seed=400 + i) for i in range(4)
+    ]  # two equal nodes each
     path = tmp_path / "s"
     with KVStore(path, model, chunk_tokens=C) as s:
         for i, p in enumerate(prompts):
@@ -413,14 +474,24 @@ def test_gc_evicts_unpinned_lru_leaves_first_and_pinned_last(tmp_path, model):
         return [sum(h in ids for h in hs) for hs in hashes]
 
     report = m.gc(path, max_bytes=3 * per)
-    assert (report["evicted_nodes"], report["evicted_pinned"], report["over_budget"]) == (2, 0, 0)
+    assert (
+        report["evicted_nodes"],
+        report["evicted_pinned"],
+        report["over_budget"],
+    ) == (2, 0, 0)
     assert report["evicted_bytes"] == per and report["bytes_after"] == 3 * per
     assert stored() == [2, 2, 0, 2]  # the least recently used unpinned prompt, whole
     report = m.gc(path, max_bytes=per)
     assert (report["evicted_nodes"], report["evicted_pinned"]) == (4, 0)
     assert stored() == [2, 0, 0, 0]
-    report = m.gc(path, max_bytes=per // 2)  # nothing unpinned is left: a pinned leaf goes
-    assert (report["evicted_nodes"], report["evicted_pinned"], report["over_budget"]) == (1, 1, 0)
+    report = m.gc(
+        path, max_bytes=per // 2
+    )  # nothing unpinned is left: a pinned leaf goes
+    assert (
+        report["evicted_nodes"],
+        report["evicted_pinned"],
+        report["over_budget"],
+    ) == (1, 1, 0)
     assert node_ids(path, ns) == {hashes[0][0]}
     assert m.verify(path)["problems"] == []
     assert_restores(model, path, prompts[0], 64)
@@ -474,13 +545,19 @@ def test_gc_keep_namespaces_and_bad_names(store):
     with pytest.raises(TypeError, match="list"):
         m.gc(store.path, drop_namespaces=store.other.hex())
     with pytest.raises(ValueError, match="both"):
-        m.gc(store.path, drop_namespaces=[store.other.hex()], keep_namespaces=[store.other.hex()])
+        m.gc(
+            store.path,
+            drop_namespaces=[store.other.hex()],
+            keep_namespaces=[store.other.hex()],
+        )
     with pytest.raises(ValueError, match="max_bytes"):
         m.gc(store.path, max_bytes=-1)
     assert m.store_stats(store.path)["totals"] == before["totals"]  # nothing happened
     report = m.gc(store.path, keep_namespaces=[store.ns.hex()[:10]])
     assert report["namespaces_dropped"] == [store.other.hex()]
-    assert [n["id"] for n in m.store_stats(store.path)["namespaces"]] == [store.ns.hex()]
+    assert [n["id"] for n in m.store_stats(store.path)["namespaces"]] == [
+        store.ns.hex()
+    ]
 
 
 def test_disk_budget_is_recorded_and_used_by_gc(tmp_path, model):
@@ -509,9 +586,13 @@ def test_release_files_keeps_the_file_of_a_re_added_node(store):
     ns, h = store.ns, store.a[4]
     index = Index(os.path.join(store.path, "index"), create=False)
     try:
-        blobs = Blobs(os.path.join(store.path, "blobs"), os.path.join(store.path, "quarantine"))
+        blobs = Blobs(
+            os.path.join(store.path, "blobs"), os.path.join(store.path, "quarantine")
+        )
         rec = index.write(lambda txn: index.delete_node(txn, ns, h))
-        index.write(lambda txn: index.put_node(txn, ns, h, rec))  # another process re-adds it
+        index.write(
+            lambda txn: index.put_node(txn, ns, h, rec)
+        )  # another process re-adds it
         assert m.release_files(index, blobs, [(ns, h)]).unlinked == 0
         assert os.path.exists(blobs.path(ns, h))
         index.write(lambda txn: index.delete_node(txn, ns, h))
@@ -529,7 +610,9 @@ def test_pin_path_and_set_pinned(store, model):
     path, ns, a, b = store.path, store.ns, store.a, store.b
     assert m.pin_path(path, ns.hex(), a[4].hex()[:12], True) == 5
     assert pinned_ids(path, ns) == set(a)
-    assert m.pin_path(path, ns.hex()[:8], b[3].hex(), True) == 2  # a[0], a[1] already are
+    assert (
+        m.pin_path(path, ns.hex()[:8], b[3].hex(), True) == 2
+    )  # a[0], a[1] already are
     assert ns_stats(path, ns)["pinned_bytes"] == store.stats["bytes_on_disk"]
     # Unpinning A releases what only A needs; the prefix B shares stays pinned.
     assert m.pin_path(path, ns.hex(), a[4].hex(), False) == 3

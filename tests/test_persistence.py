@@ -61,8 +61,12 @@ def run(code: str) -> str:
 def test_fetch_in_a_fresh_process(tmp_path):
     path = str(tmp_path / "store")
     run(SAVE.format(tests=TESTS, path=path))
-    result = json.loads(run(FETCH.format(tests=TESTS, path=path)).strip().splitlines()[-1])
+    result = json.loads(
+        run(FETCH.format(tests=TESTS, path=path)).strip().splitlines()[-1]
+    )
     assert result["n"] == 700
     assert result["allclose"] and result["same_tokens"]
-    assert result["ram_entries_at_open"] == 6  # pinned: 5 chunks of 128 and a 60-token tail
+    assert (
+        result["ram_entries_at_open"] == 6
+    )  # pinned: 5 chunks of 128 and a 60-token tail
     assert result["stats"] == {"hits": 2, "corrupt": 0, "errors": 0}

@@ -8,7 +8,9 @@ from kvstore.policy import RAM_ORDER
 from kvstore.ram import RamEntry, RamTier
 
 
-def entry(nbytes: int, kind: str = "user", pinned: bool = False, fill: int = 0) -> RamEntry:
+def entry(
+    nbytes: int, kind: str = "user", pinned: bool = False, fill: int = 0
+) -> RamEntry:
     return RamEntry(bytes([fill]) * nbytes, {}, kind, pinned)
 
 
@@ -205,7 +207,9 @@ def test_concurrent_puts_keep_accounting_consistent():
 
     def worker(t):
         for i in range(300):
-            ram.put((t, i % 50), entry(100 + (i % 7) * 10, kinds[(t + i) % 3], i % 11 == 0))
+            ram.put(
+                (t, i % 50), entry(100 + (i % 7) * 10, kinds[(t + i) % 3], i % 11 == 0)
+            )
             ram.get((t, (i * 7) % 50))
             if i % 13 == 0:
                 ram.discard((t, (i * 3) % 50))

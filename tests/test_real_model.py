@@ -16,7 +16,10 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence."
 
 
 def chat_tokens(tokenizer, user: str):
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": user},
+    ]
     full = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     system = tokenizer.apply_chat_template(messages[:1])
     assert full[: len(system)] == system
@@ -47,15 +50,23 @@ def test_stream_generate_reuses_across_stores(tmp_path, smollm2):
     tokens, _ = chat_tokens(tokenizer, "Name a primary colour.")
     from mlx_lm import stream_generate
 
-    want = "".join(r.text for r in stream_generate(model, tokenizer, tokens, max_tokens=8))
+    want = "".join(
+        r.text for r in stream_generate(model, tokenizer, tokens, max_tokens=8)
+    )
     path = tmp_path / "s"
     with KVStore(path, model, tokenizer) as store:
         first = "".join(
-            r.text for r in kvstore.stream_generate(model, tokenizer, tokens, store=store, max_tokens=8)
+            r.text
+            for r in kvstore.stream_generate(
+                model, tokenizer, tokens, store=store, max_tokens=8
+            )
         )
     with KVStore(path, model, tokenizer) as store:  # a "restart"
         second = "".join(
-            r.text for r in kvstore.stream_generate(model, tokenizer, tokens, store=store, max_tokens=8)
+            r.text
+            for r in kvstore.stream_generate(
+                model, tokenizer, tokens, store=store, max_tokens=8
+            )
         )
         assert store.stats()["tokens_reused"] == len(tokens) - 1
     assert first == want and second == want

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import compute_cache, random_tokens
 from mlx_lm.models.cache import LRUPromptCache
 
-from conftest import compute_cache, random_tokens
 from kvstore.server import PersistentPromptCache, strip_body
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,11 @@ KEY = ("tiny", None, None)
 
 def provider(model, tokenizer):
     return SimpleNamespace(
-        model=model, tokenizer=tokenizer, model_key=KEY, draft_model=None, processor=None
+        model=model,
+        tokenizer=tokenizer,
+        model_key=KEY,
+        draft_model=None,
+        processor=None,
     )
 
 
@@ -164,7 +168,9 @@ def test_strip_body():
             },
             {
                 "role": "user",
-                "content": [{"type": "text", "text": "hi\nx-anthropic-billing-header: a\n"}],
+                "content": [
+                    {"type": "text", "text": "hi\nx-anthropic-billing-header: a\n"}
+                ],
             },
         ],
         "prompt": "x-anthropic-billing-header: z\nw9",
@@ -187,7 +193,9 @@ def free_port() -> int:
 def request(port, path, body=None, timeout=60):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
@@ -197,11 +205,23 @@ class Server:
     def __init__(self, args, log_path):
         self.port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [os.getcwd(), env.get("PYTHONPATH")])
+        )
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        cmd = [
+            sys.executable,
+            "-m",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env
+        )
         try:
             self._wait_ready(timeout=60)
         except BaseException:
@@ -218,7 +238,9 @@ class Server:
                     return
             except (OSError, urllib.error.URLError):
                 pass
-            assert time.monotonic() < deadline, "server did not start:\n" + self.output()
+            assert time.monotonic() < deadline, (
+                "server did not start:\n" + self.output()
+            )
             time.sleep(0.2)
 
     def output(self) -> str:
@@ -248,7 +270,10 @@ SYSTEM = " ".join(f"w{3 + (i * 7) % 509}" for i in range(300))
 def chat_body(user, system=SYSTEM):
     return {
         "model": "default_model",
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ],
         "temperature": 0,
         "max_tokens": 8,
     }
@@ -264,7 +289,9 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
     first = chat_body("w10 w11 w12 w13")
     second = chat_body("w20 w21 w22")
 
-    plain = Server(["mlx_lm", "server", "--model", tiny_model_dir], tmp_path / "plain.log")
+    plain = Server(
+        ["mlx_lm", "server", "--model", tiny_model_dir], tmp_path / "plain.log"
+    )
     try:
         want_first, want_second = answer(plain.chat(first)), answer(plain.chat(second))
     finally:
@@ -288,12 +315,16 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
     assert answer(r) == want_second
     assert stats["disk_hits"] == 1 and stats["ram_hits"] == 0
     assert stats["tokens_reused_disk"] >= 300  # the whole system prompt, from disk
-    assert stats["tokens_computed"] == stats["tokens_requested"] - stats["tokens_reused"]
+    assert (
+        stats["tokens_computed"] == stats["tokens_requested"] - stats["tokens_reused"]
+    )
     assert stats["stores"][0]["hits"] == 1
     assert re.search(r"kvstore: prompt \d+ tokens: reused (\d+) \(disk\)", s2.output())
 
     # Corrupt every chunk file: the request still succeeds, computed from scratch.
-    files = glob.glob(os.path.join(store, "blobs", "**", "*.safetensors"), recursive=True)
+    files = glob.glob(
+        os.path.join(store, "blobs", "**", "*.safetensors"), recursive=True
+    )
     assert files
     for path in files:
         with open(path, "r+b") as f:
@@ -322,12 +353,21 @@ def test_serve_strip_pattern(tmp_path, tiny_model_dir):
     ]
     s = Server(kv, tmp_path / "run.log")
     try:
-        a = s.chat(chat_body("w30 w31", system="x-anthropic-billing-header: w100 w101\n" + SYSTEM))
-        b = s.chat(chat_body("w30 w31", system="x-anthropic-billing-header: w200\n" + SYSTEM))
+        a = s.chat(
+            chat_body(
+                "w30 w31", system="x-anthropic-billing-header: w100 w101\n" + SYSTEM
+            )
+        )
+        b = s.chat(
+            chat_body("w30 w31", system="x-anthropic-billing-header: w200\n" + SYSTEM)
+        )
         stats = request(s.port, "/kvstore/stats")
     finally:
         assert s.stop() == 0, s.output()
     assert answer(a) == answer(b)
     # Same tokens once the header is gone: the second prompt is all cached.
     assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
-    assert stats["requests"] == 2 and stats["tokens_reused"] >= a["usage"]["prompt_tokens"] - 1
+    assert (
+        stats["requests"] == 2
+        and stats["tokens_reused"] >= a["usage"]["prompt_tokens"] - 1
+    )

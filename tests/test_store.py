@@ -285,7 +285,9 @@ def test_broken_file_is_a_miss_and_a_report(tmp_path, model, damage):
 
 def _node_at(store, tokens, start):
     path = store.index.read(
-        lambda txn: store._walk(txn, np.array(tokens, dtype=np.int32), limit=len(tokens))
+        lambda txn: store._walk(
+            txn, np.array(tokens, dtype=np.int32), limit=len(tokens)
+        )
     )
     return next(step.h for step in path if step.rec.start == start)
 
@@ -361,7 +363,11 @@ def test_prefill_computes_only_what_is_missing(tmp_path, model):
         s.flush()
         assert s.prefill(STORED)["computed"] == 0
         longer = STORED + FRESH[:100]
-        assert s.prefill(longer, step_tokens=37) == {"tokens": 400, "computed": 100, "reused": 300}
+        assert s.prefill(longer, step_tokens=37) == {
+            "tokens": 400,
+            "computed": 100,
+            "reused": 300,
+        }
         s.flush()
         assert_same_as_cold(model, s, longer + [7], len(longer))
 
@@ -383,11 +389,16 @@ def test_stream_generate_matches_mlx_lm(tmp_path, model, tokenizer):
     from mlx_lm import stream_generate as mlx_stream_generate
 
     prompt = " ".join(f"w{t}" for t in STORED[:150] if t >= 3)
-    want = [r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=12)]
+    want = [
+        r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=12)
+    ]
     n_prompt = len(tokenizer.encode(prompt))
     with KVStore(tmp_path / "s", model, tokenizer, chunk_tokens=C) as s:
         run = lambda: [  # noqa: E731
-            r.token for r in kvstore.stream_generate(model, tokenizer, prompt, store=s, max_tokens=12)
+            r.token
+            for r in kvstore.stream_generate(
+                model, tokenizer, prompt, store=s, max_tokens=12
+            )
         ]
         first = run()
         s.flush()
@@ -401,7 +412,10 @@ def test_threads_fetch_while_saving(tmp_path, model):
     prompts = [random_tokens(200, seed=300 + i) for i in range(6)]
     caches = [compute_cache(model, p) for p in prompts]
     # Compared with numpy: MLX graph evaluation is not meant to run on several threads.
-    refs = {i: [np.array(c.keys[:, :, :199]) for c in caches[i]] for i in range(len(prompts))}
+    refs = {
+        i: [np.array(c.keys[:, :, :199]) for c in caches[i]]
+        for i in range(len(prompts))
+    }
     errors = []
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as s:
 
@@ -412,7 +426,9 @@ def test_threads_fetch_while_saving(tmp_path, model):
                         cache, n = s.fetch(p)
                         if n:
                             for got, want in zip(cache, refs[i]):
-                                assert np.array_equal(np.asarray(got.keys), want[:, :, :n])
+                                assert np.array_equal(
+                                    np.asarray(got.keys), want[:, :, :n]
+                                )
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(e)
 
@@ -438,9 +454,10 @@ def test_closed_store_refuses_use(tmp_path, model):
 
 
 def test_two_models_share_one_store_in_one_process(tmp_path, model, other_model):
-    with KVStore(tmp_path / "s", model, chunk_tokens=C) as a, KVStore(
-        tmp_path / "s", other_model, chunk_tokens=C
-    ) as b:
+    with (
+        KVStore(tmp_path / "s", model, chunk_tokens=C) as a,
+        KVStore(tmp_path / "s", other_model, chunk_tokens=C) as b,
+    ):
         a.save(STORED, compute_cache(model, STORED))
         b.save(FRESH, compute_cache(other_model, FRESH))
         a.flush()

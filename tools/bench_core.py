@@ -34,7 +34,12 @@ import mlx_lm
 import numpy as np
 import xxhash
 from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
 
 from kvstore import KVStore
 from kvstore.chunking import as_token_array, chain_hashes, root_hash, split_spans
@@ -172,7 +177,10 @@ def git_describe():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "kvstore"],
@@ -276,7 +284,11 @@ def bench_restore(model, dtype, n, repeats, tmp, rng, per_token, miss):
 
     store_dir = os.path.join(tmp, f"store-{n}")
     store = KVStore(
-        store_dir, model, ram_bytes=0, chunk_tokens=CHUNK_TOKENS, read_threads=READ_THREADS
+        store_dir,
+        model,
+        ram_bytes=0,
+        chunk_tokens=CHUNK_TOKENS,
+        read_threads=READ_THREADS,
     )
     t0 = time.perf_counter()
     store.save(tokens, src)
@@ -367,7 +379,10 @@ def bench_restore(model, dtype, n, repeats, tmp, rng, per_token, miss):
     times, faults = run_interleaved(
         {"kvstore": lambda: time_kvstore_fetch(ram, query, n)[0]}, repeats
     )
-    out["ram_warm_times_s"], out["ram_warm_faults"] = times["kvstore"], faults["kvstore"]
+    out["ram_warm_times_s"], out["ram_warm_faults"] = (
+        times["kvstore"],
+        faults["kvstore"],
+    )
     out["ram_entries"] = ram.stats()["ram_entries"]
     ram.close()
     mx.clear_cache()
@@ -431,7 +446,9 @@ def bench_save(model, dtype, repeats, tmp, rng, per_token):
     """Section 4: save() return time vs the write it queues (default store settings)."""
     src = synthetic_cache(SAVE_TOKENS, dtype, seed=1)
     store_dir = os.path.join(tmp, "store-save")
-    store = KVStore(store_dir, model, chunk_tokens=CHUNK_TOKENS, read_threads=READ_THREADS)
+    store = KVStore(
+        store_dir, model, chunk_tokens=CHUNK_TOKENS, read_threads=READ_THREADS
+    )
     firsts = set()
 
     def fresh():
@@ -495,7 +512,12 @@ def print_report(res):
     print("-" * len(hdr))
     for r in res["restore"]:
         n, kvb = r["tokens"], r["kv_bytes"]
-        t, f, rt, rf = r["times_s"], r["faults"], r["recycled_times_s"], r["recycled_faults"]
+        t, f, rt, rf = (
+            r["times_s"],
+            r["faults"],
+            r["recycled_times_s"],
+            r["recycled_faults"],
+        )
         rows = [
             ("MLX defaults (new memory for every restore)", None, None),
             ("kvstore fetch, steady state", t["kvstore"], f["kvstore"]),
@@ -504,13 +526,25 @@ def print_report(res):
                 [r["kvstore_first_s"]],
                 [r["kvstore_first_faults"]],
             ),
-            ("mlx-lm load_prompt_cache, 1 file", t["load_prompt_cache"], f["load_prompt_cache"]),
+            (
+                "mlx-lm load_prompt_cache, 1 file",
+                t["load_prompt_cache"],
+                f["load_prompt_cache"],
+            ),
             ("raw preadv, 1 file", t["raw_read"], f["raw_read"]),
-            ("kvstore fetch, RAM tier warm", r["ram_warm_times_s"], r["ram_warm_faults"]),
+            (
+                "kvstore fetch, RAM tier warm",
+                r["ram_warm_times_s"],
+                r["ram_warm_faults"],
+            ),
             ("kvstore fetch, RAM tier filling (1 call)", [r["ram_fill_s"]], None),
             ("MLX buffer cache raised (memory recycled)", None, None),
             ("kvstore fetch, steady state", rt["kvstore"], rf["kvstore"]),
-            ("mlx-lm load_prompt_cache, 1 file", rt["load_prompt_cache"], rf["load_prompt_cache"]),
+            (
+                "mlx-lm load_prompt_cache, 1 file",
+                rt["load_prompt_cache"],
+                rf["load_prompt_cache"],
+            ),
             ("raw preadv, 1 file", rt["raw_read"], rf["raw_read"]),
         ]
         print(f"{n:>7} {kvb / MB:>7.1f}")
@@ -525,7 +559,9 @@ def print_report(res):
                 f"{fmt_ms(min(ts))} {fmt_ms(max(ts))} {faults}"
             )
         k, lp, raw = (med(t[c]) for c in ("kvstore", "load_prompt_cache", "raw_read"))
-        rk, rlp, rraw = (med(rt[c]) for c in ("kvstore", "load_prompt_cache", "raw_read"))
+        rk, rlp, rraw = (
+            med(rt[c]) for c in ("kvstore", "load_prompt_cache", "raw_read")
+        )
         print(
             f"{'':16}  ratios of GB/s, MLX defaults: kvstore/load_prompt_cache = "
             f"{lp / k:.2f}, kvstore/raw read = {raw / k:.2f}; first/steady time = "
@@ -597,7 +633,9 @@ def print_report(res):
     print(f"   save_return / (save_return + flush) = {s['ratio']:.4f}")
 
     print()
-    print("5. Bytes on disk vs KV bytes stored (restore stores; index dir = apparent file sizes)")
+    print(
+        "5. Bytes on disk vs KV bytes stored (restore stores; index dir = apparent file sizes)"
+    )
     for r in res["restore"]:
         d = r["disk"]
         print(
@@ -705,7 +743,10 @@ def main(argv=None):
     )
 
     tmp = tempfile.mkdtemp(prefix="kvstore-bench-", dir="/tmp")
-    print(f"temp dir: {tmp}{' (kept)' if args.keep else ' (removed at the end)'}", flush=True)
+    print(
+        f"temp dir: {tmp}{' (kept)' if args.keep else ' (removed at the end)'}",
+        flush=True,
+    )
     res = {
         "command": ["python"] + sys.argv,
         "python_executable": sys.executable,
@@ -741,7 +782,9 @@ def main(argv=None):
             res["restore"].append(r)
             if miss is not None:
                 res["miss"] = miss
-            print(f"  ... {n} tokens done in {time.perf_counter() - t0:.0f} s", flush=True)
+            print(
+                f"  ... {n} tokens done in {time.perf_counter() - t0:.0f} s", flush=True
+            )
         res["hash"] = bench_hash(rng)
         res["save"] = bench_save(model, dtype, args.repeats, tmp, rng, per_token)
         res["targets"] = targets(res)

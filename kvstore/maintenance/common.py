@@ -17,7 +17,9 @@ from ..policy import DiskNode, disk_victims
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 
-DISK_BUDGET_KEY = b"disk_bytes"  # in the meta DB: the last budget a KVStore was opened with
+DISK_BUDGET_KEY = (
+    b"disk_bytes"  # in the meta DB: the last budget a KVStore was opened with
+)
 
 _RELEASE_BATCH = 1024  # files unlinked per write transaction (the writer lock is held)
 _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
@@ -189,7 +191,9 @@ def release_files(
     return out
 
 
-def _delete_namespace(index: Index, txn, ns: bytes) -> List[Tuple[bytes, Optional[NodeRecord]]]:
+def _delete_namespace(
+    index: Index, txn, ns: bytes
+) -> List[Tuple[bytes, Optional[NodeRecord]]]:
     """Remove everything of namespace ``ns`` from the index, in a write transaction.
 
     Returns ``(hash, record)`` of its nodes (record None where it did not decode).
@@ -227,7 +231,9 @@ def _prefixed(txn, db, prefix: bytes) -> List[Tuple[bytes, bytes]]:
 class Eviction:
     """What :func:`evict_to_budget` did."""
 
-    gone: List[Tuple[Key, NodeRecord]] = field(default_factory=list)  # in eviction order
+    gone: List[Tuple[Key, NodeRecord]] = field(
+        default_factory=list
+    )  # in eviction order
     excess: int = 0  # bytes still above the budget (what could not be evicted)
 
     @property
@@ -251,7 +257,9 @@ def disk_nodes(index: Index, txn) -> Dict[Key, DiskNode]:
             rec = NodeRecord.decode(raw)
         except CorruptRecord:
             continue
-        nodes[ns, h] = DiskNode(index.atime(txn, ns, h), rec.nbytes, (ns, rec.parent), rec.pinned)
+        nodes[ns, h] = DiskNode(
+            index.atime(txn, ns, h), rec.nbytes, (ns, rec.parent), rec.pinned
+        )
     return nodes
 
 
@@ -297,7 +305,9 @@ def evict_to_budget(
         if result.excess == 0:
             return result
         nodes = index.read(lambda txn: disk_nodes(index, txn))
-        victims = disk_victims(_pinned_last(nodes) if pinned_last else nodes, result.excess)
+        victims = disk_victims(
+            _pinned_last(nodes) if pinned_last else nodes, result.excess
+        )
         if not victims:
             return result
 
@@ -355,7 +365,9 @@ def _layout(desc: Any) -> List[LayerLayout]:
         except TypeError:
             raise ValueError(f"layout of layer {i} is malformed") from None
         dims = (lay.heads, lay.k_dim, lay.v_dim)
-        if lay.dtype not in DTYPES or not all(isinstance(x, int) and x > 0 for x in dims):
+        if lay.dtype not in DTYPES or not all(
+            isinstance(x, int) and x > 0 for x in dims
+        ):
             raise ValueError(f"layout of layer {i} is malformed")
         out.append(lay)
     return out
@@ -372,7 +384,9 @@ def _known_namespaces(index: Index, txn) -> Set[bytes]:
         out.add(ns)
         after = _successor(ns)
         found = after is not None and cur.set_range(after)
-    return {ns for ns in out if len(ns) == HASH_BYTES}  # a shorter key names no namespace
+    return {
+        ns for ns in out if len(ns) == HASH_BYTES
+    }  # a shorter key names no namespace
 
 
 def _successor(prefix: bytes) -> Optional[bytes]:
@@ -387,8 +401,12 @@ def _hex_spec(spec, what: str) -> str:
     if not isinstance(spec, str):
         raise TypeError(f"{what} must be a hex string, got {type(spec).__name__}")
     s = spec.strip().lower()
-    if not _MIN_PREFIX <= len(s) <= 2 * HASH_BYTES or any(c not in "0123456789abcdef" for c in s):
-        raise ValueError(f"{what} {spec!r}: expected {_MIN_PREFIX} to 32 hex digits of an id")
+    if not _MIN_PREFIX <= len(s) <= 2 * HASH_BYTES or any(
+        c not in "0123456789abcdef" for c in s
+    ):
+        raise ValueError(
+            f"{what} {spec!r}: expected {_MIN_PREFIX} to 32 hex digits of an id"
+        )
     return s
 
 
@@ -398,7 +416,9 @@ def _resolve_namespace(known: Iterable[bytes], spec) -> bytes:
     if not matches:
         raise ValueError(f"no namespace {s} in this store")
     if len(matches) > 1:
-        raise ValueError(f"namespace {s} is ambiguous: {', '.join(m.hex() for m in matches)}")
+        raise ValueError(
+            f"namespace {s} is ambiguous: {', '.join(m.hex() for m in matches)}"
+        )
     return matches[0]
 
 

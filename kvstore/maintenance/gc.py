@@ -73,12 +73,18 @@ def gc(
             keep; bad budgets or ages.
     """
     _check_optional_int("max_bytes", max_bytes)
-    if isinstance(temp_age_seconds, bool) or not isinstance(temp_age_seconds, (int, float)):
+    if isinstance(temp_age_seconds, bool) or not isinstance(
+        temp_age_seconds, (int, float)
+    ):
         raise TypeError(f"temp_age_seconds must be a number, got {temp_age_seconds!r}")
     if temp_age_seconds < 0:
         raise ValueError(f"temp_age_seconds must be >= 0, got {temp_age_seconds}")
     drop_specs = _spec_list("drop_namespaces", drop_namespaces)
-    keep_specs = None if keep_namespaces is None else _spec_list("keep_namespaces", keep_namespaces)
+    keep_specs = (
+        None
+        if keep_namespaces is None
+        else _spec_list("keep_namespaces", keep_namespaces)
+    )
     now = time.time() if now is None else now
     path = os.fspath(path)
     with _opened(path) as (index, blobs):
@@ -98,7 +104,9 @@ def gc(
             gone = index.write(lambda txn, ns=ns: _delete_namespace(index, txn, ns))
             dropped_nodes += len(gone)
             dropped_bytes += sum(rec.nbytes for _, rec in gone if rec is not None)
-            release_files(index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES])
+            release_files(
+                index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES]
+            )
         report.update(
             namespaces_dropped=sorted(ns.hex() for ns in drop),
             dropped_nodes=dropped_nodes,
@@ -106,7 +114,9 @@ def gc(
         )
 
         # 2. Broken nodes.
-        checked = _verify(index, blobs, fix=True, check_data=check_data, walk_files=False, now=now)
+        checked = _verify(
+            index, blobs, fix=True, check_data=check_data, walk_files=False, now=now
+        )
         fixed = checked["fixed"] or _Fixed().report()
         report.update(
             problems=checked["problems"],
@@ -132,8 +142,14 @@ def gc(
         )
 
         # 4. Orphan and temp files.
-        orphans = [f for f in _scan_files(index, blobs, now=now) if f.problem["kind"] == "orphan"]
-        released = release_files(index, blobs, [f.key for f in orphans if f.key is not None])
+        orphans = [
+            f
+            for f in _scan_files(index, blobs, now=now)
+            if f.problem["kind"] == "orphan"
+        ]
+        released = release_files(
+            index, blobs, [f.key for f in orphans if f.key is not None]
+        )
         for f in orphans:
             if f.key is None:  # no node can ever name it: no index check needed
                 try:
@@ -168,7 +184,11 @@ def gc(
             bytes_after=index.total_bytes(),
         )
     report["bytes_freed"] = (
-        dropped_bytes + fixed["bytes_removed"] + evicted.bytes + released.bytes + temp_bytes
+        dropped_bytes
+        + fixed["bytes_removed"]
+        + evicted.bytes
+        + released.bytes
+        + temp_bytes
     )
     return report
 
@@ -209,7 +229,9 @@ def set_pinned(path, namespace_hex, node_hexes: Iterable, pinned: bool) -> int:
         def apply(txn):
             ns = _resolve_namespace(_known_namespaces(index, txn), namespace_hex)
             hashes = [_resolve_node(index, txn, ns, s) for s in specs]
-            return sum(_set_pin(index, txn, ns, h, pinned) for h in dict.fromkeys(hashes))
+            return sum(
+                _set_pin(index, txn, ns, h, pinned) for h in dict.fromkeys(hashes)
+            )
 
         return index.write(apply)
 
@@ -275,7 +297,9 @@ def _set_pin(index: Index, txn, ns: bytes, h: bytes, pinned: bool) -> bool:
     try:
         return index.set_pinned(txn, ns, h, pinned)
     except CorruptRecord as e:
-        raise StoreError(f"node {h.hex()} has a corrupt record ({e}); run verify --fix") from None
+        raise StoreError(
+            f"node {h.hex()} has a corrupt record ({e}); run verify --fix"
+        ) from None
 
 
 def _ancestry(index: Index, txn, ns: bytes, h: bytes) -> List[bytes]:

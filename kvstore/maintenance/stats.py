@@ -57,7 +57,9 @@ def _dir_size(path: str) -> Tuple[int, int]:
 
 
 def _bytes_per_token(layout: List[LayerLayout]) -> int:
-    return sum(lay.heads * (lay.k_dim + lay.v_dim) * DTYPES[lay.dtype][1] for lay in layout)
+    return sum(
+        lay.heads * (lay.k_dim + lay.v_dim) * DTYPES[lay.dtype][1] for lay in layout
+    )
 
 
 def store_stats(path) -> Dict[str, Any]:
@@ -112,7 +114,9 @@ def store_stats(path) -> Dict[str, Any]:
                 acc["last_access"] = max(acc["last_access"] or atime, atime)
             for key in keys:
                 per[key[0]]["prompts"] += key not in parents
-            counters = {ns: index.counters(ns, txn) for ns in _known_namespaces(index, txn)}
+            counters = {
+                ns: index.counters(ns, txn) for ns in _known_namespaces(index, txn)
+            }
             return head, descs, per, counters
 
         head, descs, per, counters = index.read(scan)
@@ -137,7 +141,9 @@ def store_stats(path) -> Dict[str, Any]:
                 "model_type": desc.get("model_type"),
                 "chunk_tokens": desc.get("chunk_tokens"),
                 "layers": len(layout) if layout else None,
-                "dtype": ",".join(sorted({lay.dtype for lay in layout})) if layout else None,
+                "dtype": (
+                    ",".join(sorted({lay.dtype for lay in layout})) if layout else None
+                ),
                 "bytes_per_token": _bytes_per_token(layout) if layout else None,
                 "tokenizer": desc.get("vocab") is not None,
                 "nodes": nodes,
@@ -156,7 +162,14 @@ def store_stats(path) -> Dict[str, Any]:
         )
     totals = {
         key: sum(n[key] for n in namespaces)
-        for key in ("nodes", "prompts", "tokens", "bytes", "pinned_bytes", "corrupt_records")
+        for key in (
+            "nodes",
+            "prompts",
+            "tokens",
+            "bytes",
+            "pinned_bytes",
+            "corrupt_records",
+        )
     }
     totals.update(
         namespaces=len(namespaces),
@@ -192,7 +205,9 @@ def _new_acc() -> Dict[str, Any]:
 # -- the tree --------------------------------------------------------------------------
 
 
-def list_tree(path, *, namespace=None, max_depth: int = 4, max_children: int = 20) -> List[dict]:
+def list_tree(
+    path, *, namespace=None, max_depth: int = 4, max_children: int = 20
+) -> List[dict]:
     """The stored prefixes of each namespace as a tree, limited in depth and fan-out.
 
     Args:
@@ -233,7 +248,11 @@ def list_tree(path, *, namespace=None, max_depth: int = 4, max_children: int = 2
 
         def build(txn):
             known = _known_namespaces(index, txn)
-            spaces = [_resolve_namespace(known, namespace)] if namespace is not None else known
+            spaces = (
+                [_resolve_namespace(known, namespace)]
+                if namespace is not None
+                else known
+            )
             descs = _descriptions(index, txn)
             out = []
             for ns in sorted(spaces):
@@ -242,7 +261,9 @@ def list_tree(path, *, namespace=None, max_depth: int = 4, max_children: int = 2
                 out.append(
                     {
                         "namespace": ns.hex(),
-                        "model_type": desc.get("model_type") if isinstance(desc, dict) else None,
+                        "model_type": (
+                            desc.get("model_type") if isinstance(desc, dict) else None
+                        ),
                         "nodes": index.counters(ns, txn)[0],
                         "children": children,
                         "more": more,
@@ -258,7 +279,15 @@ def _tree_node(index: Index, txn, ns: bytes, h: bytes) -> Optional[dict]:
     try:
         rec = index.get_node(ns, h, txn)
     except CorruptRecord as e:
-        fields = ("tokens", "start", "first_tokens", "kind", "pinned", "last_use", "nbytes")
+        fields = (
+            "tokens",
+            "start",
+            "first_tokens",
+            "kind",
+            "pinned",
+            "last_use",
+            "nbytes",
+        )
         return {**node, **dict.fromkeys(fields), "error": str(e)}
     if rec is None:  # an edge left without its node: verify reports it
         return None

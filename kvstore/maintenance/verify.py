@@ -34,9 +34,15 @@ class _Finding:
 
     problem: Dict[str, Any]
     key: Optional[Key] = None  # the node concerned
-    raw: Optional[bytes] = None  # its record when found: a fix acts only if it is unchanged
-    action: Optional[str] = None  # "quarantine", "remove", "drop", "delete_key", "repair"
-    apply: Optional[Callable[[Any], None]] = None  # for "repair": run in a write transaction
+    raw: Optional[bytes] = (
+        None  # its record when found: a fix acts only if it is unchanged
+    )
+    action: Optional[str] = (
+        None  # "quarantine", "remove", "drop", "delete_key", "repair"
+    )
+    apply: Optional[Callable[[Any], None]] = (
+        None  # for "repair": run in a write transaction
+    )
 
 
 def _problem(kind: str, ns=None, h=None, file=None, detail: str = "") -> Dict[str, Any]:
@@ -53,7 +59,9 @@ def _problem(kind: str, ns=None, h=None, file=None, detail: str = "") -> Dict[st
 class _IndexScan:
     descriptions: Dict[bytes, Any]
     layouts: Dict[bytes, List[LayerLayout]]
-    nodes: Dict[Key, Tuple[bytes, Optional[NodeRecord]]]  # raw record, decoded (None: corrupt)
+    nodes: Dict[
+        Key, Tuple[bytes, Optional[NodeRecord]]
+    ]  # raw record, decoded (None: corrupt)
     findings: List[_Finding]
 
 
@@ -66,7 +74,11 @@ def _scan_index(index: Index, txn) -> _IndexScan:
             layouts[ns] = _layout(desc)
         except ValueError as e:
             findings.append(
-                _Finding(_problem("description", ns, detail=str(e)), key=(ns, b""), action="drop")
+                _Finding(
+                    _problem("description", ns, detail=str(e)),
+                    key=(ns, b""),
+                    action="drop",
+                )
             )
     nodes: Dict[Key, Tuple[bytes, Optional[NodeRecord]]] = {}
     for ns, h, raw in index.iter_nodes(txn):
@@ -74,7 +86,9 @@ def _scan_index(index: Index, txn) -> _IndexScan:
             nodes[ns, h] = (raw, None)
             detail = f"index key of {len(ns) + len(h)} bytes"
             findings.append(
-                _Finding(_problem("record", detail=detail), (ns, h), raw, action="delete_key")
+                _Finding(
+                    _problem("record", detail=detail), (ns, h), raw, action="delete_key"
+                )
             )
             continue
         try:
@@ -82,7 +96,9 @@ def _scan_index(index: Index, txn) -> _IndexScan:
         except CorruptRecord as e:
             nodes[ns, h] = (raw, None)
             findings.append(
-                _Finding(_problem("record", ns, h, detail=str(e)), (ns, h), raw, "quarantine")
+                _Finding(
+                    _problem("record", ns, h, detail=str(e)), (ns, h), raw, "quarantine"
+                )
             )
     counts: Dict[bytes, int] = {}
     for (ns, h), (raw, rec) in nodes.items():
@@ -92,26 +108,41 @@ def _scan_index(index: Index, txn) -> _IndexScan:
             continue
         parent = nodes.get((ns, rec.parent))
         if rec.parent == root_hash(ns):
-            bad = rec.start != 0 and f"starts at token {rec.start} but hangs from the root"
+            bad = (
+                rec.start != 0
+                and f"starts at token {rec.start} but hangs from the root"
+            )
         elif parent is None:
             detail = f"parent {rec.parent.hex()[:12]} is not in the index"
             findings.append(
-                _Finding(_problem("unreachable", ns, h, detail=detail), (ns, h), raw, "remove")
+                _Finding(
+                    _problem("unreachable", ns, h, detail=detail),
+                    (ns, h),
+                    raw,
+                    "remove",
+                )
             )
             continue
         else:
             end = parent[1].end if parent[1] is not None else rec.start
-            bad = end != rec.start and f"starts at token {rec.start}, its parent ends at {end}"
+            bad = (
+                end != rec.start
+                and f"starts at token {rec.start}, its parent ends at {end}"
+            )
         if not bad and chain_hash(rec.parent, rec.tokens) != h:
             bad = "node id does not match its parent and tokens"
         if bad:
             findings.append(
-                _Finding(_problem("record", ns, h, detail=bad), (ns, h), raw, "quarantine")
+                _Finding(
+                    _problem("record", ns, h, detail=bad), (ns, h), raw, "quarantine"
+                )
             )
     for ns in sorted(set(counts) - set(descs)):
         detail = f"{counts[ns]} nodes but no namespace description"
         findings.append(
-            _Finding(_problem("description", ns, detail=detail), (ns, b""), action="drop")
+            _Finding(
+                _problem("description", ns, detail=detail), (ns, b""), action="drop"
+            )
         )
     return _IndexScan(descs, layouts, nodes, findings)
 
@@ -125,20 +156,38 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
     skip = {ns for (ns, _), (_, rec) in scan.nodes.items() if rec is None}
     skip |= {ns for ns in scan.descriptions if ns not in scan.layouts}
     skip |= {ns for ns, _ in scan.nodes if ns not in scan.descriptions}
-    good = {k: rec for k, (_, rec) in scan.nodes.items() if rec is not None and k[0] not in skip}
+    good = {
+        k: rec
+        for k, (_, rec) in scan.nodes.items()
+        if rec is not None and k[0] not in skip
+    }
     raw_keys = {ns + h for ns, h in scan.nodes}
     out: List[_Finding] = []
 
-    def diff(db: str, key: bytes, value: Optional[bytes], ns: bytes, h: Optional[bytes], detail):
+    def diff(
+        db: str,
+        key: bytes,
+        value: Optional[bytes],
+        ns: bytes,
+        h: Optional[bytes],
+        detail,
+    ):
         def apply(t, db=db, key=key, value=value):
             if value is None:
                 t.delete(key, db=index.db[db])
             else:
                 t.put(key, value, db=index.db[db])
 
-        out.append(_Finding(_problem("index", ns, h, detail=detail), action="repair", apply=apply))
+        out.append(
+            _Finding(
+                _problem("index", ns, h, detail=detail), action="repair", apply=apply
+            )
+        )
 
-    edges = {child_key(ns, rec.parent, rec.tokens, h): (ns, h) for (ns, h), rec in good.items()}
+    edges = {
+        child_key(ns, rec.parent, rec.tokens, h): (ns, h)
+        for (ns, h), rec in good.items()
+    }
     seen = set()
     for k, _ in txn.cursor(db=index.db["children"]):
         k = bytes(k)
@@ -186,11 +235,17 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
     for ns in sorted((set(sums) | set(stored)) - skip):
         want = tuple(sums.get(ns, (0, 0, 0, 0)))
         raw = stored.get(ns)
-        have = packer.unpack(raw) if raw is not None and len(raw) == packer.size else None
+        have = (
+            packer.unpack(raw) if raw is not None and len(raw) == packer.size else None
+        )
         if have != want and not (raw is None and want == (0, 0, 0, 0)):
             out.append(
                 _Finding(
-                    _problem("counters", ns, detail=f"counters say {have}, the records {want}"),
+                    _problem(
+                        "counters",
+                        ns,
+                        detail=f"counters say {have}, the records {want}",
+                    ),
                     action="repair",
                     apply=lambda t, ns=ns, want=want: t.put(
                         ns, packer.pack(*want), db=index.db["counters"]
@@ -258,7 +313,9 @@ def _check_files(
             continue
         exp = expected.get((ns, rec.ntokens))
         if exp is None:
-            exp = expected[ns, rec.ntokens] = expected_tensors(scan.layouts[ns], rec.ntokens)
+            exp = expected[ns, rec.ntokens] = expected_tensors(
+                scan.layouts[ns], rec.ntokens
+            )
         bad = _check_file(blobs, ns, h, rec, exp, check_data=check_data)
         checked += 1
         nbytes += rec.nbytes
@@ -267,7 +324,11 @@ def _check_files(
             findings.append(_Finding(problem, (ns, h), raw, "quarantine"))
 
     def still(txn):
-        return [f for f in findings if txn.get(f.key[0] + f.key[1], db=index.db["nodes"]) == f.raw]
+        return [
+            f
+            for f in findings
+            if txn.get(f.key[0] + f.key[1], db=index.db["nodes"]) == f.raw
+        ]
 
     return (index.read(still) if findings else []), checked, nbytes
 
@@ -301,7 +362,9 @@ def _scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
 
     def orphans(txn):
         return [
-            _Finding(_problem("orphan", ns, h, p, f"{size} bytes, no index entry"), (ns, h))
+            _Finding(
+                _problem("orphan", ns, h, p, f"{size} bytes, no index entry"), (ns, h)
+            )
             for (ns, h), p, size in candidates
             if txn.get(ns + h, db=index.db["nodes"]) is None
         ]
@@ -381,14 +444,22 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
 
 
 def _verify(
-    index: Index, blobs: Blobs, *, fix: bool, check_data: bool, walk_files: bool, now: float
+    index: Index,
+    blobs: Blobs,
+    *,
+    fix: bool,
+    check_data: bool,
+    walk_files: bool,
+    now: float,
 ) -> Dict[str, Any]:
     def index_scan(txn):
         scan = _scan_index(index, txn)
         return scan, scan.findings + _index_diffs(index, txn, scan)
 
     scan, findings = index.read(index_scan)
-    file_findings, checked, nbytes = _check_files(index, blobs, scan, check_data=check_data)
+    file_findings, checked, nbytes = _check_files(
+        index, blobs, scan, check_data=check_data
+    )
     findings += file_findings
     if walk_files:
         findings += _scan_files(index, blobs, now=now)
@@ -456,5 +527,7 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
     """
     path = os.fspath(path)
     with _opened(path) as (index, blobs):
-        report = _verify(index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time())
+        report = _verify(
+            index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time()
+        )
     return {"path": path, **report}
