@@ -358,25 +358,9 @@ def cmd_pin(args, pinned: bool = True) -> int:
                 print(f"{where}: {e}", file=sys.stderr)
                 failed += 1
                 continue
-            total += _pin_tokens(store, line.tokens, pinned)
+            total += store.pin(line.tokens, pinned=pinned)
     print(f"{'pinned' if pinned else 'unpinned'} {total} nodes")
     return EXIT_FAILED_LINES if failed else EXIT_OK
-
-
-def _pin_tokens(store, tokens, pinned: bool) -> int:
-    """(Un)pin the stored path of ``tokens`` (as far as it is stored)."""
-    import numpy as np
-
-    arr = np.asarray(tokens, dtype=np.int32)
-    path = store.index.read(
-        lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True)
-    )
-    if not path:
-        return 0
-    store.flush()
-    return _maintenance().pin_path(
-        store.path, store.namespace.hex(), path[-1].h.hex(), pinned
-    )
 
 
 # -- parser --------------------------------------------------------------------

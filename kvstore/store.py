@@ -639,6 +639,26 @@ class KVStore:
             except (CorruptBlob, CorruptRecord, OSError) as e:
                 self._report_broken(h, str(e))
 
+    def pin(self, tokens, *, pinned: bool = True) -> int:
+        """Pin (or unpin) the stored prefix of ``tokens`` and its ancestors.
+
+        Pinned nodes are never evicted and are loaded into RAM at open. Unpinning
+        keeps ancestors that another pinned prompt still needs. Returns the number of
+        nodes changed.
+        """
+        from . import maintenance
+
+        arr = self._checked(tokens, "user", "pin")
+        self.flush()
+        path = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+        )
+        if not path:
+            return 0
+        return maintenance.pin_path(
+            self.path, self.namespace.hex(), path[-1].h.hex(), pinned
+        )
+
     def stats(self) -> Dict[str, Any]:
         """Counts for the store (all namespaces), this model's namespace, and this process."""
         namespaces = self.index.namespaces()

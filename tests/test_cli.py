@@ -393,3 +393,24 @@ print(json.dumps({{"n": n, "same": warm == cold, "text": tok.decode(warm)}}))
     assert (
         result["n"] > 10 and result["same"]
     ), result  # the system prompt came from the store
+
+
+def test_pin_and_unpin_by_text_and_file(tmp_path, tiny_model_dir):
+    text = GOOD[1]["prompt"]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [GOOD[1]])
+    store = tmp_path / "store"
+    common = ("--model", tiny_model_dir, "--store", store, "--chunk-tokens", 64)
+    assert kvstore("prefill", prompts, *common).returncode == 0
+
+    def pinned_bytes():
+        stats = json.loads(kvstore("stats", "--store", store, "--json").stdout)
+        return stats["namespaces"][0]["pinned_bytes"]
+
+    assert pinned_bytes() == 0
+    proc = kvstore("pin", text, *common)
+    assert proc.returncode == 0 and "pinned 2 nodes" in proc.stdout, proc.stderr
+    assert pinned_bytes() > 0
+    proc = kvstore("unpin", "--file", prompts, *common)
+    assert proc.returncode == 0 and "unpinned 2 nodes" in proc.stdout, proc.stderr
+    assert pinned_bytes() == 0
+    assert kvstore("pin", *common).returncode == 2  # nothing to pin: a clear error

@@ -465,3 +465,13 @@ def test_two_models_share_one_store_in_one_process(tmp_path, model, other_model)
         assert a.fetch(STORED + [1])[1] == len(STORED) and b.fetch(STORED + [1])[1] == 0
         assert b.fetch(FRESH + [1])[1] == len(FRESH) and a.fetch(FRESH + [1])[1] == 0
         assert a.stats()["store_bytes_on_disk"] == b.stats()["store_bytes_on_disk"]
+
+
+def test_pin_and_unpin_a_stored_prompt(tmp_path, model):
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as s:
+        s.save(STORED, compute_cache(model, STORED))
+        assert s.pin(STORED) == 5
+        assert s.stats()["pinned_bytes"] == s.stats()["bytes_on_disk"]
+        assert s.pin(FRESH) == 0  # nothing stored: nothing to pin
+        assert s.pin(STORED, pinned=False) == 5
+        assert s.stats()["pinned_bytes"] == 0
