@@ -1,0 +1,132 @@
+"""Crash safety: prefilling processes SIGKILLed at random moments and at chosen points.
+
+After every kill the store must open, ``verify`` may report orphan or temp files but
+nothing else, and every prompt ``fetch`` returns must restore exactly the recomputed
+KV. Children come from a forkserver that has already imported mlx, so a kill costs
+tens of milliseconds instead of an interpreter start. ``KVSTORE_CRASH_KILLS`` sets
+the number of random kills (default 40, plus 12 at chosen points).
+"""
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import mlx.core as mx
+import pytest
+from conftest import compute_cache, random_tokens, tiny_llama
+
+from kvstore import KVStore, maintenance
+
+pytestmark = pytest.mark.slow
+
+C = 32
+PROMPTS = [random_tokens(96 + 16 * (i % 4), 5000 + i) for i in range(24)]
+
+
+def _child(path: str, start: int, fault: str, forever: bool = True) -> None:
+    """Prefill prompts in order from ``start``, then (``forever``) fresh ones until killed;
+    optionally SIGKILL itself at a fault point."""
+    from kvstore import blobs, index
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if fault == "mid-file-write":
+        real_write = os.write
+
+        def half_write(fd, data):  # write half of the first chunk file, then die
+            real_write(fd, bytes(data)[: len(data) // 2])
+            die()
+
+        def write(self, ns, h, data):
+            os.write = half_write
+            return real_blob_write(self, ns, h, data)
+
+        real_blob_write = blobs.Blobs.write
+        blobs.Blobs.write = write
+    elif fault == "after-file-before-commit":
+        real_index_write = index.Index.write
+
+        def write(self, fn):
+            if getattr(fn, "__name__", "") == "commit":
+                die()
+            return real_index_write(self, fn)
+
+        index.Index.write = write
+
+    model = tiny_llama(0)
+    with KVStore(path, model, chunk_tokens=C) as store:
+        for i in range(start, len(PROMPTS)):
+            store.prefill(PROMPTS[i])
+            store.flush()
+        seed = 10_000 * (start + 1) + os.getpid()
+        while (
+            forever
+        ):  # new prompts sharing a stored prefix, so there is always a write
+            seed += 1
+            store.prefill(PROMPTS[seed % len(PROMPTS)][:64] + random_tokens(40, seed))
+            store.flush()
+
+
+def _check_store(path: str, model) -> int:
+    """Verify, then compare every restorable prompt with recomputation. Returns hits."""
+    report = maintenance.verify(path)
+    assert report["clean"], [
+        p for p in report["problems"] if p["kind"] not in ("orphan", "temp")
+    ]
+    hits = 0
+    with KVStore(path, model, chunk_tokens=C) as store:
+        for tokens in PROMPTS:
+            cache, n = store.fetch(tokens + [1])
+            if n == 0:
+                continue
+            hits += 1
+            ref = compute_cache(model, tokens[:n])
+            for got, want in zip(cache, ref):
+                assert mx.array_equal(got.keys, want.keys[:, :, :n]).item()
+                assert mx.array_equal(got.values, want.values[:, :, :n]).item()
+        assert store.stats()["corrupt"] == 0
+    return hits
+
+
+def test_sigkill_at_random_moments_and_at_chosen_points(tmp_path):
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["mlx.core", "mlx_lm", "kvstore", "conftest"])
+    path = str(tmp_path / "store")
+    model = tiny_llama(0)
+    rng = random.Random(7)
+    kills = int(os.environ.get("KVSTORE_CRASH_KILLS", "40"))
+    faults = ["mid-file-write", "after-file-before-commit"] * 6
+    plan = [("random", None)] * kills + [("fault", f) for f in faults]
+    rng.shuffle(plan)
+    killed = 0
+    for step, (how, fault) in enumerate(plan):
+        start = rng.randrange(len(PROMPTS))
+        child = ctx.Process(target=_child, args=(path, start, fault or ""))
+        child.start()
+        if how == "random":
+            time.sleep(rng.uniform(0.05, 0.5))
+        else:
+            child.join(30)  # the fault point kills it
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+        child.join(60)
+        assert child.exitcode is not None, "child hung"
+        killed += child.exitcode == -signal.SIGKILL
+        if step % 8 == 0 or fault:
+            _check_store(path, model)
+    assert killed == len(plan), f"only {killed} of {len(plan)} children died by SIGKILL"
+
+    # Orphans (from kills between file and commit) are collected; the store stays clean.
+    maintenance.gc(path, temp_age_seconds=0)
+    report = maintenance.verify(path)
+    assert report["clean"] and report["orphans"] == 0 and report["temp_files"] == 0
+
+    # A rerun completes the work: every prompt is then fully restorable.
+    child = ctx.Process(target=_child, args=(path, 0, "", False))
+    child.start()
+    child.join(300)
+    assert child.exitcode == 0
+    assert _check_store(path, model) == len(PROMPTS)
