@@ -40,6 +40,16 @@ class CorruptBlob(Exception):
 
 
 @dataclass(frozen=True)
+class Published:
+    """The file at a node's path after :meth:`Blobs.write`."""
+
+    nbytes: int
+    checksum: int
+    inode: int
+    ours: bool  # False: another writer's file was there first and was adopted
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One tensor in a validated header; offsets are absolute file offsets."""
 
@@ -174,12 +184,18 @@ class Blobs:
 
     # -- writing -----------------------------------------------------------
 
-    def write(self, ns: bytes, h: bytes, data: bytes) -> None:
+    def write(self, ns: bytes, h: bytes, data: bytes) -> "Published":
         """Publish ``data`` as the file of node ``h``, atomically and durably.
 
-        The bytes go to a uniquely named temp file (created exclusively) in the
-        same directory, are fsynced, renamed over the final name and the directory
-        is fsynced: a crash leaves either no file or the whole file, never a torn one.
+        The bytes go to a uniquely named temp file (created exclusively) in the same
+        directory and are fsynced; the temp file is then hard-linked to the final name
+        (which never replaces a file) and the directory is fsynced. A crash leaves
+        either no file or the whole file, never a torn one.
+
+        Two processes may compute the same node with KV differing in the last bits
+        (prefill split at other points). The first file published wins; the loser
+        adopts it (its size and checksum are returned) instead of overwriting a file
+        whose checksum another process may be committing.
         """
         final = self.path(ns, h)
         directory = os.path.dirname(final)
@@ -198,12 +214,44 @@ class Blobs:
             _unlink(tmp)
             raise
         os.close(fd)
+        ours = True
         try:
+            os.link(tmp, final)
+        except FileExistsError:
+            ours = False
+        except OSError as e:  # no hard links here (e.g. some network or FAT mounts)
+            if e.errno not in (
+                errno.EPERM,
+                errno.ENOTSUP,
+                errno.EOPNOTSUPP,
+                errno.EXDEV,
+            ):
+                _unlink(tmp)
+                raise
             os.replace(tmp, final)
-        except BaseException:
+        finally:
             _unlink(tmp)
-            raise
         _fsync_dir(directory)
+        if ours:
+            return Published(
+                len(data), file_checksum(data), os.stat(final).st_ino, True
+            )
+        return self._adopt(final)
+
+    def _adopt(self, final: str) -> "Published":
+        """Size, checksum and inode of a complete file another writer published."""
+        with open(final, "rb") as f:
+            existing = f.read()
+            inode = os.fstat(f.fileno()).st_ino
+        parse_header(existing, len(existing))
+        return Published(len(existing), file_checksum(existing), inode, False)
+
+    def published_inode(self, ns: bytes, h: bytes) -> Optional[int]:
+        """The inode now at node ``h``'s path, None when there is no file."""
+        try:
+            return os.stat(self.path(ns, h)).st_ino
+        except FileNotFoundError:
+            return None
 
     # -- reading -----------------------------------------------------------
 

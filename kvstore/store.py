@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import adapters, maintenance
 from .assemble import AssemblyPlan
-from .blobs import Blobs, CorruptBlob, file_checksum, serialize_node
+from .blobs import Blobs, CorruptBlob, serialize_node
 from .chunking import as_token_array, chain_hash, chain_hashes, root_hash, split_spans
 from .index import KINDS, CorruptRecord, Index, NodeRecord, StoreError
 from .policy import stronger_kind
@@ -432,29 +432,30 @@ class KVStore:
             # one parsed header; the index's checksum tells files apart.
             meta = {"format": _MARKER, "namespace": ns.hex()}
             data = serialize_node(tensors, meta)
-            self.blobs.write(ns, node.h, data)
-            written.append((node, data, file_checksum(data)))
+            written.append((node, data, self.blobs.write(ns, node.h, data)))
             node.slices = None  # release the cache's buffers early
 
         now = time.time()
 
         def commit(txn):
             added, superseded = [], []
-            for node, data, checksum in written:
+            for node, data, published in written:
                 if data is None:
                     continue
                 parent_ok = node.parent == self.root or self.index.get_node(
                     ns, node.parent, txn
                 )
-                # A file evicted by another process after we wrote it must not be indexed.
-                if not parent_ok or not os.path.exists(self.blobs.path(ns, node.h)):
+                # Index only the very file we checked: one removed (or replaced) by
+                # another process since then must not be indexed with our checksum.
+                inode = self.blobs.published_inode(ns, node.h)
+                if not parent_ok or inode != published.inode:
                     break
                 rec = NodeRecord(
                     node.parent,
                     node.start,
                     node.tokens,
-                    len(data),
-                    checksum,
+                    published.nbytes,
+                    published.checksum,
                     kind,
                     pin,
                     now,
@@ -462,7 +463,8 @@ class KVStore:
                 if self.index.put_node(txn, ns, node.h, rec):
                     if not added:
                         superseded = self._supersede(txn, node.h, rec)
-                    added.append((node.h, rec, data))
+                    # The RAM tier holds our bytes only if they are the file's.
+                    added.append((node.h, rec, data if published.ours else None))
             if pin:
                 for h in existing + [node.h for node, _, _ in written]:
                     self.index.set_pinned(txn, ns, h, True)
@@ -471,7 +473,7 @@ class KVStore:
         added, superseded = self.index.write(commit)
         self._unlink_unindexed(superseded)
         for h, rec, data in added:
-            if self.ram.max_bytes >= len(data):
+            if data is not None and self.ram.max_bytes >= len(data):
                 _, tensors, _ = _parse(data)
                 self.ram.put(h, RamEntry(data, tensors, rec.kind, rec.pinned))
         with self._lock:
@@ -479,7 +481,7 @@ class KVStore:
                 h for h, _, _ in added
             )  # healed by a rewrite
             self._counters.nodes_written += len(added)
-            self._counters.bytes_written += sum(len(d) for _, _, d in added)
+            self._counters.bytes_written += sum(rec.nbytes for _, rec, _ in added)
         self._enforce_disk_budget()
 
     def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:

@@ -187,11 +187,23 @@ def test_write_leaves_no_temp_files(blobs):
     assert kinds == ["blob"] * 5
 
 
-def test_write_replaces_existing_file(blobs):
-    blobs.write(NS, H, b"old contents")
-    blobs.write(NS, H, b"new")
+def test_write_never_replaces_a_published_file(blobs):
+    """A second writer of the same node adopts the first file (its size and checksum)."""
+    tensors = make_tensors(3)
+    first = serialize_node(tensors, META)
+    other = serialize_node(make_tensors(4), META)  # same node, other numerics
+    assert len(first) == len(other) and first != other
+    a = blobs.write(NS, H, first)
+    b = blobs.write(NS, H, other)
+    assert a.ours and not b.ours
+    assert (b.nbytes, b.checksum, b.inode) == (
+        len(first),
+        file_checksum(first),
+        a.inode,
+    )
     with open(blobs.path(NS, H), "rb") as f:
-        assert f.read() == b"new"
+        assert f.read() == first
+    assert [k for k, _ in blobs.iter_files()] == ["blob"]  # no temp file left
 
 
 def test_failed_write_cleans_up_temp_file(blobs):
