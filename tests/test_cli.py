@@ -52,6 +52,21 @@ GOOD = [
 ]
 
 
+def prefill(model_dir, prompts, store, *extra):
+    """``kvstore prefill`` with the tiny model and 64-token chunks."""
+    return kvstore(
+        "prefill",
+        prompts,
+        "--model",
+        model_dir,
+        "--store",
+        store,
+        "--chunk-tokens",
+        64,
+        *extra,
+    )
+
+
 def summary(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -82,17 +97,7 @@ def test_mixed_file_reports_each_bad_line_and_stores_the_good(tmp_path, tiny_mod
     ]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     store = tmp_path / "store"
-    proc = kvstore(
-        "prefill",
-        prompts,
-        "--model",
-        tiny_model_dir,
-        "--store",
-        store,
-        "--chunk-tokens",
-        64,
-        "--json",
-    )
+    proc = prefill(tiny_model_dir, prompts, store, "--json")
     assert proc.returncode == 1, proc.stderr
     errors = [
         line for line in proc.stderr.splitlines() if line.startswith(str(prompts))
@@ -106,18 +111,7 @@ def test_mixed_file_reports_each_bad_line_and_stores_the_good(tmp_path, tiny_mod
     assert stored_prefix(tiny_model_dir, store, GOOD[0]["tokens"] + [5]) == 150
 
     # --strict stops at the first bad line.
-    proc = kvstore(
-        "prefill",
-        prompts,
-        "--model",
-        tiny_model_dir,
-        "--store",
-        tmp_path / "s2",
-        "--chunk-tokens",
-        64,
-        "--json",
-        "--strict",
-    )
+    proc = prefill(tiny_model_dir, prompts, tmp_path / "s2", "--json", "--strict")
     assert proc.returncode == 1 and summary(proc)["failed"] == 1
 
 
@@ -248,16 +242,7 @@ def _blob_files(store):
 def test_verify_catches_truncation_and_flipped_byte(tmp_path, tiny_model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD[:1])
     store = tmp_path / "store"
-    kvstore(
-        "prefill",
-        prompts,
-        "--model",
-        tiny_model_dir,
-        "--store",
-        store,
-        "--chunk-tokens",
-        64,
-    )
+    prefill(tiny_model_dir, prompts, store)
     assert kvstore("verify", "--store", store).returncode == 0
     first, second = _blob_files(store)[:2]
     with open(first, "r+b") as f:
@@ -283,16 +268,7 @@ def test_gc_removes_orphans_and_respects_budget_and_pins(tmp_path, tiny_model_di
     rows[0]["pin"] = True
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     store = tmp_path / "store"
-    kvstore(
-        "prefill",
-        prompts,
-        "--model",
-        tiny_model_dir,
-        "--store",
-        store,
-        "--chunk-tokens",
-        64,
-    )
+    prefill(tiny_model_dir, prompts, store)
     files = _blob_files(store)
     orphan = os.path.join(os.path.dirname(files[0]), "ab" * 16 + ".safetensors")
     with open(orphan, "wb") as f:
@@ -320,16 +296,7 @@ def test_gc_removes_orphans_and_respects_budget_and_pins(tmp_path, tiny_model_di
 def test_stats_and_ls(tmp_path, tiny_model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD)
     store = tmp_path / "store"
-    kvstore(
-        "prefill",
-        prompts,
-        "--model",
-        tiny_model_dir,
-        "--store",
-        store,
-        "--chunk-tokens",
-        64,
-    )
+    prefill(tiny_model_dir, prompts, store)
     stats = json.loads(kvstore("stats", "--store", store, "--json").stdout)
     (ns,) = stats["namespaces"]
     assert ns["nodes"] > 0 and ns["pinned_bytes"] > 0
