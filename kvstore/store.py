@@ -700,6 +700,11 @@ class KVStore:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this KVStore is closed")
+        if os.getpid() != self.index.pid:
+            raise RuntimeError(
+                "this KVStore was opened before a fork(); LMDB environments cannot cross "
+                "fork(): open a new KVStore in the child process"
+            )
 
 
 def _itemsize(dtype: str) -> int:
@@ -725,7 +730,13 @@ def _prepare_dir(path: str) -> None:
         raise StoreError(f"{path} exists and is not a directory")
     if os.path.isdir(path):
         entries = set(os.listdir(path)) - {"quarantine"}
-        if entries and "index" not in entries:
+        if entries == {"blobs"}:
+            # A store whose index/ was deleted: start a new index; the old chunk files
+            # are orphans now (misses), which `kvstore gc` removes.
+            log.warning(
+                "kvstore: %s has chunk files but no index/; starting a new index", path
+            )
+        elif entries and "index" not in entries:
             raise StoreError(
                 f"{path} is not a kvstore directory (it holds {sorted(entries)[:5]} but no index/)"
             )

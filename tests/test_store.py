@@ -475,3 +475,51 @@ def test_pin_and_unpin_a_stored_prompt(tmp_path, model):
         assert s.pin(FRESH) == 0  # nothing stored: nothing to pin
         assert s.pin(STORED, pinned=False) == 5
         assert s.stats()["pinned_bytes"] == 0
+
+
+def test_deleted_index_directory_is_a_miss_not_a_crash(tmp_path, model):
+    import shutil
+
+    from kvstore import maintenance
+
+    path = tmp_path / "s"
+    with KVStore(path, model, chunk_tokens=C) as s:
+        s.save(STORED, compute_cache(model, STORED))
+    shutil.rmtree(path / "index")
+    with KVStore(path, model, chunk_tokens=C) as s:
+        assert s.fetch(STORED + [1])[1] == 0
+        assert s.stats()["errors"] == 0
+    report = maintenance.verify(str(path))
+    assert report["clean"] and report["orphans"] == 5
+    maintenance.gc(str(path))
+    assert maintenance.verify(str(path))["orphans"] == 0
+    with KVStore(path, model, chunk_tokens=C) as s:  # and the store works again
+        s.save(STORED, compute_cache(model, STORED))
+        s.flush()
+        assert s.fetch(STORED + [1])[1] == len(STORED)
+
+
+def test_store_used_in_a_forked_child_raises_a_clear_error(tmp_path, model):
+    import multiprocessing as mp
+
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as s:
+        s.save(STORED, compute_cache(model, STORED))
+        s.flush()
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+
+        def child():
+            try:
+                s.fetch(STORED + [1])
+                out.put("no error")
+            except RuntimeError as e:
+                out.put(str(e))
+            finally:
+                s.close()  # a no-op in the child: the parent owns the writer
+
+        proc = ctx.Process(target=child)
+        proc.start()
+        message = out.get(timeout=60)
+        proc.join(60)
+        assert "fork" in message and "open a new KVStore" in message
+        assert s.fetch(STORED + [1])[1] == len(STORED)  # the parent is unaffected
