@@ -14,7 +14,7 @@ recycle them, as ``load_prompt_cache``'s are.
 import io
 import json
 import struct
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np

@@ -14,7 +14,7 @@ import shutil
 import struct
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import xxhash
@@ -33,6 +33,23 @@ DTYPES: Dict[str, Tuple[str, int]] = {
     "int8": ("I8", 1),
 }
 _CODE_SIZE = {code: size for code, size in DTYPES.values()}
+
+
+FILE_FORMAT = "KVSTORE"  # the metadata "format" of every chunk file
+
+
+def node_metadata(ns: bytes) -> Dict[str, str]:
+    """The metadata written into a node file of namespace ``ns``.
+
+    No node id: equal headers for equal sizes let readers reuse one parsed header;
+    the index's checksum tells files apart.
+    """
+    return {"format": FILE_FORMAT, "namespace": ns.hex()}
+
+
+def metadata_matches(meta: Mapping[str, str], ns: bytes) -> bool:
+    """Whether a file's metadata says it is a node file of namespace ``ns``."""
+    return meta.get("format") == FILE_FORMAT and meta.get("namespace") == ns.hex()
 
 
 class CorruptBlob(Exception):

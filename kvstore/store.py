@@ -16,9 +16,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import adapters, maintenance
 from .assemble import AssemblyPlan
-from .blobs import Blobs, CorruptBlob, serialize_node
+from .blobs import (
+    Blobs,
+    CorruptBlob,
+    metadata_matches,
+    node_metadata,
+    parse_header,
+    serialize_node,
+)
 from .chunking import as_token_array, chain_hash, chain_hashes, root_hash, split_spans
 from .index import KINDS, CorruptRecord, Index, NodeRecord, StoreError
+from .maintenance.common import check_int
 from .policy import stronger_kind
 from .ram import RamEntry, RamTier
 from .writer import BackgroundWriter
@@ -31,7 +39,6 @@ MLX_LOCK = threading.RLock()
 
 DEFAULT_RAM_BYTES = 512 << 20
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
-_MARKER = "KVSTORE"
 
 
 @dataclass
@@ -100,12 +107,12 @@ class KVStore:
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         read_threads: int = 2,
     ):
-        _check_int("chunk_tokens", chunk_tokens, minimum=1)
-        _check_int("ram_bytes", ram_bytes, minimum=0)
-        _check_int("max_pending_bytes", max_pending_bytes, minimum=0)
-        _check_int("read_threads", read_threads, minimum=1)
+        check_int("chunk_tokens", chunk_tokens, minimum=1)
+        check_int("ram_bytes", ram_bytes, minimum=0)
+        check_int("max_pending_bytes", max_pending_bytes, minimum=0)
+        check_int("read_threads", read_threads, minimum=1)
         if disk_bytes is not None:
-            _check_int("disk_bytes", disk_bytes, minimum=0)
+            check_int("disk_bytes", disk_bytes, minimum=0)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
                 f"path must be a str or os.PathLike, got {type(path).__name__}"
@@ -311,10 +318,7 @@ class KVStore:
         )
 
     def _check_meta(self, meta: dict) -> None:
-        if (
-            meta.get("format") != _MARKER
-            or meta.get("namespace") != self.namespace.hex()
-        ):
+        if not metadata_matches(meta, self.namespace):
             raise CorruptBlob("file belongs to another namespace")
 
     def _report_broken(self, h: bytes, reason: str) -> None:
@@ -424,14 +428,12 @@ class KVStore:
             if self.index.get_node(ns, node.h) is not None:
                 written.append((node, None, None))
                 continue
-            tensors = {}
-            for name, x in node.slices.items():
-                dtype, shape = self._expected_of(name, len(node.tokens))
-                tensors[name] = (dtype, shape, np.ascontiguousarray(np.asarray(x)))
-            # No node id in the file: equal headers for equal sizes let readers reuse
-            # one parsed header; the index's checksum tells files apart.
-            meta = {"format": _MARKER, "namespace": ns.hex()}
-            data = serialize_node(tensors, meta)
+            expected = self._expected(len(node.tokens))
+            tensors = {
+                name: (*expected[name], np.ascontiguousarray(np.asarray(x)))
+                for name, x in node.slices.items()
+            }
+            data = serialize_node(tensors, node_metadata(ns))
             written.append((node, data, self.blobs.write(ns, node.h, data)))
             node.slices = None  # release the cache's buffers early
 
@@ -474,7 +476,7 @@ class KVStore:
         self._unlink_unindexed(superseded)
         for h, rec, data in added:
             if data is not None and self.ram.max_bytes >= len(data):
-                _, tensors, _ = _parse(data)
+                _, tensors, _ = parse_header(data, len(data))
                 self.ram.put(h, RamEntry(data, tensors, rec.kind, rec.pinned))
         with self._lock:
             self._broken.difference_update(
@@ -491,9 +493,6 @@ class KVStore:
             expected = adapters.expected_tensors(self.layout, ntokens)
             self._expected_by_size[ntokens] = expected
         return expected
-
-    def _expected_of(self, name: str, ntokens: int):
-        return self._expected(ntokens)[name]
 
     def _supersede(self, txn, h: bytes, rec: NodeRecord) -> List[bytes]:
         """Drop unpinned leaf siblings whose tokens are a strict prefix of the new node's.
@@ -578,7 +577,7 @@ class KVStore:
             ``{"tokens": len, "computed": model tokens run, "reused": tokens restored}``.
         """
         arr = self._checked(tokens, kind, "prefill")
-        _check_int("step_tokens", step_tokens, minimum=1)
+        check_int("step_tokens", step_tokens, minimum=1)
         stored = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
         )
@@ -705,23 +704,6 @@ class KVStore:
                 "this KVStore was opened before a fork(); LMDB environments cannot cross "
                 "fork(): open a new KVStore in the child process"
             )
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(mx, dtype).size
-
-
-def _parse(data: bytes):
-    from .blobs import parse_header
-
-    return parse_header(data, len(data))
-
-
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _prepare_dir(path: str) -> None:

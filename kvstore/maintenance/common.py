@@ -440,7 +440,8 @@ def _resolve_node(index: Index, txn, ns: bytes, spec) -> bytes:
 # -- argument checks -------------------------------------------------------------------
 
 
-def _check_int(name: str, value, *, minimum: int) -> None:
+def check_int(name: str, value, *, minimum: int) -> None:
+    """Raise TypeError unless ``value`` is an int (not a bool), ValueError below ``minimum``."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
@@ -449,7 +450,7 @@ def _check_int(name: str, value, *, minimum: int) -> None:
 
 def _check_optional_int(name: str, value) -> None:
     if value is not None:
-        _check_int(name, value, minimum=0)
+        check_int(name, value, minimum=0)
 
 
 def _spec_list(name: str, specs) -> list:

@@ -8,12 +8,12 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import root_hash
 from ..index import CorruptRecord, Index, NodeRecord
 from .common import (
-    _check_int,
     _descriptions,
     _known_namespaces,
     _layout,
     _opened,
     _resolve_namespace,
+    check_int,
     read_disk_budget,
 )
 
@@ -230,8 +230,8 @@ def list_tree(
         StoreError: ``path`` is not a kvstore directory.
         ValueError: ``namespace`` names no namespace of the store, or several.
     """
-    _check_int("max_depth", max_depth, minimum=0)
-    _check_int("max_children", max_children, minimum=0)
+    check_int("max_depth", max_depth, minimum=0)
+    check_int("max_children", max_children, minimum=0)
     with _opened(path) as (index, _):
 
         def kids(txn, ns: bytes, parent: bytes, depth: int) -> Tuple[List[dict], int]:

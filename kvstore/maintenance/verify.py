@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..adapters import LayerLayout, expected_tensors
-from ..blobs import Blobs, CorruptBlob, check_layout, file_checksum, parse_header
+from ..blobs import (
+    Blobs,
+    CorruptBlob,
+    check_layout,
+    file_checksum,
+    metadata_matches,
+    parse_header,
+)
 from ..chunking import HASH_BYTES, chain_hash, root_hash
 from ..index import CorruptRecord, Index, NodeRecord, child_key
 from .common import (
@@ -255,12 +262,6 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
     return out
 
 
-def _file_marker() -> str:
-    from ..store import _MARKER  # late: the store imports this module
-
-    return _MARKER
-
-
 def _check_file(
     blobs: Blobs,
     ns: bytes,
@@ -292,7 +293,7 @@ def _check_file(
         check_layout(tensors, expected)
     except CorruptBlob as e:
         return "header", str(e)
-    if meta.get("format") != _file_marker() or meta.get("namespace") != ns.hex():
+    if not metadata_matches(meta, ns):
         return "namespace", f"file metadata names namespace {meta.get('namespace')!r}"
     if file_checksum(data) != rec.checksum:
         return "checksum", "checksum mismatch"
