@@ -117,21 +117,11 @@ def test_mixed_file_reports_each_bad_line_and_stores_the_good(tmp_path, tiny_mod
 
 def test_second_run_computes_nothing(tmp_path, tiny_model_dir):
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD)
-    args = (
-        "prefill",
-        prompts,
-        "--model",
-        tiny_model_dir,
-        "--store",
-        tmp_path / "store",
-        "--chunk-tokens",
-        64,
-        "--json",
-    )
-    first = kvstore(*args)
+    args = (tiny_model_dir, prompts, tmp_path / "store", "--json")
+    first = prefill(*args)
     assert first.returncode == 0, first.stderr
     assert summary(first)["tokens_computed"] > 0
-    second = summary(kvstore(*args))
+    second = summary(prefill(*args))
     assert (
         second["tokens_computed"] == 0
         and second["skipped"] == 3
@@ -168,22 +158,12 @@ def test_store_of_another_format_version_is_refused(tmp_path, tiny_model_dir):
 
     prompts = write_jsonl(tmp_path / "p.jsonl", GOOD[:1])
     store = tmp_path / "store"
-    args = (
-        "prefill",
-        prompts,
-        "--model",
-        tiny_model_dir,
-        "--store",
-        store,
-        "--chunk-tokens",
-        64,
-    )
-    assert kvstore(*args).returncode == 0
+    assert prefill(tiny_model_dir, prompts, store).returncode == 0
     env = lmdb.open(str(store / "index"), max_dbs=8)
     with env.begin(write=True) as txn:
         txn.put(b"format_version", b"999", db=env.open_db(b"meta", txn=txn))
     env.close()
-    proc = kvstore(*args)
+    proc = prefill(tiny_model_dir, prompts, store)
     assert proc.returncode == 2 and "format version 999" in proc.stderr
 
 
