@@ -1,153 +1,540 @@
 """Turning mlx-lm cache objects into per-node tensors and back.
 
-Only classes on the allow-list below are handled; a class name is never looked
-up from anything read off disk.
+Every cache class kvstore handles is on the allow-list below, with a codec that
+says how it is stored; a class name read from disk is only ever compared with it.
+
+Two ways of storing a layer (see the README's table):
+
+* **delta** (``KVCache``, ``QuantizedKVCache``): a node file holds the layer's KV
+  for the node's own tokens; a restore concatenates the nodes along the path and
+  can stop at any token.
+* **state** (``RotatingKVCache``, ``ArraysCache``, ``ChunkedKVCache``): the layer's
+  whole state cannot be cut at an arbitrary token (a sliding window has forgotten
+  old tokens, recurrent state cannot be "trimmed"), so a node may carry a
+  checkpoint of it, taken at the node's end; a restore stops only at such a node.
+
+``CacheList`` layers are walked recursively; their leaves are named ``"3.0"``,
+``"3.1"``.
 """
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+import numpy as np
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
-# Allow-list of cache classes kvstore can store and rebuild.
-SUPPORTED_CACHES = {"KVCache": KVCache}
+from .blobs import DTYPES, CorruptBlob, TensorEntry
 
 # Same-size unsigned views: numpy understands them whatever the float type (bf16).
 _UINT_VIEW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_CODE_TO_NAME = {code: name for name, (code, _) in DTYPES.items()}
+
+DELTA, STATE = "delta", "state"
 
 
 class UnsupportedCacheError(ValueError):
-    """The model's cache layout has a class kvstore cannot store (yet)."""
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    """What one layer's KV looks like: enough to validate files and allocate arrays."""
-
-    cls: str
-    heads: int
-    k_dim: int
-    v_dim: int
-    dtype: str  # mlx dtype name, e.g. "float16"
-
-    def to_json(self) -> Dict[str, Any]:
-        return asdict(self)
+    """The model's cache layout has a class kvstore cannot store."""
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def check_supported(cache: Sequence[Any]) -> None:
-    for i, layer in enumerate(cache):
-        name = type(layer).__name__
-        if type(layer) is not SUPPORTED_CACHES.get(name):
-            raise UnsupportedCacheError(
-                f"layer {i} uses {name}; this kvstore stores only "
-                f"{', '.join(SUPPORTED_CACHES)} layers"
+@dataclass(frozen=True)
+class Leaf:
+    """How one (non-``CacheList``) cache layer is stored.
+
+    ``tensors`` lists ``(suffix, dtype, shape)``; for delta leaves the shape is
+    ``(heads, width)`` of the ``(1, heads, tokens, width)`` arrays, for state leaves
+    the full shape with ``-1`` where the length varies. ``params`` are the class's
+    fixed settings (bits, window size...): part of the namespace and checked on load.
+    """
+
+    name: str
+    cls: str
+    mode: str
+    tensors: Tuple[Tuple[str, str, Tuple[int, ...]], ...]
+    params: Tuple[Tuple[str, int], ...] = ()
+
+    def param(self, key: str) -> int:
+        return dict(self.params)[key]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "name": self.name,
+            "cls": self.cls,
+            "mode": self.mode,
+            "tensors": [[s, d, list(shape)] for s, d, shape in self.tensors],
+            "params": dict(self.params),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "Leaf":
+        if obj["cls"] not in CODECS:
+            raise UnsupportedCacheError(f"unknown cache class {obj['cls']!r}")
+        return cls(
+            name=str(obj["name"]),
+            cls=obj["cls"],
+            mode=CODECS[obj["cls"]].mode,
+            tensors=tuple((s, d, tuple(shape)) for s, d, shape in obj["tensors"]),
+            params=tuple(sorted((k, int(v)) for k, v in obj["params"].items())),
+        )
+
+
+# -- codecs: one per allow-listed class ------------------------------------------------
+
+
+def _kv_shape(a: mx.array) -> Tuple[int, int]:
+    return a.shape[1], a.shape[3]
+
+
+class _KV:
+    """``KVCache``: keys and values, concatenated along the token axis."""
+
+    cls, mode = KVCache, DELTA
+
+    def describe(self, c) -> Tuple[tuple, tuple]:
+        d = dtype_name(c.keys.dtype)
+        return (("keys", d, _kv_shape(c.keys)), ("values", d, _kv_shape(c.values))), ()
+
+    def held(self, c) -> int:
+        return c.offset if c.keys is not None else 0
+
+    def arrays(self, c) -> List[mx.array]:
+        return [c.keys, c.values]
+
+    def build(self, leaf: Leaf, arrays: List[mx.array], ntokens: int):
+        c = KVCache()
+        c.keys, c.values, c.offset = arrays[0], arrays[1], ntokens
+        return c
+
+
+class _QuantizedKV(_KV):
+    """``QuantizedKVCache``: the packed weights, scales and biases, kept quantized."""
+
+    cls, mode = QuantizedKVCache, DELTA
+
+    def describe(self, c) -> Tuple[tuple, tuple]:
+        tensors = []
+        for which, parts in (("keys", c.keys), ("values", c.values)):
+            for j, a in enumerate(parts):
+                tensors.append((f"{which}.{j}", dtype_name(a.dtype), _kv_shape(a)))
+        params = (
+            ("bits", c.bits),
+            ("group_size", c.group_size),
+            ("parts", len(c.keys)),
+        )
+        return tuple(tensors), params
+
+    def arrays(self, c) -> List[mx.array]:
+        return [*c.keys, *c.values]
+
+    def build(self, leaf: Leaf, arrays: List[mx.array], ntokens: int):
+        c = QuantizedKVCache(
+            group_size=leaf.param("group_size"), bits=leaf.param("bits")
+        )
+        n = leaf.param("parts")
+        c.keys, c.values, c.offset = tuple(arrays[:n]), tuple(arrays[n:]), ntokens
+        return c
+
+
+class _Rotating:
+    """``RotatingKVCache``: the window buffers as they are, with their positions."""
+
+    cls, mode = RotatingKVCache, STATE
+    INTS = ("offset", "keep", "max_size", "idx")
+
+    def describe(self, c) -> Tuple[tuple, tuple]:
+        d = dtype_name(c.keys.dtype)
+        h, dk, dv = c.keys.shape[1], c.keys.shape[3], c.values.shape[3]
+        tensors = (("keys", d, (1, h, -1, dk)), ("values", d, (1, h, -1, dv)))
+        return tensors, (("keep", c.keep), ("max_size", c.max_size))
+
+    def held(self, c) -> int:
+        return c.offset if c.keys is not None else 0
+
+    def state(self, c) -> Tuple[List[mx.array], List[int]]:
+        return [c.keys, c.values], [c.offset, c.keep, c.max_size, c._idx]
+
+    def check(self, leaf: Leaf, arrays, ints, end: int) -> None:
+        offset, keep, max_size, idx = ints
+        length = arrays[0].shape[2]
+        if (keep, max_size) != (leaf.param("keep"), leaf.param("max_size")):
+            raise CorruptBlob(f"{leaf.name}: window settings {keep}/{max_size} differ")
+        # Filled in place the buffer is at most the window; concatenated, at most
+        # every token seen.
+        if offset != end or length > max(end, max_size) or not 0 <= idx <= length:
+            raise CorruptBlob(f"{leaf.name}: window state {ints} of {length} rows")
+
+    def build(self, leaf: Leaf, arrays, ints):
+        c = RotatingKVCache(max_size=leaf.param("max_size"), keep=leaf.param("keep"))
+        c.keys, c.values = arrays
+        c.offset, c._idx = ints[0], ints[3]
+        return c
+
+
+class _Chunked:
+    """``ChunkedKVCache``: the keys kept since the current attention chunk began."""
+
+    cls, mode = ChunkedKVCache, STATE
+    INTS = ("offset", "chunk_size", "start_position")
+
+    def describe(self, c) -> Tuple[tuple, tuple]:
+        d = dtype_name(c.keys.dtype)
+        h, dk, dv = c.keys.shape[1], c.keys.shape[3], c.values.shape[3]
+        tensors = (("keys", d, (1, h, -1, dk)), ("values", d, (1, h, -1, dv)))
+        return tensors, (("chunk_size", c.chunk_size),)
+
+    def held(self, c) -> int:
+        return c.offset if c.keys is not None else 0
+
+    def state(self, c) -> Tuple[List[mx.array], List[int]]:
+        n = c.offset - c.start_position
+        kept = [c.keys[..., :n, :], c.values[..., :n, :]]
+        return kept, [c.offset, c.chunk_size, c.start_position]
+
+    def check(self, leaf: Leaf, arrays, ints, end: int) -> None:
+        offset, chunk_size, start = ints
+        if chunk_size != leaf.param("chunk_size"):
+            raise CorruptBlob(f"{leaf.name}: chunk size {chunk_size} differs")
+        if offset != end or not 0 <= start <= offset:
+            raise CorruptBlob(f"{leaf.name}: chunk state {ints} at position {end}")
+        if arrays[0].shape[2] != offset - start:
+            raise CorruptBlob(
+                f"{leaf.name}: {arrays[0].shape[2]} rows, not {offset - start}"
             )
 
+    def build(self, leaf: Leaf, arrays, ints):
+        c = ChunkedKVCache(leaf.param("chunk_size"))
+        c.keys, c.values = arrays
+        c.offset, c.start_position = ints[0], ints[2]
+        return c
 
-def probe_layout(model) -> List[LayerLayout]:
-    """Run the model on one token to learn each layer's cache class, heads, dims, dtype.
+
+class _Arrays:
+    """``ArraysCache`` (recurrent state: convolution window, SSM state...)."""
+
+    cls, mode = ArraysCache, STATE
+    INTS = ()
+
+    def describe(self, c) -> Tuple[tuple, tuple]:
+        if any(a is None for a in c.cache):
+            raise UnsupportedCacheError("an ArraysCache entry stays empty after a step")
+        tensors = tuple(
+            (str(j), dtype_name(a.dtype), tuple(a.shape)) for j, a in enumerate(c.cache)
+        )
+        return tensors, (("size", len(c.cache)),)
+
+    def held(self, c) -> Optional[int]:
+        return None  # recurrent state does not know how many tokens it has seen
+
+    def state(self, c) -> Tuple[List[mx.array], List[int]]:
+        if c.left_padding is not None or c.lengths is not None:
+            raise ValueError(
+                "a batched ArraysCache (padding or lengths) cannot be saved"
+            )
+        if any(a is None for a in c.cache):
+            raise ValueError("an ArraysCache holds no state yet")
+        return list(c.cache), []
+
+    def check(self, leaf: Leaf, arrays, ints, end: int) -> None:
+        pass  # shapes are fixed: the tensor table check covered them
+
+    def build(self, leaf: Leaf, arrays, ints):
+        c = ArraysCache(leaf.param("size"))
+        c.cache = list(arrays)
+        return c
+
+
+CODECS = {
+    codec.cls.__name__: codec
+    for codec in (_KV(), _QuantizedKV(), _Rotating(), _Chunked(), _Arrays())
+}
+# The allow-list: every class a store can hold, CacheList being a container.
+SUPPORTED_CACHES = {name: codec.cls for name, codec in CODECS.items()}
+SUPPORTED_CACHES["CacheList"] = CacheList
+
+
+def _codec(layer, where: str):
+    name = type(layer).__name__
+    codec = CODECS.get(name)
+    if codec is None or type(layer) is not codec.cls:
+        raise UnsupportedCacheError(
+            f"layer {where} uses {name}; kvstore stores "
+            f"{', '.join(SUPPORTED_CACHES)} layers"
+        )
+    return codec
+
+
+def _leaves(cache: Sequence[Any], prefix: str = "") -> List[Tuple[str, Any]]:
+    """``(name, layer)`` of every non-CacheList layer, depth first."""
+    out = []
+    for i, layer in enumerate(cache):
+        name = f"{prefix}{i}"
+        if type(layer) is CacheList:
+            out += _leaves(layer.caches, name + ".")
+        else:
+            out.append((name, layer))
+    return out
+
+
+def _tree(cache: Sequence[Any]) -> list:
+    """The nesting of ``cache``: None for a leaf, a list for a CacheList."""
+    return [_tree(c.caches) if type(c) is CacheList else None for c in cache]
+
+
+# -- the layout of a whole model ------------------------------------------------------
+
+
+class Layout:
+    """The cache layout of one model: its leaves and how ``CacheList``s nest them.
+
+    Args:
+        leaves: One :class:`Leaf` per non-CacheList layer, depth first.
+        tree: The nesting (see :func:`_tree`).
+        make_cache: Builds the model's empty cache (the classes the store returns).
+    """
+
+    def __init__(self, leaves: Sequence[Leaf], tree: list, make_cache=None):
+        self.leaves = list(leaves)
+        self.tree = tree
+        self.make_cache = make_cache
+        self.has_state = any(leaf.mode == STATE for leaf in self.leaves)
+        # Delta tensors: name -> (dtype, heads, width) of a (1, heads, T, width) array.
+        self.rows = {
+            f"{leaf.name}.{suffix}": (dtype, shape[0], shape[1])
+            for leaf in self.leaves
+            if leaf.mode == DELTA
+            for suffix, dtype, shape in leaf.tensors
+        }
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"leaves": [leaf.to_json() for leaf in self.leaves], "tree": self.tree}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "Layout":
+        return cls([Leaf.from_json(x) for x in obj["leaves"]], obj["tree"])
+
+    # -- files ----------------------------------------------------------------------
+
+    def delta_tensors(self, ntokens: int) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+        """``name -> (dtype, shape)`` of a node file holding ``ntokens`` tokens."""
+        return {
+            name: (dtype, (1, heads, ntokens, width))
+            for name, (dtype, heads, width) in self.rows.items()
+        }
+
+    def state_names(self) -> Dict[str, Tuple[Leaf, str, str, Tuple[int, ...]]]:
+        out = {}
+        for leaf in self.leaves:
+            if leaf.mode != STATE:
+                continue
+            for suffix, dtype, shape in leaf.tensors:
+                out[f"{leaf.name}.{suffix}"] = (leaf, suffix, dtype, shape)
+            if CODECS[leaf.cls].INTS:
+                out[f"{leaf.name}.ints"] = (
+                    leaf,
+                    "ints",
+                    "int32",
+                    (len(CODECS[leaf.cls].INTS),),
+                )
+        return out
+
+    def decode_state(
+        self, data: memoryview, tensors: Mapping[str, TensorEntry], end: int
+    ) -> Dict[str, Tuple[List[np.ndarray], List[int]]]:
+        """Check a state file's tensors against the layout and the node's end.
+
+        Returns ``leaf name -> (arrays as same-size unsigned numpy views, ints)``.
+
+        Raises:
+            CorruptBlob: a missing, extra or misshapen tensor, or positions that do not
+                fit the node.
+        """
+        want = self.state_names()
+        if set(tensors) != set(want):
+            raise CorruptBlob(
+                f"state tensors differ (missing {sorted(set(want) - set(tensors))[:3]}, "
+                f"unexpected {sorted(set(tensors) - set(want))[:3]})"
+            )
+        out: Dict[str, Tuple[List[np.ndarray], List[int]]] = {}
+        for name, (leaf, suffix, dtype, shape) in want.items():
+            t = tensors[name]
+            if (
+                _CODE_TO_NAME.get(t.dtype) != dtype
+                or len(t.shape) != len(shape)
+                or any(w not in (-1, d) for w, d in zip(shape, t.shape))
+            ):
+                raise CorruptBlob(f"state tensor {name!r} is {t.dtype}{list(t.shape)}")
+            size = DTYPES[dtype][1]
+            raw = np.frombuffer(
+                data,
+                dtype=_NP_UINT[size],
+                count=(t.end - t.start) // size,
+                offset=t.start,
+            ).reshape(t.shape)
+            arrays, ints = out.setdefault(leaf.name, ([], []))
+            if suffix == "ints":
+                ints.extend(int(x) for x in raw.view(np.int32))
+            else:
+                arrays.append(raw)
+        for leaf in self.leaves:
+            if leaf.mode == STATE:
+                arrays, ints = out[leaf.name]
+                CODECS[leaf.cls].check(leaf, arrays, ints, end)
+        return out
+
+    # -- caches -----------------------------------------------------------------------
+
+    def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
+        """Tokens ``cache`` holds, as far as its layers count them (None: no layer
+        does; recurrent state does not know how many tokens it has seen)."""
+        known = [
+            CODECS[leaf.cls].held(layer)
+            for (_, layer), leaf in zip(_leaves(cache), self.leaves)
+            if type(layer).__name__ == leaf.cls
+        ]
+        known = [n for n in known if n is not None]
+        return min(known) if known else None
+
+    def check_cache(self, cache: Sequence[Any], ntokens: int, *, exact: bool = True):
+        """Raise unless ``cache`` has this layout and holds ``ntokens`` tokens.
+
+        With ``exact`` false, delta layers may hold more (only the prefix is stored);
+        state layers must still hold exactly ``ntokens``, and some layer must count
+        its tokens so that this can be checked.
+        """
+        if not isinstance(cache, (list, tuple)):
+            raise TypeError(
+                f"cache must be a list of cache objects, got {type(cache).__name__}"
+            )
+        if len(cache) != len(self.tree):
+            raise ValueError(
+                f"cache has {len(cache)} layers, the model has {len(self.tree)}"
+            )
+        if _tree(cache) != self.tree:
+            raise ValueError("cache nesting (CacheList) differs from the model's")
+        counted = False
+        for (name, layer), leaf in zip(_leaves(cache), self.leaves):
+            codec = CODECS[leaf.cls]
+            if type(layer) is not codec.cls:
+                raise ValueError(
+                    f"cache layer {name} is {type(layer).__name__}, expected {leaf.cls}"
+                )
+            held = codec.held(layer)
+            if held is not None:
+                counted = True
+                ok = held == ntokens if exact or leaf.mode == STATE else held >= ntokens
+                if not ok:
+                    raise ValueError(
+                        f"cache layer {name} holds {held} tokens but {ntokens} tokens "
+                        "were given"
+                    )
+                if held == 0:
+                    continue
+            elif any(a is None for a in layer.cache):
+                raise ValueError(f"cache layer {name} ({leaf.cls}) holds no state")
+            tensors, params = codec.describe(layer)
+            if tensors != leaf.tensors or params != leaf.params:
+                raise ValueError(
+                    f"cache layer {name} has tensors {_brief(tensors)} {dict(params)}, "
+                    f"expected {_brief(leaf.tensors)} {dict(leaf.params)}"
+                )
+        if not exact and not counted:
+            raise ValueError(
+                "this cache's layers do not count their tokens (recurrent state): "
+                "save it with save() and exactly the tokens it holds"
+            )
+
+    def node_slices(
+        self, cache: Sequence[Any], start: int, end: int
+    ) -> Dict[str, mx.array]:
+        """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints."""
+        out = {}
+        for (name, layer), leaf in zip(_leaves(cache), self.leaves):
+            if leaf.mode != DELTA:
+                continue
+            for (suffix, _, _), a in zip(leaf.tensors, CODECS[leaf.cls].arrays(layer)):
+                out[f"{name}.{suffix}"] = a[:, :, start:end, :].view(
+                    _UINT_VIEW[a.dtype.size]
+                )
+        return out
+
+    def state_arrays(self, cache: Sequence[Any]) -> Dict[str, Tuple[str, mx.array]]:
+        """``name -> (dtype, array)`` of every state tensor (unsigned views, ints as int32)."""
+        out = {}
+        for (name, layer), leaf in zip(_leaves(cache), self.leaves):
+            if leaf.mode != STATE:
+                continue
+            arrays, ints = CODECS[leaf.cls].state(layer)
+            for (suffix, dtype, _), a in zip(leaf.tensors, arrays):
+                out[f"{name}.{suffix}"] = (dtype, a.view(_UINT_VIEW[a.dtype.size]))
+            if ints:
+                out[f"{name}.ints"] = ("int32", mx.array(ints, dtype=mx.int32))
+        return out
+
+    def build(
+        self,
+        delta: Mapping[str, mx.array],
+        state: Mapping[str, Tuple[List[np.ndarray], List[int]]],
+        ntokens: int,
+    ) -> List[Any]:
+        """Fresh cache objects: delta leaves from ``delta`` (name -> array), state
+        leaves from :meth:`decode_state`'s output (copied into new arrays)."""
+        built = []
+        for leaf in self.leaves:
+            codec = CODECS[leaf.cls]
+            if leaf.mode == DELTA:
+                arrays = [delta[f"{leaf.name}.{s}"] for s, _, _ in leaf.tensors]
+                built.append(codec.build(leaf, arrays, ntokens))
+            else:
+                raw, ints = state[leaf.name]
+                arrays = [
+                    mx.array(np.ascontiguousarray(r)).view(getattr(mx, dtype))
+                    for r, (_, dtype, _) in zip(raw, leaf.tensors)
+                ]
+                built.append(codec.build(leaf, arrays, ints))
+        it = iter(built)
+        return _nest(self.tree, it)
+
+
+def _nest(tree: list, it) -> List[Any]:
+    return [next(it) if sub is None else CacheList(*_nest(sub, it)) for sub in tree]
+
+
+def _brief(tensors) -> str:
+    return ", ".join(f"{s}:{d}{list(shape)}" for s, d, shape in tensors)
+
+
+def probe_layout(model, make_cache=None) -> Layout:
+    """Run the model on one token to learn each layer's class, tensors and settings.
+
+    Args:
+        model: The mlx-lm model.
+        make_cache: Builds an empty cache (default: ``make_prompt_cache(model)``).
 
     Raises:
         UnsupportedCacheError: a layer's cache class is not supported.
     """
-    cache = make_prompt_cache(model)
-    check_supported(cache)
+    make_cache = make_cache or (lambda: make_prompt_cache(model))
+    cache = make_cache()
+    for name, layer in _leaves(cache):
+        _codec(layer, name)
     model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return [
-        LayerLayout(
-            cls=type(c).__name__,
-            heads=c.keys.shape[1],
-            k_dim=c.keys.shape[3],
-            v_dim=c.values.shape[3],
-            dtype=dtype_name(c.keys.dtype),
-        )
-        for c in cache
-    ]
-
-
-def tensor_names(i: int) -> Tuple[str, str]:
-    return f"{i}.keys", f"{i}.values"
-
-
-def expected_tensors(
-    layout: Sequence[LayerLayout], ntokens: int
-) -> Dict[str, Tuple[str, Tuple]]:
-    """``name -> (dtype, shape)`` of a node file holding ``ntokens`` tokens."""
-    out = {}
-    for i, lay in enumerate(layout):
-        k, v = tensor_names(i)
-        out[k] = (lay.dtype, (1, lay.heads, ntokens, lay.k_dim))
-        out[v] = (lay.dtype, (1, lay.heads, ntokens, lay.v_dim))
-    return out
-
-
-def check_cache(
-    layout: Sequence[LayerLayout],
-    cache: Sequence[Any],
-    ntokens: int,
-    *,
-    exact: bool = True,
-) -> None:
-    """Raise ValueError unless ``cache`` matches the layout and holds ``ntokens`` tokens
-    (at least ``ntokens`` when not ``exact``)."""
-    if not isinstance(cache, (list, tuple)):
-        raise TypeError(
-            f"cache must be a list of cache objects, got {type(cache).__name__}"
-        )
-    if len(cache) != len(layout):
-        raise ValueError(f"cache has {len(cache)} layers, the model has {len(layout)}")
-    for i, (layer, lay) in enumerate(zip(cache, layout)):
-        if (
-            type(layer).__name__ != lay.cls
-            or type(layer) is not SUPPORTED_CACHES[lay.cls]
-        ):
-            raise ValueError(
-                f"cache layer {i} is {type(layer).__name__}, expected {lay.cls}"
-            )
-        held = layer.offset if layer.keys is not None else 0
-        if held != ntokens if exact else held < ntokens:
-            raise ValueError(
-                f"cache layer {i} holds {held} tokens but {ntokens} tokens were given"
-            )
-        if layer.keys is None:
-            continue
-        k, v = layer.keys, layer.values
-        if (
-            k.shape[0] != 1
-            or (k.shape[1], k.shape[3], v.shape[3]) != (lay.heads, lay.k_dim, lay.v_dim)
-            or dtype_name(k.dtype) != lay.dtype
-        ):
-            raise ValueError(
-                f"cache layer {i} has keys {k.shape} {dtype_name(k.dtype)}, expected "
-                f"(1, {lay.heads}, *, {lay.k_dim}) {lay.dtype}"
-            )
-
-
-def node_slices(
-    layout: Sequence[LayerLayout], cache: Sequence[Any], start: int, end: int
-) -> Dict[str, mx.array]:
-    """Lazy views of tokens ``[start, end)`` of every layer, as same-size unsigned ints."""
-    out = {}
-    for i, (layer, lay) in enumerate(zip(cache, layout)):
-        view = _UINT_VIEW[layer.keys.dtype.size]
-        k, v = tensor_names(i)
-        out[k] = layer.keys[:, :, start:end, :].view(view)
-        out[v] = layer.values[:, :, start:end, :].view(view)
-    return out
-
-
-def build_cache(layout: Sequence[LayerLayout], arrays, ntokens: int) -> List[Any]:
-    """Fresh cache objects holding ``arrays`` (through the classes' ``state`` protocol)."""
-    cache = []
-    for lay, (k, v) in zip(layout, arrays):
-        layer = SUPPORTED_CACHES[lay.cls]()
-        # mlx-lm's KVCache.state is (keys, values, offset); older releases (keys, values).
-        layer.state = (k, v, ntokens) if len(layer.state) == 3 else (k, v)
-        cache.append(layer)
-    return cache
+    mx.eval([c.state for _, c in _leaves(cache)])
+    leaves = []
+    for name, layer in _leaves(cache):
+        codec = _codec(layer, name)
+        tensors, params = codec.describe(layer)
+        leaves.append(Leaf(name, type(layer).__name__, codec.mode, tensors, params))
+    return Layout(leaves, _tree(cache), make_cache)

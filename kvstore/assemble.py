@@ -14,12 +14,12 @@ recycle them, as ``load_prompt_cache``'s are.
 import io
 import json
 import struct
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-from .adapters import LayerLayout, dtype_name, tensor_names
+from .adapters import dtype_name
 from .blobs import DTYPES
 
 
@@ -79,20 +79,23 @@ def empty_arrays(specs: Sequence[Tuple[Tuple[int, ...], mx.Dtype]]) -> List[mx.a
 class AssemblyPlan:
     """The destination arrays of a restore of ``ntokens`` tokens, and where nodes land.
 
-    Layer ``i``'s keys are a ``(1, heads, ntokens, k_dim)`` row-major array: head
+    Every delta tensor is a ``(1, heads, ntokens, width)`` row-major array: head
     ``hd``'s rows for tokens ``[a, b)`` are one contiguous byte range.
+
+    Args:
+        rows: ``name -> (dtype name, heads, width)`` of the delta tensors
+            (:attr:`kvstore.adapters.Layout.rows`).
+        ntokens: Tokens to restore.
     """
 
-    def __init__(self, layout: Sequence[LayerLayout], ntokens: int):
-        self.layout = list(layout)
+    def __init__(self, rows: Mapping[str, Tuple[str, int, int]], ntokens: int):
         self.ntokens = ntokens
         specs, self.rows = [], {}
-        for i, lay in enumerate(self.layout):
-            dtype = getattr(mx, lay.dtype)
-            for name, dim in zip(tensor_names(i), (lay.k_dim, lay.v_dim)):
-                specs.append(((1, lay.heads, ntokens, dim), dtype))
-                self.rows[name] = (dim * dtype.size, lay.heads)
-        self.arrays = empty_arrays(specs)
+        for name, (dtype_str, heads, width) in rows.items():
+            dtype = getattr(mx, dtype_str)
+            specs.append(((1, heads, ntokens, width), dtype))
+            self.rows[name] = (width * dtype.size, heads)
+        self.arrays = empty_arrays(specs) if specs else []
         # (heads, ntokens, row bytes) byte views: a node's rows are one slice of these.
         self.grids = {
             name: np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(
@@ -118,9 +121,9 @@ class AssemblyPlan:
             block = block.reshape(heads, node_tokens, row)
             np.copyto(self.grids[name][:, offset : offset + take], block[:, :take])
 
-    def layer_arrays(self, ntokens: int) -> List[Tuple[mx.array, mx.array]]:
-        """Per-layer ``(keys, values)``, cut to ``ntokens`` when a node failed."""
-        pairs = list(zip(self.arrays[0::2], self.arrays[1::2]))
+    def delta_arrays(self, ntokens: int) -> Dict[str, mx.array]:
+        """``name -> array``, cut to ``ntokens`` when a node failed."""
+        out = dict(zip(self.rows, self.arrays))
         if ntokens < self.ntokens:
-            pairs = [(k[:, :, :ntokens, :], v[:, :, :ntokens, :]) for k, v in pairs]
-        return pairs
+            out = {name: a[:, :, :ntokens, :] for name, a in out.items()}
+        return out

@@ -179,8 +179,17 @@ def check_layout(
             )
 
 
+DELTA_PART, STATE_PART = (
+    "",
+    ".state",
+)  # a node's two files: its own tokens' KV; a checkpoint
+
+
 class Blobs:
     """Content-addressed chunk files under ``<root>/<ns>/<h[:2]>/<h>.safetensors``.
+
+    A node may also have a state file, ``<h>.state.safetensors``: the checkpoint of
+    the layers whose state does not concatenate (see :mod:`kvstore.adapters`).
 
     Args:
         root: The blobs directory.
@@ -195,13 +204,15 @@ class Blobs:
         self._headers: Dict[tuple, tuple] = {}  # validated headers, by their bytes
         os.makedirs(root, exist_ok=True)
 
-    def path(self, ns: bytes, h: bytes) -> str:
+    def path(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> str:
         hx = h.hex()
-        return os.path.join(self.root, ns.hex(), hx[:2], hx + self.SUFFIX)
+        return os.path.join(self.root, ns.hex(), hx[:2], hx + part + self.SUFFIX)
 
     # -- writing -----------------------------------------------------------
 
-    def write(self, ns: bytes, h: bytes, data: bytes) -> "Published":
+    def write(
+        self, ns: bytes, h: bytes, data: bytes, part: str = DELTA_PART
+    ) -> "Published":
         """Publish ``data`` as the file of node ``h``, atomically and durably.
 
         The bytes go to a uniquely named temp file (created exclusively) in the same
@@ -214,7 +225,7 @@ class Blobs:
         adopts it (its size and checksum are returned) instead of overwriting a file
         whose checksum another process may be committing.
         """
-        final = self.path(ns, h)
+        final = self.path(ns, h, part)
         directory = os.path.dirname(final)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(
@@ -263,18 +274,20 @@ class Blobs:
         parse_header(existing, len(existing))
         return Published(len(existing), file_checksum(existing), inode, False)
 
-    def published_inode(self, ns: bytes, h: bytes) -> Optional[int]:
+    def published_inode(
+        self, ns: bytes, h: bytes, part: str = DELTA_PART
+    ) -> Optional[int]:
         """The inode now at node ``h``'s path, None when there is no file."""
         try:
-            return os.stat(self.path(ns, h)).st_ino
+            return os.stat(self.path(ns, h, part)).st_ino
         except FileNotFoundError:
             return None
 
     # -- reading -----------------------------------------------------------
 
-    def _open(self, ns: bytes, h: bytes, nbytes: int) -> int:
+    def _open(self, ns: bytes, h: bytes, nbytes: int, part: str) -> int:
         try:
-            fd = os.open(self.path(ns, h), os.O_RDONLY)
+            fd = os.open(self.path(ns, h, part), os.O_RDONLY)
         except FileNotFoundError:
             raise CorruptBlob("file is missing") from None
         size = os.fstat(fd).st_size
@@ -302,7 +315,8 @@ class Blobs:
         if cached is not None and cached[0] is expected:
             return head, cached[1], cached[2]
         _, tensors, metadata = parse_header(head, nbytes)
-        check_layout(tensors, expected)
+        if expected is not None:
+            check_layout(tensors, expected)
         if len(self._headers) > 4096:
             self._headers.clear()
         self._headers[key] = (expected, tensors, metadata)
@@ -315,20 +329,22 @@ class Blobs:
         *,
         nbytes: int,
         checksum: int,
-        expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+        expected: Optional[Mapping[str, Tuple[str, Tuple[int, ...]]]],
         staging: bytearray,
+        part: str = DELTA_PART,
     ) -> Tuple[memoryview, Dict[str, TensorEntry], dict]:
         """Read and verify a whole file into ``staging`` (at least ``nbytes`` long).
 
         One read and one hash call per file: both release the GIL, unlike the
         hundreds of small per-piece calls a direct scatter needs. Returns a view of
-        the file's bytes in ``staging``, its tensors and metadata.
+        the file's bytes in ``staging``, its tensors and metadata. With ``expected``
+        None the tensor table is only checked for consistency (the caller checks it).
         """
         if len(staging) < nbytes:
             raise ValueError(
                 f"staging buffer of {len(staging)} bytes for a {nbytes}-byte file"
             )
-        fd = self._open(ns, h, nbytes)
+        fd = self._open(ns, h, nbytes, part)
         try:
             head, tensors, metadata = self.read_header(fd, nbytes, expected)
             view = memoryview(staging)[:nbytes]
@@ -349,34 +365,56 @@ class Blobs:
         *,
         nbytes: int,
         checksum: int,
-        expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+        expected: Optional[Mapping[str, Tuple[str, Tuple[int, ...]]]],
+        part: str = DELTA_PART,
     ) -> Tuple[bytearray, Dict[str, TensorEntry], dict]:
         """Read and verify a whole file into a new buffer: ``(data, tensors, metadata)``."""
         data = bytearray(nbytes)
         _, tensors, metadata = self.read_staged(
-            ns, h, nbytes=nbytes, checksum=checksum, expected=expected, staging=data
+            ns,
+            h,
+            nbytes=nbytes,
+            checksum=checksum,
+            expected=expected,
+            staging=data,
+            part=part,
         )
         return data, tensors, metadata
 
     # -- removal and maintenance ----------------------------------------------
 
+    def size(self, ns: bytes, h: bytes) -> Optional[int]:
+        """Bytes of node ``h``'s files (delta and state), None when it has none."""
+        sizes = []
+        for part in (DELTA_PART, STATE_PART):
+            try:
+                sizes.append(os.stat(self.path(ns, h, part)).st_size)
+            except FileNotFoundError:
+                pass
+        return sum(sizes) if sizes else None
+
     def remove(self, ns: bytes, h: bytes) -> None:
-        _unlink(self.path(ns, h))
+        """Unlink node ``h``'s files (both parts)."""
+        for part in (DELTA_PART, STATE_PART):
+            _unlink(self.path(ns, h, part))
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
-        """Move a broken file aside (with a note saying why); None if it was gone."""
-        src = self.path(ns, h)
+        """Move a broken node's files aside (with a note saying why); None if gone."""
         os.makedirs(self.quarantine_dir, exist_ok=True)
-        dst = os.path.join(
-            self.quarantine_dir, f"{ns.hex()}-{h.hex()}-{int(time.time())}{self.SUFFIX}"
-        )
-        try:
-            shutil.move(src, dst)
-        except FileNotFoundError:
-            return None
-        with open(dst + ".reason", "w") as f:
-            f.write(reason + "\n")
-        return dst
+        moved = None
+        for part in (DELTA_PART, STATE_PART):
+            dst = os.path.join(
+                self.quarantine_dir,
+                f"{ns.hex()}-{h.hex()}-{int(time.time())}{part}{self.SUFFIX}",
+            )
+            try:
+                shutil.move(self.path(ns, h, part), dst)
+            except FileNotFoundError:
+                continue
+            with open(dst + ".reason", "w") as f:
+                f.write(reason + "\n")
+            moved = moved or dst
+        return moved
 
     def iter_files(self) -> Iterator[Tuple[str, str]]:
         """Yield ``(kind, path)`` for every file: kind is "blob", "temp" or "other"."""
@@ -391,13 +429,17 @@ class Blobs:
                     yield "other", path
 
     def parse_path(self, path: str) -> Optional[Tuple[bytes, bytes]]:
-        """``(ns, h)`` for a blob path under this root, None for anything else."""
+        """``(ns, h)`` for a node file path (either part) under this root, None for
+        anything else."""
         rel = os.path.relpath(path, self.root).split(os.sep)
         if len(rel) != 3 or not rel[2].endswith(self.SUFFIX):
             return None
+        stem = rel[2][: -len(self.SUFFIX)]
+        if stem.endswith(STATE_PART):
+            stem = stem[: -len(STATE_PART)]
         try:
             ns = bytes.fromhex(rel[0])
-            h = bytes.fromhex(rel[2][: -len(self.SUFFIX)])
+            h = bytes.fromhex(stem)
         except ValueError:
             return None
         if len(ns) != 16 or len(h) != 16 or rel[1] != rel[2][:2]:

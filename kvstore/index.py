@@ -18,7 +18,8 @@ import numpy as np
 
 from .chunking import HASH_BYTES, common_prefix
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of the store directory (meta db); records carry their own
+RECORD_VERSION = 2  # 2 added the optional state (checkpoint) file; 1 still decodes
 KINDS = ("assistant", "user", "system")  # eviction order: first goes first
 CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
 _PAD = b"\xff\xff\xff\xff"  # sorts after every big-endian token id < 2**31
@@ -48,20 +49,32 @@ class NodeRecord:
     kind: str = "user"
     pinned: bool = False
     created: float = 0.0
+    state_nbytes: int = 0  # size of the node's state file; 0: no checkpoint
+    state_checksum: int = 0
 
     @property
     def ntokens(self) -> int:
         return len(self.tokens)
 
     @property
+    def has_state(self) -> bool:
+        return self.state_nbytes > 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the node's files on disk (delta file and state file)."""
+        return self.nbytes + self.state_nbytes
+
+    @property
     def end(self) -> int:
         return self.start + len(self.tokens)
 
     _HEAD = struct.Struct("<BBBxIIQQd16s")
+    _STATE = struct.Struct("<QQ")  # version 2: state file size and checksum
 
     def encode(self) -> bytes:
         head = self._HEAD.pack(
-            FORMAT_VERSION,
+            RECORD_VERSION,
             KINDS.index(self.kind),
             int(self.pinned),
             self.start,
@@ -71,7 +84,8 @@ class NodeRecord:
             self.created,
             self.parent,
         )
-        return head + np.ascontiguousarray(self.tokens, dtype="<i4").tobytes()
+        state = self._STATE.pack(self.state_nbytes, self.state_checksum)
+        return head + state + np.ascontiguousarray(self.tokens, dtype="<i4").tobytes()
 
     @classmethod
     def decode(cls, raw: bytes) -> "NodeRecord":
@@ -81,8 +95,14 @@ class NodeRecord:
         version, kind, flags, start, n, nbytes, checksum, created, parent = (
             cls._HEAD.unpack_from(raw)
         )
-        if version != FORMAT_VERSION:
-            raise CorruptRecord(f"record format {version}, expected {FORMAT_VERSION}")
+        state_nbytes = state_checksum = 0
+        if version == RECORD_VERSION:
+            if len(raw) < size + cls._STATE.size:
+                raise CorruptRecord(f"record of {len(raw)} bytes has no state field")
+            state_nbytes, state_checksum = cls._STATE.unpack_from(raw, size)
+            size += cls._STATE.size
+        elif version != 1:
+            raise CorruptRecord(f"record format {version}, expected {RECORD_VERSION}")
         if kind >= len(KINDS) or flags > 1:
             raise CorruptRecord(f"record kind {kind} / flags {flags} out of range")
         if len(raw) != size + 4 * n or n == 0:
@@ -91,7 +111,16 @@ class NodeRecord:
             )
         tokens = np.frombuffer(raw, dtype="<i4", offset=size)
         return cls(
-            parent, start, tokens, nbytes, checksum, KINDS[kind], bool(flags), created
+            parent,
+            start,
+            tokens,
+            nbytes,
+            checksum,
+            KINDS[kind],
+            bool(flags),
+            created,
+            state_nbytes,
+            state_checksum,
         )
 
 
@@ -244,8 +273,8 @@ class Index:
         new = (
             nodes + sign,
             tokens + sign * rec.ntokens,
-            nbytes + sign * rec.nbytes,
-            pinned + sign * rec.nbytes * rec.pinned,
+            nbytes + sign * rec.total_bytes,
+            pinned + sign * rec.total_bytes * rec.pinned,
         )
         txn.put(ns, self._COUNTERS.pack(*new), db=self.db["counters"])
 
@@ -302,6 +331,23 @@ class Index:
         out.sort(key=lambda item: -item[2])
         return out
 
+    def prefix_children(
+        self, ns: bytes, parent: bytes, query: np.ndarray, txn
+    ) -> List[Tuple[bytes, NodeRecord]]:
+        """Children of fewer than ``CHILD_KEY_TOKENS`` tokens whose tokens may be a
+        strict prefix of ``query``: one key seek per length (their padded edge keys
+        cannot be found next to the query's). The caller compares the tokens."""
+        cur = txn.cursor(db=self.db["children"])
+        out = []
+        for n in range(1, min(len(query), CHILD_KEY_TOKENS)):
+            head = child_key(ns, parent, query[:n])
+            if cur.set_range(head) and bytes(cur.key()).startswith(head):
+                h = bytes(cur.key())[len(head) :]
+                rec = self.get_node(ns, h, txn)
+                if rec is not None:
+                    out.append((h, rec))
+        return out
+
     def children(self, ns: bytes, parent: bytes, txn=None) -> List[bytes]:
         if txn is None:
             return self.read(lambda t: self.children(ns, parent, t))
@@ -345,6 +391,15 @@ class Index:
             txn.delete(child_key(ns, rec.parent, rec.tokens, h), db=self.db["children"])
             self._add_counters(txn, ns, rec, -1)
         return rec
+
+    def replace_node(self, txn, ns: bytes, h: bytes, rec: NodeRecord) -> None:
+        """Rewrite an existing node's record (same tokens and parent), e.g. to add a
+        state file, keeping the counters right."""
+        old = self.get_node(ns, h, txn)
+        assert old is not None and old.parent == rec.parent
+        self._add_counters(txn, ns, old, -1)
+        txn.put(ns + h, rec.encode(), db=self.db["nodes"])
+        self._add_counters(txn, ns, rec, +1)
 
     def set_pinned(self, txn, ns: bytes, h: bytes, pinned: bool) -> bool:
         rec = self.get_node(ns, h, txn)

@@ -7,13 +7,13 @@ layout, the chunk size and the store's format version.
 
 import dataclasses
 import json
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import xxhash
 from mlx.utils import tree_flatten
 
-from .adapters import LayerLayout
+from .adapters import Layout
 from .index import FORMAT_VERSION
 
 # Above this many weight bytes only samples of each tensor are hashed, so that
@@ -74,7 +74,7 @@ def vocab_digest(tokenizer) -> Optional[str]:
 def fingerprint(
     model,
     tokenizer,
-    layout: Sequence[LayerLayout],
+    layout: Layout,
     *,
     chunk_tokens: int,
 ) -> Tuple[bytes, Dict[str, Any]]:
@@ -90,7 +90,7 @@ def fingerprint(
         "weight_headers": weight_headers,
         "weights": weight_content,
         "vocab": vocab_digest(tokenizer),
-        "layout": [lay.to_json() for lay in layout],
+        "layout": layout.to_json(),
         "chunk_tokens": chunk_tokens,
     }
     canonical = json.dumps(description, sort_keys=True).encode()

@@ -12,11 +12,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from . import adapters, maintenance
 from .assemble import AssemblyPlan
 from .blobs import (
+    STATE_PART,
     Blobs,
     CorruptBlob,
     metadata_matches,
@@ -52,11 +53,14 @@ class _Step:
 
 @dataclass
 class _NewNode:
+    """A node to write: its delta slices (None: already stored) and maybe a state."""
+
     h: bytes
     parent: bytes
     start: int
     tokens: np.ndarray
-    slices: Dict[str, mx.array]
+    slices: Optional[Dict[str, mx.array]]
+    state: Optional[Dict[str, Tuple[str, mx.array]]] = None
 
 
 @dataclass
@@ -89,6 +93,9 @@ class KVStore:
         disk_bytes: Budget of the chunk files on disk (None: unlimited).
         max_pending_bytes: Writes waiting for the disk beyond this are dropped.
         read_threads: Threads reading chunk files in parallel during a restore.
+        kv_bits: Store and return ``QuantizedKVCache`` layers of this many bits in
+            place of the model's ``KVCache`` layers (as mlx-lm's ``--kv-bits``).
+        kv_group_size: Quantization group size with ``kv_bits``.
 
     Raises:
         StoreError: ``path`` exists but is not a kvstore, or has another format.
@@ -106,8 +113,13 @@ class KVStore:
         disk_bytes: Optional[int] = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         read_threads: int = 2,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ):
         check_int("chunk_tokens", chunk_tokens, minimum=1)
+        check_int("kv_group_size", kv_group_size, minimum=1)
+        if kv_bits is not None:
+            check_int("kv_bits", kv_bits, minimum=1)
         check_int("ram_bytes", ram_bytes, minimum=0)
         check_int("max_pending_bytes", max_pending_bytes, minimum=0)
         check_int("read_threads", read_threads, minimum=1)
@@ -124,7 +136,9 @@ class KVStore:
         self.tokenizer = tokenizer
         self.chunk_tokens = chunk_tokens
         self.disk_bytes = disk_bytes
-        self.layout = adapters.probe_layout(model)
+        self.layout = adapters.probe_layout(
+            model, _cache_maker(model, kv_bits, kv_group_size)
+        )
         from .namespace import fingerprint
 
         self.namespace, self.description = fingerprint(
@@ -205,7 +219,7 @@ class KVStore:
             log.exception("kvstore: fetch failed; treating it as a miss")
             with self._lock:
                 self._counters.errors += 1
-            cache, n = make_prompt_cache(self.model), 0
+            cache, n = self.new_cache(), 0
         with self._lock:
             c = self._counters
             c.tokens_requested += len(arr)
@@ -215,71 +229,130 @@ class KVStore:
             c.restore_seconds += time.perf_counter() - tic
         return cache, n
 
-    def _fetch(self, arr: np.ndarray) -> Tuple[List[Any], int]:
+    def _fetch(self, arr: np.ndarray, retries: int = 2) -> Tuple[List[Any], int]:
         path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
         if not path:
-            return make_prompt_cache(self.model), 0
+            return self.new_cache(), 0
         with MLX_LOCK:
-            plan = AssemblyPlan(self.layout, sum(step.take for step in path))
+            plan = AssemblyPlan(self.layout.rows, sum(step.take for step in path))
         jobs, offset = [], 0
-        for step in path:
-            jobs.append(self._readers.submit(self._read_node, step, plan, offset))
-            offset += step.take
+        if self.layout.rows:  # a layout of state layers only has nothing to copy
+            for step in path:
+                jobs.append(self._readers.submit(self._read_node, step, plan, offset))
+                offset += step.take
+        state = None
+        if self.layout.has_state:
+            jobs.append(self._readers.submit(self._read_state, path[-1]))
         failed = len(path)
         for i, job in enumerate(jobs):
             error = job.exception()
-            if error is None or failed < len(path):
+            if error is None:
+                continue
+            at = min(i, len(path) - 1)  # the state job belongs to the last node
+            if at >= failed:
                 continue  # only the first broken node counts: the rest is cut anyway
-            failed = i
+            failed = at
             if isinstance(error, (CorruptBlob, OSError)):
-                self._report_broken(path[i].h, str(error))
+                self._report_broken(path[at].h, str(error))
             else:
                 log.error("kvstore: reading node failed", exc_info=error)
                 with self._lock:
                     self._counters.errors += 1
+        if self.layout.has_state:
+            if failed < len(path):
+                # The checkpoint's path is broken: look again (broken nodes are skipped
+                # now) for the next best checkpoint.
+                return (
+                    self._fetch(arr, retries - 1) if retries else (self.new_cache(), 0)
+                )
+            state = jobs[-1].result()
         path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
-            return make_prompt_cache(self.model), 0
+            return self.new_cache(), 0
         self._touch(step.h for step in path)
         with MLX_LOCK:
-            return adapters.build_cache(self.layout, plan.layer_arrays(n), n), n
+            return self.layout.build(plan.delta_arrays(n), state or {}, n), n
 
     def _walk(
         self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
     ) -> List[_Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
 
-        With ``full_only`` the walk stops before a node that is not wholly used.
+        With ``full_only`` the walk stops before a node that is not wholly used. A
+        layout with state layers restores only at a node holding a checkpoint: its
+        fetch walk returns the longest such path.
         """
+        checkpoints = self.layout.has_state and not full_only
+        full_only = full_only or checkpoints
         path: List[_Step] = []
+        best: List[_Step] = []  # the longest path ending at a checkpoint
         parent, pos, C = self.root, 0, self.chunk_tokens
         while pos < limit:
-            query = arr[pos : pos + C]
-            step = None
-            if len(query) == C:  # the common case: a full chunk, found by its hash
-                h = chain_hash(parent, query)
-                rec = self._get_node(txn, h)
-                if rec is not None and np.array_equal(rec.tokens, query):
-                    step = _Step(h, rec, C)
-            if step is None:
-                for h, rec, common in self.index.nearest_children(
-                    self.namespace, parent, query, txn
-                ):
-                    if h not in self._broken:
-                        step = _Step(h, rec, common)
-                        break
-            if step is None or step.rec.start != pos:
+            usable = [
+                step
+                for step in self._candidates(
+                    txn, parent, arr[pos : pos + C], checkpoints
+                )
+                if step.rec.start == pos
+            ]
+            for step in usable:
+                step.take = min(step.take, limit - pos)
+            if full_only:
+                usable = [step for step in usable if step.take == step.rec.ntokens]
+            if checkpoints:
+                for step in usable:
+                    if step.rec.has_state and pos + step.take > sum(
+                        s.take for s in best
+                    ):
+                        best = path + [step]
+            if not usable:
                 break
-            step.take = min(step.take, limit - pos)
-            full = step.take == step.rec.ntokens
-            if not full and full_only:
-                break
+            step = usable[0]
             path.append(step)
-            if not full:
+            if step.take < step.rec.ntokens:
                 break
             parent, pos = step.h, pos + step.take
-        return path
+        return best if checkpoints else path
+
+    def _candidates(
+        self, txn, parent: bytes, query: np.ndarray, checkpoints: bool
+    ) -> List[_Step]:
+        """Children of ``parent`` matching a prefix of ``query``, longest match first.
+
+        With ``checkpoints``, every child whose tokens are a prefix of the query: a
+        shorter sibling may hold the only checkpoint (a system prompt's tail stored
+        after a longer prompt without that boundary).
+        """
+        out = []
+        if len(query) == self.chunk_tokens:  # the common case: found by its hash
+            h = chain_hash(parent, query)
+            rec = self._get_node(txn, h)
+            if rec is not None and np.array_equal(rec.tokens, query):
+                out.append(_Step(h, rec, len(query)))
+                if not checkpoints:
+                    return out
+        out += [
+            _Step(h, rec, common)
+            for h, rec, common in self.index.nearest_children(
+                self.namespace, parent, query, txn
+            )
+            if h not in self._broken
+        ]
+        if checkpoints:
+            out += self._shorter_children(txn, parent, query)
+        unique = {step.h: step for step in reversed(out)}  # keep the first of each
+        return sorted(unique.values(), key=lambda step: -step.take)
+
+    def _shorter_children(self, txn, parent: bytes, query: np.ndarray) -> List[_Step]:
+        """Children whose tokens are a strict prefix of ``query`` (found by hash)."""
+        out = []
+        for h, rec in self.index.prefix_children(self.namespace, parent, query, txn):
+            if h not in self._broken and np.array_equal(
+                rec.tokens, query[: rec.ntokens]
+            ):
+                out.append(_Step(h, rec, rec.ntokens))
+        return out
 
     def _get_node(self, txn, h: bytes) -> Optional[NodeRecord]:
         if h in self._broken:
@@ -317,6 +390,28 @@ class KVStore:
             data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens
         )
 
+    def _read_state(self, step: _Step):
+        """The decoded checkpoint of ``step``'s node (see ``Layout.decode_state``).
+
+        Raises CorruptBlob or OSError when the node's state file is broken.
+        """
+        rec, key = step.rec, step.h + STATE_PART.encode()
+        entry = self.ram.get(key)
+        if entry is not None:
+            data, tensors = memoryview(entry.data), entry.tensors
+        else:
+            data, tensors, meta = self.blobs.read_all(
+                self.namespace,
+                step.h,
+                nbytes=rec.state_nbytes,
+                checksum=rec.state_checksum,
+                expected=None,
+                part=STATE_PART,
+            )
+            self._check_meta(meta)
+            data = memoryview(data)
+        return self.layout.decode_state(data, tensors, rec.end)
+
     def _check_meta(self, meta: dict) -> None:
         if not metadata_matches(meta, self.namespace):
             raise CorruptBlob("file belongs to another namespace")
@@ -332,7 +427,7 @@ class KVStore:
             h.hex()[:12],
             reason,
         )
-        self.ram.discard(h)
+        self._forget(h)
         self.writer.submit(lambda: self._quarantine(h, reason))
 
     # -- save --------------------------------------------------------------
@@ -363,7 +458,7 @@ class KVStore:
             The number of new nodes queued for writing.
         """
         arr = self._checked(tokens, kind, "save")
-        adapters.check_cache(self.layout, cache, len(arr))
+        self.layout.check_cache(cache, len(arr))
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
     def save_prefix(
@@ -371,9 +466,11 @@ class KVStore:
     ) -> int:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
         (a generate loop's cache after the first new token): only the prefix is stored.
+        A layout with state layers (sliding windows, recurrent state) cannot be cut
+        back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save")
-        adapters.check_cache(self.layout, cache, len(arr), exact=False)
+        self.layout.check_cache(cache, len(arr), exact=False)
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
 
     def _checked(self, tokens, kind: str, what: str) -> np.ndarray:
@@ -397,11 +494,27 @@ class KVStore:
         nodes, nbytes = [], 0
         with MLX_LOCK:
             for (s, e), h in zip(spans, hashes):
-                slices = adapters.node_slices(self.layout, cache, s, e)
+                slices = self.layout.node_slices(cache, s, e)
                 nbytes += sum(x.nbytes for x in slices.values())
                 nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
                 parent = h
-            mx.eval([n.slices for n in nodes])  # views of the cache's buffers: no copy
+            if self.layout.has_state and (nodes or not path[-1].rec.has_state):
+                # The checkpoint of the state layers at the end of ``arr``.
+                if not nodes:
+                    last = path[-1]
+                    nodes.append(
+                        _NewNode(
+                            last.h,
+                            last.rec.parent,
+                            last.rec.start,
+                            last.rec.tokens,
+                            None,
+                        )
+                    )
+                nodes[-1].state = self.layout.state_arrays(cache)
+                nbytes += sum(a.nbytes for _, a in nodes[-1].state.values())
+            # Views of the cache's buffers: no copy, and immune to the caller's updates.
+            mx.eval([(n.slices, n.state) for n in nodes])
         existing = [step.h for step in path]
         self._touch(existing)
 
@@ -418,55 +531,86 @@ class KVStore:
             return 0
         return len(nodes)
 
-    def _write_nodes(
-        self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
-    ):
-        """Writer thread: publish the files, then commit their nodes in one transaction."""
+    def _publish(self, node: _NewNode) -> Tuple[Optional[tuple], Optional[tuple]]:
+        """Writer thread: the files of ``node`` that the index lacks, as
+        ``(data, Published)`` pairs for its delta file and its state file."""
         ns = self.namespace
-        written = []
-        for node in nodes:
-            if self.index.get_node(ns, node.h) is not None:
-                written.append((node, None, None))
-                continue
+        rec = self.index.get_node(ns, node.h)
+        delta = state = None
+        if rec is None and node.slices is not None:
             expected = self._expected(len(node.tokens))
             tensors = {
                 name: (*expected[name], np.ascontiguousarray(np.asarray(x)))
                 for name, x in node.slices.items()
             }
             data = serialize_node(tensors, node_metadata(ns))
-            written.append((node, data, self.blobs.write(ns, node.h, data)))
-            node.slices = None  # release the cache's buffers early
+            delta = (data, self.blobs.write(ns, node.h, data))
+        if node.state is not None and (rec is None or not rec.has_state):
+            tensors = {
+                name: (dtype, a.shape, np.ascontiguousarray(np.asarray(a)))
+                for name, (dtype, a) in node.state.items()
+            }
+            data = serialize_node(tensors, node_metadata(ns))
+            state = (data, self.blobs.write(ns, node.h, data, STATE_PART))
+        node.slices = node.state = None  # release the cache's buffers early
+        return delta, state
 
+    def _write_nodes(
+        self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
+    ):
+        """Writer thread: publish the files, then commit their nodes in one transaction."""
+        ns = self.namespace
+        written = [(node, *self._publish(node)) for node in nodes]
         now = time.time()
+
+        def is_ours(h: bytes, published, part: str = "") -> bool:
+            # Index only the very file we checked: one removed (or replaced) by another
+            # process since then must not be indexed with our checksum.
+            return self.blobs.published_inode(ns, h, part) == published.inode
 
         def commit(txn):
             added, superseded = [], []
-            for node, data, published in written:
-                if data is None:
+            for node, delta, state in written:
+                if state is not None and not is_ours(node.h, state[1], STATE_PART):
+                    state = None
+                if delta is None:
+                    rec = self.index.get_node(ns, node.h, txn)
+                    if state is None or rec is None or rec.has_state:
+                        continue
+                    # A checkpoint for a node stored without one.
+                    rec = _with_state(rec, state[1])
+                    self.index.replace_node(txn, ns, node.h, rec)
+                    added.append((node.h, rec, None, state[0]))
                     continue
                 parent_ok = node.parent == self.root or self.index.get_node(
                     ns, node.parent, txn
                 )
-                # Index only the very file we checked: one removed (or replaced) by
-                # another process since then must not be indexed with our checksum.
-                inode = self.blobs.published_inode(ns, node.h)
-                if not parent_ok or inode != published.inode:
+                if not parent_ok or not is_ours(node.h, delta[1]):
                     break
                 rec = NodeRecord(
                     node.parent,
                     node.start,
                     node.tokens,
-                    published.nbytes,
-                    published.checksum,
+                    delta[1].nbytes,
+                    delta[1].checksum,
                     kind,
                     pin,
                     now,
                 )
+                if state is not None:
+                    rec = _with_state(rec, state[1])
                 if self.index.put_node(txn, ns, node.h, rec):
-                    if not added:
+                    if not added and not self.layout.has_state:
                         superseded = self._supersede(txn, node.h, rec)
                     # The RAM tier holds our bytes only if they are the file's.
-                    added.append((node.h, rec, data if published.ours else None))
+                    added.append(
+                        (
+                            node.h,
+                            rec,
+                            delta[0] if delta[1].ours else None,
+                            state[0] if state is not None and state[1].ours else None,
+                        )
+                    )
             if pin:
                 for h in existing + [node.h for node, _, _ in written]:
                     self.index.set_pinned(txn, ns, h, True)
@@ -474,23 +618,22 @@ class KVStore:
 
         added, superseded = self.index.write(commit)
         self._unlink_unindexed(superseded)
-        for h, rec, data in added:
-            if data is not None and self.ram.max_bytes >= len(data):
-                _, tensors, _ = parse_header(data, len(data))
-                self.ram.put(h, RamEntry(data, tensors, rec.kind, rec.pinned))
+        for h, rec, data, state_data in added:
+            for key, raw in ((h, data), (h + STATE_PART.encode(), state_data)):
+                if raw is not None and self.ram.max_bytes >= len(raw):
+                    _, tensors, _ = parse_header(raw, len(raw))
+                    self.ram.put(key, RamEntry(raw, tensors, rec.kind, rec.pinned))
         with self._lock:
-            self._broken.difference_update(
-                h for h, _, _ in added
-            )  # healed by a rewrite
+            self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
-            self._counters.bytes_written += sum(rec.nbytes for _, rec, _ in added)
+            self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
         self._enforce_disk_budget()
 
     def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
         """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
         expected = self._expected_by_size.get(ntokens)
         if expected is None:
-            expected = adapters.expected_tensors(self.layout, ntokens)
+            expected = self.layout.delta_tensors(ntokens)
             self._expected_by_size[ntokens] = expected
         return expected
 
@@ -521,7 +664,7 @@ class KVStore:
         """Unlink files of deleted nodes, re-checking the index under the writer lock
         (:func:`kvstore.maintenance.release_files`)."""
         for h in hashes:
-            self.ram.discard(h)
+            self._forget(h)
         maintenance.release_files(
             self.index, self.blobs, [(self.namespace, h) for h in hashes]
         )
@@ -535,7 +678,7 @@ class KVStore:
         )
         keys = [(ns, h)] + [(ns, x) for x, _ in gone if x != h]
         for _, x in keys:
-            self.ram.discard(x)
+            self._forget(x)
         released = maintenance.release_files(
             self.index, self.blobs, keys, quarantine={(ns, h): reason}
         )
@@ -551,7 +694,7 @@ class KVStore:
         self._flush_touches()  # eviction order must see the latest accesses
         evicted = maintenance.evict_to_budget(self.index, self.blobs, self.disk_bytes)
         for (_, h), _ in evicted.gone:
-            self.ram.discard(h)
+            self._forget(h)
         with self._lock:
             self._counters.nodes_evicted += evicted.nodes
         if evicted.excess:
@@ -573,6 +716,9 @@ class KVStore:
     ) -> Dict[str, int]:
         """Compute what is missing of ``tokens`` (after the longest stored prefix) and save it.
 
+        With state layers (sliding windows, recurrent state) the computation stops at
+        every boundary to save a checkpoint there, so each message end is restorable.
+
         Returns:
             ``{"tokens": len, "computed": model tokens run, "reused": tokens restored}``.
         """
@@ -581,7 +727,8 @@ class KVStore:
         stored = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
         )
-        if sum(step.take for step in stored) == len(arr):
+        complete = sum(step.take for step in stored) == len(arr)
+        if complete and (not self.layout.has_state or stored[-1].rec.has_state):
             self._touch(step.h for step in stored)
             if pin:
                 self.writer.submit(
@@ -591,11 +738,40 @@ class KVStore:
                 )
             return {"tokens": len(arr), "computed": 0, "reused": len(arr)}
         cache, n = self.fetch(arr)
-        for s in range(n, len(arr), step_tokens):
-            self.model(mx.array(arr[s : s + step_tokens])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-        self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
+        stops = sorted({b for b in boundaries if n < b < len(arr)} | {len(arr)})
+        if not self.layout.has_state:
+            stops = [len(arr)]  # deltas can be cut anywhere: one save at the end
+        pos = n
+        for stop in stops:
+            self.extend(cache, arr, pos, stop, step_tokens=step_tokens)
+            pos = stop
+            bounds = [b for b in boundaries if b < stop]
+            self._save(arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds)
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
+
+    def extend(
+        self, cache: List[Any], tokens, start: int, end: int, *, step_tokens: int = 512
+    ) -> None:
+        """Run the model over ``tokens[start:end]`` into ``cache`` (which holds
+        ``tokens[:start]``), ``step_tokens`` at a time."""
+        arr = as_token_array(tokens)
+        for s in range(start, end, step_tokens):
+            self.model(mx.array(arr[s : min(s + step_tokens, end)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+
+    def new_cache(self) -> List[Any]:
+        """An empty cache of the layout this store holds (what ``fetch`` returns on a miss)."""
+        return self.layout.make_cache()
+
+    def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
+        """Tokens ``cache`` holds, as far as its layers tell (None: only recurrent
+        layers, which do not count their tokens)."""
+        return self.layout.held_tokens(cache)
+
+    def _forget(self, h: bytes) -> None:
+        """Drop node ``h``'s files from the RAM tier."""
+        self.ram.discard(h)
+        self.ram.discard(h + STATE_PART.encode())
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -620,23 +796,41 @@ class KVStore:
             )
 
     def _preload_pinned(self) -> None:
-        """Load pinned nodes into the RAM tier (as far as its budget allows)."""
+        """Load pinned nodes' files into the RAM tier (as far as its budget allows)."""
         if self.ram.max_bytes == 0:
             return
         for h in self.index.pinned(self.namespace):
             try:
                 rec = self.index.get_node(self.namespace, h)
-                if rec is None or self.ram.nbytes + rec.nbytes > self.ram.max_bytes:
+                if (
+                    rec is None
+                    or self.ram.nbytes + rec.total_bytes > self.ram.max_bytes
+                ):
                     continue
-                data, tensors, meta = self.blobs.read_all(
-                    self.namespace,
-                    h,
-                    nbytes=rec.nbytes,
-                    checksum=rec.checksum,
-                    expected=self._expected(rec.ntokens),
-                )
-                self._check_meta(meta)
-                self.ram.put(h, RamEntry(data, tensors, rec.kind, True))
+                parts = [(h, rec.nbytes, rec.checksum, "", self._expected(rec.ntokens))]
+                if rec.has_state:
+                    parts.append(
+                        (
+                            h + STATE_PART.encode(),
+                            rec.state_nbytes,
+                            rec.state_checksum,
+                            STATE_PART,
+                            None,
+                        )
+                    )
+                for key, nbytes, checksum, part, expected in parts:
+                    data, tensors, meta = self.blobs.read_all(
+                        self.namespace,
+                        h,
+                        nbytes=nbytes,
+                        checksum=checksum,
+                        expected=expected,
+                        part=part,
+                    )
+                    self._check_meta(meta)
+                    if part == STATE_PART:
+                        self.layout.decode_state(memoryview(data), tensors, rec.end)
+                    self.ram.put(key, RamEntry(data, tensors, rec.kind, True))
             except (CorruptBlob, CorruptRecord, OSError) as e:
                 self._report_broken(h, str(e))
 
@@ -704,6 +898,31 @@ class KVStore:
                 "this KVStore was opened before a fork(); LMDB environments cannot cross "
                 "fork(): open a new KVStore in the child process"
             )
+
+
+def _with_state(rec: NodeRecord, published) -> NodeRecord:
+    """``rec`` with the state file ``published`` attached."""
+    fields = {**rec.__dict__, "state_nbytes": published.nbytes}
+    fields["state_checksum"] = published.checksum
+    return NodeRecord(**fields)
+
+
+def _cache_maker(model, kv_bits: Optional[int], kv_group_size: int):
+    """Builds the model's empty cache, with ``KVCache`` layers quantized on request."""
+    if kv_bits is None:
+        return lambda: make_prompt_cache(model)
+
+    def make():
+        return [
+            (
+                QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
+                if type(c) is KVCache
+                else c
+            )
+            for c in make_prompt_cache(model)
+        ]
+
+    return make
 
 
 def _prepare_dir(path: str) -> None:

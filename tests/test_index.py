@@ -14,6 +14,7 @@ from kvstore.chunking import common_prefix
 from kvstore.index import (
     CHILD_KEY_TOKENS,
     FORMAT_VERSION,
+    RECORD_VERSION,
     KINDS,
     CorruptRecord,
     Index,
@@ -102,11 +103,24 @@ def test_record_round_trip(kind, pinned):
 def test_record_encoding_layout():
     r = rec([1, 2, 300])
     raw = r.encode()
-    assert raw[0] == FORMAT_VERSION
-    # tokens are stored last, as little-endian int32
+    assert raw[0] == RECORD_VERSION
+    # tokens are stored last, as little-endian int32, after the state file's fields
     assert raw[-12:] == struct.pack("<3i", 1, 2, 300)
-    assert raw[-28:-12] == ROOT
+    assert raw[-28:-12] == struct.pack("<QQ", 0, 0)
+    assert raw[-44:-28] == ROOT
     assert len(rec([1]).encode()) + 8 == len(rec([1, 2, 3]).encode())
+
+
+def test_record_with_state_roundtrip_and_version_1_still_decodes():
+    r = NodeRecord(ROOT, 0, np.array([5, 6], np.int32), 100, 7, "system", True, 1.5, 40, 9)
+    back = NodeRecord.decode(r.encode())
+    assert (back.state_nbytes, back.state_checksum) == (40, 9)
+    assert back.has_state and back.total_bytes == 140
+    # A version 1 record: the same head, no state fields.
+    raw = bytearray(rec([1, 2]).encode())
+    v1 = bytes([1]) + bytes(raw[1:-24]) + bytes(raw[-8:])
+    old = NodeRecord.decode(v1)
+    assert list(old.tokens) == [1, 2] and not old.has_state
 
 
 def _corrupt(raw: bytes, offset: int, value: int) -> bytes:
@@ -128,7 +142,7 @@ def test_record_decode_rejects_damage():
         "extra byte": raw + b"\0",
         "extra token": raw + b"\0" * 4,
         "version 0": _corrupt(raw, 0, 0),
-        "version 2": _corrupt(raw, 0, FORMAT_VERSION + 1),
+        "version 2": _corrupt(raw, 0, RECORD_VERSION + 1),
         "kind out of range": _corrupt(raw, 1, len(KINDS)),
         "kind 255": _corrupt(raw, 1, 255),
         "flags 2": _corrupt(raw, 2, 2),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import compute_cache, greedy, next_logits, random_tokens, tiny_llama
 from mlx_lm.models import llama
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
 import kvstore
 from kvstore import KVStore, StoreError, UnsupportedCacheError
@@ -70,7 +70,7 @@ def test_prompt_shorter_than_one_chunk(tmp_path, model):
 def test_half_precision_kv(tmp_path, dtype):
     model = tiny_llama(3, dtype=dtype)
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
-        assert store.layout[0].dtype == str(dtype).rsplit(".", 1)[-1]
+        assert store.layout.leaves[0].tensors[0][1] == str(dtype).rsplit(".", 1)[-1]
         store.save(STORED, compute_cache(model, STORED))
         store.flush()
         cache, n = store.fetch(STORED + FRESH[:5])
@@ -128,7 +128,7 @@ def test_prefix_sharing_stores_the_prefix_once(tmp_path, model):
     prefix = random_tokens(1000, seed=5)
     a, b = prefix + random_tokens(100, 6), prefix + random_tokens(100, 7)
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as s:
-        per_token = sum(2 * lay.heads * lay.k_dim * 4 for lay in s.layout)
+        per_token = sum(h * w * 4 for _, h, w in s.layout.rows.values())
         s.save(a, compute_cache(model, a), boundaries=[1000])
         s.flush()
         before = s.stats()
@@ -229,13 +229,16 @@ def test_bad_constructor_arguments(tmp_path, model):
 
 
 def test_unsupported_layout_is_refused_at_open(tmp_path):
-    class SlidingLlama(llama.Model):
-        def make_cache(self):
-            return [RotatingKVCache(max_size=32) for _ in self.layers]
+    class MyCache(KVCache):  # a subclass is not the allow-listed class
+        pass
 
-    args = tiny_llama(0).args
-    with pytest.raises(UnsupportedCacheError, match="layer 0 uses RotatingKVCache"):
-        KVStore(tmp_path / "s", SlidingLlama(args))
+    class OddLlama(llama.Model):
+        def make_cache(self):
+            return [KVCache(), ConcatenateKVCache()] + [MyCache() for _ in self.layers[2:]]
+
+    args = tiny_llama(0, layers=3).args
+    with pytest.raises(UnsupportedCacheError, match="layer 1 uses ConcatenateKVCache"):
+        KVStore(tmp_path / "s", OddLlama(args))
 
 
 def _blob_files(path):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
-from ..adapters import LayerLayout
+from ..adapters import Layout
 from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
 from ..index import CorruptRecord, Index, NodeRecord
@@ -169,9 +169,8 @@ def release_files(
             for ns, h in batch:
                 if txn.get(ns + h, db=index.db["nodes"]) is not None:
                     continue  # re-added meanwhile: the file is its again
-                try:
-                    size = os.stat(blobs.path(ns, h)).st_size
-                except FileNotFoundError:
+                size = blobs.size(ns, h)
+                if size is None:
                     continue
                 reason = quarantine.get((ns, h))
                 if reason is None:
@@ -242,7 +241,7 @@ class Eviction:
 
     @property
     def bytes(self) -> int:
-        return sum(rec.nbytes for _, rec in self.gone)
+        return sum(rec.total_bytes for _, rec in self.gone)
 
     @property
     def pinned(self) -> int:
@@ -258,7 +257,7 @@ def disk_nodes(index: Index, txn) -> Dict[Key, DiskNode]:
         except CorruptRecord:
             continue
         nodes[ns, h] = DiskNode(
-            index.atime(txn, ns, h), rec.nbytes, (ns, rec.parent), rec.pinned
+            index.atime(txn, ns, h), rec.total_bytes, (ns, rec.parent), rec.pinned
         )
     return nodes
 
@@ -351,26 +350,22 @@ def _descriptions(index: Index, txn) -> Dict[bytes, Any]:
     return out
 
 
-def _layout(desc: Any) -> List[LayerLayout]:
+def _layout(desc: Any) -> Layout:
     """The cache layout a namespace description records; ValueError when unusable."""
     if isinstance(desc, str):
         raise ValueError(desc)
-    layers = desc.get("layout") if isinstance(desc, dict) else None
-    if not isinstance(layers, list) or not layers:
+    obj = desc.get("layout") if isinstance(desc, dict) else None
+    if not isinstance(obj, dict) or not obj.get("leaves"):
         raise ValueError("description has no cache layout")
-    out = []
-    for i, d in enumerate(layers):
-        try:
-            lay = LayerLayout(**d)
-        except TypeError:
-            raise ValueError(f"layout of layer {i} is malformed") from None
-        dims = (lay.heads, lay.k_dim, lay.v_dim)
-        if lay.dtype not in DTYPES or not all(
-            isinstance(x, int) and x > 0 for x in dims
-        ):
-            raise ValueError(f"layout of layer {i} is malformed")
-        out.append(lay)
-    return out
+    try:
+        layout = Layout.from_json(obj)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"cache layout is malformed: {str(e)[:80]}") from None
+    for leaf in layout.leaves:
+        for _, dtype, shape in leaf.tensors:
+            if dtype not in DTYPES or not all(isinstance(x, int) for x in shape):
+                raise ValueError(f"layout of layer {leaf.name} is malformed")
+    return layout
 
 
 def _known_namespaces(index: Index, txn) -> Set[bytes]:

@@ -103,7 +103,7 @@ def gc(
         for ns in sorted(drop):
             gone = index.write(lambda txn, ns=ns: _delete_namespace(index, txn, ns))
             dropped_nodes += len(gone)
-            dropped_bytes += sum(rec.nbytes for _, rec in gone if rec is not None)
+            dropped_bytes += sum(rec.total_bytes for _, rec in gone if rec is not None)
             release_files(
                 index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES]
             )

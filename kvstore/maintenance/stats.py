@@ -3,7 +3,7 @@
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..adapters import LayerLayout
+from ..adapters import Layout
 from ..blobs import DTYPES, Blobs
 from ..chunking import root_hash
 from ..index import CorruptRecord, Index, NodeRecord
@@ -56,9 +56,10 @@ def _dir_size(path: str) -> Tuple[int, int]:
     return files, nbytes
 
 
-def _bytes_per_token(layout: List[LayerLayout]) -> int:
+def _bytes_per_token(layout: Layout) -> int:
+    """KV bytes per token of the delta layers (state checkpoints are per node)."""
     return sum(
-        lay.heads * (lay.k_dim + lay.v_dim) * DTYPES[lay.dtype][1] for lay in layout
+        heads * width * DTYPES[dtype][1] for dtype, heads, width in layout.rows.values()
     )
 
 
@@ -140,9 +141,20 @@ def store_stats(path) -> Dict[str, Any]:
                 "id": ns.hex(),
                 "model_type": desc.get("model_type"),
                 "chunk_tokens": desc.get("chunk_tokens"),
-                "layers": len(layout) if layout else None,
+                "layers": len(layout.tree) if layout else None,
+                "cache_types": (
+                    ",".join(sorted({leaf.cls for leaf in layout.leaves}))
+                    if layout
+                    else None
+                ),
                 "dtype": (
-                    ",".join(sorted({lay.dtype for lay in layout})) if layout else None
+                    ",".join(
+                        sorted(
+                            {d for leaf in layout.leaves for _, d, _ in leaf.tensors}
+                        )
+                    )
+                    if layout
+                    else None
                 ),
                 "bytes_per_token": _bytes_per_token(layout) if layout else None,
                 "tokenizer": desc.get("vocab") is not None,
@@ -299,5 +311,5 @@ def _tree_node(index: Index, txn, ns: bytes, h: bytes) -> Optional[dict]:
         "kind": rec.kind,
         "pinned": rec.pinned,
         "last_use": index.atime(txn, ns, h),
-        "nbytes": rec.nbytes,
+        "nbytes": rec.total_bytes,
     }

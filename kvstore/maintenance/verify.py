@@ -6,8 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from ..adapters import LayerLayout, expected_tensors
+from ..adapters import Layout
 from ..blobs import (
+    DELTA_PART,
+    STATE_PART,
     Blobs,
     CorruptBlob,
     check_layout,
@@ -65,7 +67,7 @@ def _problem(kind: str, ns=None, h=None, file=None, detail: str = "") -> Dict[st
 @dataclass
 class _IndexScan:
     descriptions: Dict[bytes, Any]
-    layouts: Dict[bytes, List[LayerLayout]]
+    layouts: Dict[bytes, Layout]
     nodes: Dict[
         Key, Tuple[bytes, Optional[NodeRecord]]
     ]  # raw record, decoded (None: corrupt)
@@ -235,8 +237,8 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         s = sums.setdefault(ns, [0, 0, 0, 0])
         s[0] += 1
         s[1] += rec.ntokens
-        s[2] += rec.nbytes
-        s[3] += rec.nbytes * rec.pinned
+        s[2] += rec.total_bytes
+        s[3] += rec.total_bytes * rec.pinned
     packer = Index._COUNTERS  # the counters' record format, owned by the index
     stored = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.db["counters"])}
     for ns in sorted((set(sums) | set(stored)) - skip):
@@ -267,36 +269,47 @@ def _check_file(
     ns: bytes,
     h: bytes,
     rec: NodeRecord,
-    expected: Mapping[str, Tuple[str, Tuple]],
+    layout: Layout,
     *,
     check_data: bool,
 ) -> Optional[Tuple[str, str]]:
-    """``(kind, detail)`` of what is wrong with a node's file, or None."""
-    path = blobs.path(ns, h)
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        return "missing", "file is missing"
-    if size != rec.nbytes:
-        return "size", f"file has {size} bytes, the index says {rec.nbytes}"
-    if not check_data:
-        return None
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        return "missing", f"file cannot be read: {e}"
-    if len(data) != rec.nbytes:
-        return "size", f"file has {len(data)} bytes, the index says {rec.nbytes}"
-    try:
-        _, tensors, meta = parse_header(data, len(data))
-        check_layout(tensors, expected)
-    except CorruptBlob as e:
-        return "header", str(e)
-    if not metadata_matches(meta, ns):
-        return "namespace", f"file metadata names namespace {meta.get('namespace')!r}"
-    if file_checksum(data) != rec.checksum:
-        return "checksum", "checksum mismatch"
+    """``(kind, detail)`` of what is wrong with a node's files, or None."""
+    parts = [(DELTA_PART, rec.nbytes, rec.checksum)]
+    if rec.has_state:
+        parts.append((STATE_PART, rec.state_nbytes, rec.state_checksum))
+    for part, nbytes, checksum in parts:
+        what = "state file" if part == STATE_PART else "file"
+        path = blobs.path(ns, h, part)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return "missing", f"{what} is missing"
+        if size != nbytes:
+            return "size", f"{what} has {size} bytes, the index says {nbytes}"
+        if not check_data:
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            return "missing", f"{what} cannot be read: {e}"
+        if len(data) != nbytes:
+            return "size", f"{what} has {len(data)} bytes, the index says {nbytes}"
+        try:
+            _, tensors, meta = parse_header(data, len(data))
+            if part == STATE_PART:
+                layout.decode_state(memoryview(data), tensors, rec.end)
+            else:
+                check_layout(tensors, layout.delta_tensors(rec.ntokens))
+        except CorruptBlob as e:
+            return "header", f"{what}: {e}"
+        if not metadata_matches(meta, ns):
+            return (
+                "namespace",
+                f"{what} metadata names namespace {meta.get('namespace')!r}",
+            )
+        if file_checksum(data) != checksum:
+            return "checksum", f"{what}: checksum mismatch"
     return None
 
 
@@ -308,18 +321,13 @@ def _check_files(
     Returns the findings still true after a re-read of the index (a node evicted while
     its file was checked is not a problem), the files checked and their bytes.
     """
-    findings, expected, checked, nbytes = [], {}, 0, 0
+    findings, checked, nbytes = [], 0, 0
     for (ns, h), (raw, rec) in scan.nodes.items():
         if rec is None or ns not in scan.layouts:
             continue
-        exp = expected.get((ns, rec.ntokens))
-        if exp is None:
-            exp = expected[ns, rec.ntokens] = expected_tensors(
-                scan.layouts[ns], rec.ntokens
-            )
-        bad = _check_file(blobs, ns, h, rec, exp, check_data=check_data)
+        bad = _check_file(blobs, ns, h, rec, scan.layouts[ns], check_data=check_data)
         checked += 1
-        nbytes += rec.nbytes
+        nbytes += rec.total_bytes
         if bad:
             problem = _problem(bad[0], ns, h, blobs.path(ns, h), bad[1])
             findings.append(_Finding(problem, (ns, h), raw, "quarantine"))
