@@ -235,20 +235,22 @@ class KVStore:
             return self.new_cache(), 0
         with MLX_LOCK:
             plan = AssemblyPlan(self.layout.rows, sum(step.take for step in path))
-        jobs, offset = [], 0
+        jobs, offset = [], 0  # (index of the node in path, future)
         if self.layout.rows:  # a layout of state layers only has nothing to copy
-            for step in path:
-                jobs.append(self._readers.submit(self._read_node, step, plan, offset))
+            for i, step in enumerate(path):
+                jobs.append(
+                    (i, self._readers.submit(self._read_node, step, plan, offset))
+                )
                 offset += step.take
         state = None
         if self.layout.has_state:
-            jobs.append(self._readers.submit(self._read_state, path[-1]))
+            last = len(path) - 1
+            jobs.append((last, self._readers.submit(self._read_state, path[last])))
         failed = len(path)
-        for i, job in enumerate(jobs):
+        for at, job in jobs:
             error = job.exception()
             if error is None:
                 continue
-            at = min(i, len(path) - 1)  # the state job belongs to the last node
             if at >= failed:
                 continue  # only the first broken node counts: the rest is cut anyway
             failed = at
@@ -265,7 +267,7 @@ class KVStore:
                 return (
                     self._fetch(arr, retries - 1) if retries else (self.new_cache(), 0)
                 )
-            state = jobs[-1].result()
+            state = jobs[-1][1].result()
         path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
