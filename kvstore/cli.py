@@ -72,13 +72,23 @@ def load_model(name: Optional[str]):
         raise CLIError(f"cannot load model {name!r}: {type(e).__name__}: {e}") from None
 
 
-def open_store(path: str, model, tokenizer, *, chunk_tokens: int):
+def open_store(path: str, model, tokenizer, args):
+    """The store for ``args``' --chunk-tokens and --kv-bits / --kv-group-size."""
     from . import KVStore, StoreError, UnsupportedCacheError
 
     try:
-        return KVStore(path, model, tokenizer, chunk_tokens=chunk_tokens)
+        return KVStore(
+            path,
+            model,
+            tokenizer,
+            chunk_tokens=args.chunk_tokens,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+        )
     except (StoreError, UnsupportedCacheError) as e:
         raise CLIError(str(e)) from None
+    except ValueError as e:  # e.g. a group size the model's head dimension rejects
+        raise CLIError(f"cannot use --kv-bits/--kv-group-size here: {e}") from None
 
 
 def _context_length(model) -> Optional[int]:
@@ -113,7 +123,7 @@ def cmd_prefill(args) -> int:
     summary = {"prompts": len(lines), "prefilled": 0, "skipped": 0, "failed": 0}
     summary.update({"tokens_computed": 0, "tokens_reused": 0})
     tic = time.perf_counter()
-    store = open_store(args.store, model, tokenizer, chunk_tokens=args.chunk_tokens)
+    store = open_store(args.store, model, tokenizer, args)
     with (
         store,
         tqdm(total=len(lines), unit="prompt", disable=args.quiet or None) as bar,
@@ -348,9 +358,7 @@ def cmd_pin(args, pinned: bool = True) -> int:
     else:
         raise CLIError("give a prompt text, --file PROMPTS.jsonl or --node ID")
     total, failed = 0, 0
-    with open_store(
-        args.store, model, tokenizer, chunk_tokens=args.chunk_tokens
-    ) as store:
+    with open_store(args.store, model, tokenizer, args) as store:
         for where, text in texts:
             try:
                 line = parse_line(0, text, tokenizer)
@@ -396,6 +404,18 @@ def build_parser() -> argparse.ArgumentParser:
                 type=_positive,
                 default=256,
                 help="tokens per node (default: 256)",
+            )
+            p.add_argument(
+                "--kv-bits",
+                type=_positive,
+                default=None,
+                help="store quantized KV of this many bits (as mlx_lm.server --kv-bits)",
+            )
+            p.add_argument(
+                "--kv-group-size",
+                type=_positive,
+                default=64,
+                help="quantization group size with --kv-bits (default: 64)",
             )
 
     p = sub.add_parser(

@@ -36,7 +36,8 @@ def stream_generate(
 
     The longest stored prefix of the prompt is restored from ``store`` and only
     the rest is computed; once the first token is out, the prompt's KV is saved
-    (in the background). Yields exactly what ``mlx_lm.stream_generate`` yields;
+    (in the background). With state layers the prompt is computed up to its last
+    token but one and saved there first (a checkpoint), then generation goes on. Yields exactly what ``mlx_lm.stream_generate`` yields;
     ``prompt_tokens`` counts the tokens computed, not those restored.
 
     Args:
@@ -54,6 +55,17 @@ def stream_generate(
     tokens = encode_prompt(tokenizer, prompt)
     cache, n = store.fetch(tokens)
     saved = False
+    if store.layout.has_state:
+        # State layers (windows, recurrent state) cannot be cut back after generation:
+        # checkpoint them at the prompt's last token but one, which this prompt and
+        # every continuation of it can restore.
+        end = len(tokens) - 1
+        if end > n:
+            step = kwargs.get("prefill_step_size", 2048)
+            store.extend(cache, tokens, n, end, step_tokens=step)
+            store.save(tokens[:end], cache, kind=kind, pin=pin)
+            n = end
+        saved = True
     for response in _mlx_stream_generate(
         model, tokenizer, mx.array(tokens[n:]), prompt_cache=cache, **kwargs
     ):

@@ -173,8 +173,8 @@ class PersistentPromptCache:
         store = self._store_for(model)
         if store is None:
             return
-        held = _plain_kv_tokens(prompt_cache)
-        if not tokens or held == 0:
+        held = _held_tokens(store, prompt_cache)
+        if not tokens or not held:
             self._count(saves_skipped=1)
             return
         # A cache that holds fewer tokens than its key (mlx-lm's sequential path keys
@@ -281,16 +281,13 @@ class PersistentPromptCache:
                 self._counters[name] += d
 
 
-def _plain_kv_tokens(cache: Sequence[Any]) -> int:
-    """Tokens held by every layer of a list of plain mlx-lm ``KVCache`` objects;
-    0 for anything else (rotating, quantized, batch caches, a draft model's, ...)."""
-    from mlx_lm.models.cache import KVCache
-
-    if not isinstance(cache, (list, tuple)) or not cache:
+def _held_tokens(store, cache: Sequence[Any]) -> int:
+    """Tokens ``cache`` holds when it has the store's layout; 0 when that cannot be
+    told (batch caches, a draft model's, recurrent layers only: they do not count)."""
+    try:
+        return store.held_tokens(cache) or 0
+    except Exception:
         return 0
-    if not all(type(c) is KVCache and c.keys is not None for c in cache):
-        return 0
-    return min(c.offset for c in cache)
 
 
 def _close_quietly(store) -> None:
@@ -421,8 +418,17 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
                 cache.open_store(self.model_key)
 
     def prompt_cache_factory(max_size: int = 10, max_bytes: int = 1 << 63):
+        provider = providers[-1] if providers else None
+        cli_args = getattr(provider, "cli_args", None)
+        store_kwargs = {}
+        if getattr(cli_args, "kv_bits", None) is not None:
+            # mlx-lm quantizes long prompts' KV (--kv-bits): store those caches.
+            store_kwargs = {
+                "kv_bits": cli_args.kv_bits,
+                "kv_group_size": cli_args.kv_group_size,
+            }
         cache = PersistentPromptCache(
-            store_dir, providers[-1] if providers else None, max_size, max_bytes
+            store_dir, provider, max_size, max_bytes, store_kwargs=store_kwargs
         )
         caches.append(cache)
         return cache

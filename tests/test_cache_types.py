@@ -266,3 +266,110 @@ def test_quantized_store_refuses_plain_cache(tmp_path):
             store.save(PROMPT, cache)
         cache, _ = store.fetch(PROMPT)
         assert all(type(c) is QuantizedKVCache for c in cache)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
+def test_stream_generate_on_state_layouts(tmp_path, tokenizer, name):
+    """kvstore.stream_generate gives mlx-lm's tokens; the second call restores the
+    checkpoint at the prompt's last token but one."""
+    from mlx_lm import stream_generate as mlx_stream_generate
+
+    import kvstore
+
+    model = build(name)
+    prompt = " ".join(f"w{t}" for t in PROMPT if t >= 3)
+    want = [
+        r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=8)
+    ]
+    n_prompt = len(tokenizer.encode(prompt))
+    with KVStore(tmp_path / "s", model, tokenizer, chunk_tokens=C) as s:
+
+        def run():
+            return [
+                r.token
+                for r in kvstore.stream_generate(
+                    model, tokenizer, prompt, store=s, max_tokens=8
+                )
+            ]
+
+        first = run()
+        s.flush()
+        second = run()
+        stats = s.stats()
+    assert first == want and second == want
+    assert stats["hits"] == 1 and stats["tokens_reused"] == n_prompt - 1
+
+
+def test_server_cache_saves_and_restores_a_hybrid_model(tmp_path, tokenizer):
+    """mlx-lm's server inserts caches at message ends (exact) and after generation
+    (one token short of its key): both become checkpoints a restart can restore."""
+    from types import SimpleNamespace
+
+    from kvstore.server import PersistentPromptCache
+
+    model = build("qwen3_next")
+    key = ("hybrid", None, None)
+    provider = SimpleNamespace(
+        model=model,
+        tokenizer=tokenizer,
+        model_key=key,
+        draft_model=None,
+        processor=None,
+    )
+    system = PROMPT[:SYSTEM]
+    pc = PersistentPromptCache(tmp_path / "s", provider)
+    store = pc._store_for(key)
+    c = store.new_cache()
+    model(mx.array(system)[None], cache=c)
+    pc.insert_cache(key, system, c, cache_type="system")
+    # After generation the cache lacks the last generated token (never fed).
+    c2 = store.new_cache()
+    model(mx.array(PROMPT)[None], cache=c2)
+    pc.insert_cache(key, PROMPT + [7], c2, cache_type="assistant")
+    assert pc.stats()["saves"] == 2
+    pc.close()
+
+    pc2 = PersistentPromptCache(tmp_path / "s", provider)
+    for query, n in [(PROMPT + [7, 9, 9], len(PROMPT)), (system + FRESH[:5], SYSTEM)]:
+        got, rest = pc2.fetch_nearest_cache(key, query)
+        assert len(rest) == len(query) - n
+        logits = next_logits(model, got, rest)
+        cold_cache = pc2._store_for(key).new_cache()
+        assert mx.allclose(
+            logits, next_logits(model, cold_cache, query), atol=1e-4, rtol=1e-3
+        ).item()
+    pc2.close()
+
+
+def test_verify_and_gc_know_state_files(tmp_path):
+    """verify checks state files like delta files; gc and eviction remove both."""
+    from kvstore import maintenance
+
+    model = build("falcon_h1")
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        store.prefill(PROMPT, boundaries=[SYSTEM])
+        store.flush()
+        path = store.path
+        on_disk = store.stats()["bytes_on_disk"]
+        target = _state_file_of(store, SYSTEM)
+    report = maintenance.verify(path)
+    assert report["clean"], report
+    files = [f for _, _, fs in os.walk(os.path.join(path, "blobs")) for f in fs]
+    assert sum(os.path.getsize(p) for p in _all_files(path)) == on_disk
+    assert sum(f.endswith(".state.safetensors") for f in files) == 2
+    os.unlink(target)
+    report = maintenance.verify(path)
+    assert not report["clean"]
+    assert any("state file is missing" in p["detail"] for p in report["problems"])
+    maintenance.verify(path, fix=True)
+    assert maintenance.verify(path)["clean"]
+    assert maintenance.gc(path, max_bytes=0)["bytes_after"] == 0
+    assert _all_files(path) == []
+
+
+def _all_files(path):
+    return [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(os.path.join(path, "blobs"))
+        for f in fs
+    ]

@@ -14,8 +14,8 @@ from kvstore.chunking import common_prefix
 from kvstore.index import (
     CHILD_KEY_TOKENS,
     FORMAT_VERSION,
-    RECORD_VERSION,
     KINDS,
+    RECORD_VERSION,
     CorruptRecord,
     Index,
     NodeRecord,
@@ -112,7 +112,9 @@ def test_record_encoding_layout():
 
 
 def test_record_with_state_roundtrip_and_version_1_still_decodes():
-    r = NodeRecord(ROOT, 0, np.array([5, 6], np.int32), 100, 7, "system", True, 1.5, 40, 9)
+    r = NodeRecord(
+        ROOT, 0, np.array([5, 6], np.int32), 100, 7, "system", True, 1.5, 40, 9
+    )
     back = NodeRecord.decode(r.encode())
     assert (back.state_nbytes, back.state_checksum) == (40, 9)
     assert back.has_state and back.total_bytes == 140

@@ -11,12 +11,12 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import compute_cache, random_tokens, save_tiny_model
+from test_server import KEY, SYSTEM, Server, answer, chat_body, provider, request
 
 import kvstore.blobs
-from conftest import compute_cache, random_tokens, save_tiny_model
 from kvstore.prompts import render_messages
 from kvstore.server import PersistentPromptCache
-from test_server import KEY, SYSTEM, Server, answer, chat_body, provider, request
 
 pytestmark = pytest.mark.slow
 

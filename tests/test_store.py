@@ -234,7 +234,9 @@ def test_unsupported_layout_is_refused_at_open(tmp_path):
 
     class OddLlama(llama.Model):
         def make_cache(self):
-            return [KVCache(), ConcatenateKVCache()] + [MyCache() for _ in self.layers[2:]]
+            return [KVCache(), ConcatenateKVCache()] + [
+                MyCache() for _ in self.layers[2:]
+            ]
 
     args = tiny_llama(0, layers=3).args
     with pytest.raises(UnsupportedCacheError, match="layer 1 uses ConcatenateKVCache"):
