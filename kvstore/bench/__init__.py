@@ -10,7 +10,6 @@ this one run; ``--json`` and ``--plot`` write the numbers and a chart.
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -151,7 +150,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         conditions.append("dropped")
     env = environment()
     res = {
-        "command": "kvstore bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": "kvstore bench "
+        + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": env,
         "model": args.model or "SmolLM2-135M-Instruct (kvstore.default_model)",
         "settings": {
@@ -202,9 +202,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 **common,
             )
         if "scale" in args.only:
-            res["scale"] = bench_scale(
-                args.scale_counts, repeats=args.repeats, tmp=tmp
-            )
+            res["scale"] = bench_scale(args.scale_counts, repeats=args.repeats, tmp=tmp)
         res["seconds"] = time.perf_counter() - t0
         res["targets"] = report.targets(res)
         report.print_report(res)

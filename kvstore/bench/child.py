@@ -64,9 +64,7 @@ def spawn(spec: dict, tmp: str) -> dict:
     env = dict(os.environ)
     # The child must import this very kvstore (a worktree, say), not another install.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, env.get("PYTHONPATH")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.child", path],
@@ -94,4 +92,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -126,9 +126,7 @@ def resident_fraction(paths: Sequence[str]) -> Optional[float]:
             continue
         pages = (size + page - 1) // page
         vec = (ctypes.c_ubyte * pages)()
-        with open(p, "rb") as f, mmap.mmap(
-            f.fileno(), size, prot=mmap.PROT_READ
-        ) as m:
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
             view = np.frombuffer(m, dtype=np.uint8)
             ok = _LIBC.mincore(ctypes.c_void_p(view.ctypes.data), size, vec) == 0
             del view  # the mmap cannot close while a view is alive
@@ -350,8 +348,18 @@ class FetchProbe:
             (store.index, "read", "index.read", True),
             (store.blobs, "read_staged", "blobs.read_staged", True),
             (store.ram, "get", "ram.get", True),
-            (getattr(assemble, "AssemblyPlan", None), "__init__", "AssemblyPlan.__init__", False),
-            (getattr(assemble, "AssemblyPlan", None), "copy_node", "AssemblyPlan.copy_node", False),
+            (
+                getattr(assemble, "AssemblyPlan", None),
+                "__init__",
+                "AssemblyPlan.__init__",
+                False,
+            ),
+            (
+                getattr(assemble, "AssemblyPlan", None),
+                "copy_node",
+                "AssemblyPlan.copy_node",
+                False,
+            ),
             (adapters, "build_cache", "adapters.build_cache", False),
         ]
         self.times: Dict[str, List[float]] = {}

@@ -45,21 +45,32 @@ def vocab_size(model) -> int:
     return int(getattr(getattr(model, "args", None), "vocab_size", 0) or 32000)
 
 
-def tiny_model(*, layers: int = 1, heads: int = 1, head_dim: int = 8):
-    """A random-weight llama with a minimal KV cache: fills an index fast."""
+def tiny_model(
+    *,
+    layers: int = 1,
+    heads: int = 1,
+    head_dim: int = 8,
+    vocab: int = 64,
+    dtype: mx.Dtype = mx.float16,
+):
+    """A random-weight llama whose KV cache has the given layout, cheap to run.
+
+    The defaults make a minimal cache, to fill an index fast.
+    """
     args = llama.ModelArgs(
         model_type="llama",
         hidden_size=heads * head_dim,
         num_hidden_layers=layers,
-        intermediate_size=16,
+        intermediate_size=64,
         num_attention_heads=heads,
         num_key_value_heads=heads,
         head_dim=head_dim,
         rms_norm_eps=1e-5,
-        vocab_size=64,
+        vocab_size=vocab,
     )
     mx.random.seed(0)
     model = llama.Model(args)
-    model.set_dtype(mx.float16)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model

@@ -286,45 +286,43 @@ def plot(res: Dict, path: str) -> None:
         raise RuntimeError(
             "--plot needs matplotlib: pip install 'kvstore[plot]' (or matplotlib)"
         ) from None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    colors = {}
+
+    def line(ax, xs, ys, case):
+        """One case: a colour per case, dashed when the page cache was dropped."""
+        color = colors.setdefault(case["label"], f"C{len(colors) % 10}")
+        dropped = case.get("page_cache") == "dropped"
+        label = case["label"] + (
+            f" ({case['page_cache']})" if case.get("page_cache") else ""
+        )
+        ax.plot(xs, ys, "o" + ("--" if dropped else "-"), color=color, label=label)
+
     rows = res.get("ttft") or []
     if rows:
         xs = [r["tokens"] for r in rows]
-        left.plot(xs, [r["cold_s"] for r in rows], "o-", label="cold prefill")
-        for key in rows[0]["cases"]:
-            case = rows[0]["cases"][key]
-            label = case["label"] + (
-                f" ({case['page_cache']})" if case["page_cache"] else ""
-            )
-            ys = [_m(r["cases"][key]["ttft_s"]) for r in rows]
-            left.plot(xs, ys, "o-", label=label)
+        line(left, xs, [r["cold_s"] for r in rows], {"label": "cold prefill"})
+        for key, case in rows[0]["cases"].items():
+            line(left, xs, [_m(r["cases"][key]["ttft_s"]) for r in rows], case)
         left.set_xscale("log", base=2)
         left.set_yscale("log")
         left.set_xlabel("prompt tokens")
         left.set_ylabel("time to first token (s)")
-        left.set_title(f"TTFT, {res['model']}")
-        left.grid(True, which="both", alpha=0.3)
-        left.legend(fontsize=7)
+        left.set_title(f"Time to first token, {res['model']}")
     rows = res.get("restore") or []
     if rows:
         keys = dict.fromkeys(k for r in rows for k in r["cases"])  # RAM-hot: small only
         for key in keys:
-            case = next(r["cases"][key] for r in rows if key in r["cases"])
-            pts = [
-                (r["tokens"], gbps(r["kv_bytes"], _m(r["cases"][key]["restore_s"])))
-                for r in rows
-                if key in r["cases"]
-            ]
-            label = case["label"] + (
-                f" ({case['page_cache']})" if case["page_cache"] else ""
-            )
-            right.plot(*zip(*pts), "o-", label=label)
+            have = [r for r in rows if key in r["cases"]]
+            ys = [gbps(r["kv_bytes"], _m(r["cases"][key]["restore_s"])) for r in have]
+            line(right, [r["tokens"] for r in have], ys, have[0]["cases"][key])
         right.set_xscale("log", base=2)
         right.set_xlabel("tokens of KV restored")
         right.set_ylabel("restore throughput (GB/s)")
-        right.set_title("Restore throughput (synthetic KV, model's shape)")
-        right.grid(True, which="both", alpha=0.3)
-        right.legend(fontsize=7)
+        right.set_title("Restore throughput (synthetic KV of the model's shape)")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -15,8 +15,8 @@ from kvstore import KVStore
 from kvstore.bench import child
 from kvstore.bench.measure import (
     add_restore,
-    apparent_bytes,
     allocated_bytes,
+    apparent_bytes,
     files_under,
     new_case,
     node_pieces,
@@ -45,7 +45,11 @@ def _save(store, tokens, layout, n, onefile) -> Dict:
     t3 = time.perf_counter()
     del src
     mx.clear_cache()
-    return {"save_return_s": t1 - t0, "save_flush_s": t2 - t1, "save_prompt_cache_s": t3 - t2}
+    return {
+        "save_return_s": t1 - t0,
+        "save_flush_s": t2 - t1,
+        "save_prompt_cache_s": t3 - t2,
+    }
 
 
 def bench_one(
@@ -117,8 +121,16 @@ def bench_one(
             "raw sequential read, kvstore's files", cond
         )
         cases = [
-            (kv, files, lambda: add_restore(kv, timed_fetch(store, query, expect=n)[0])),
-            (lpc, [onefile], lambda: lpc["restore_s"].append(time_load_prompt_cache(onefile))),
+            (
+                kv,
+                files,
+                lambda: add_restore(kv, timed_fetch(store, query, expect=n)[0]),
+            ),
+            (
+                lpc,
+                [onefile],
+                lambda: lpc["restore_s"].append(time_load_prompt_cache(onefile)),
+            ),
             (raw, blobs, lambda: raw["restore_s"].append(raw_read(blobs, buf))),
         ]
         for r in range(repeats):
@@ -126,7 +138,7 @@ def bench_one(
             for case, paths, run in cases[r % 3 :] + cases[: r % 3]:
                 case["resident"].append(set_page_cache(paths, cond))
                 run()
-    del buf
+    buf = None  # release the raw-read buffer before the restart children
     stats = store.stats()
     store.close()
 

@@ -93,7 +93,8 @@ def bench_one(count: int, *, repeats: int, tmp: str, seed: int) -> Dict:
 
 def _hit_query(count: int, seed: int) -> List[int]:
     """The first HIT_CHUNKS chunks of the first saved prompt plus one new token: the
-    same prompt at every scale, since the first prompt's tokens depend only on ``seed``."""
+    same prompt at every scale, since the first prompt's tokens depend only on ``seed``.
+    """
     rng = np.random.default_rng(seed)
     rng.random((1, 1, PER_PROMPT * CHUNK, 8), dtype=np.float32)  # as _populate
     ntok = min(PER_PROMPT, count) * CHUNK

@@ -96,7 +96,9 @@ def bench_ttft(
     for n in tqdm(lengths, desc="cold prefill", unit="length", leave=False):
         tokens = prompts.new(n)
         seconds, cache = cold_ttft(model, tokens)
-        kv_bytes = sum(c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes for c in cache)
+        kv_bytes = sum(
+            c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes for c in cache
+        )
         kv_total += kv_bytes
         store.save(tokens, cache, kind="system")
         store.flush()  # not timed: the write cost case measures saving
