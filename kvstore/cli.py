@@ -385,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="mlx-lm's OpenAI-compatible server with the persistent cache (see `kvstore serve -h`)",
         add_help=False,
     )
+    sub.add_parser(
+        "bench",
+        help="benchmark against recomputation and mlx-lm (see `kvstore bench -h`)",
+        add_help=False,
+    )
 
     def common(p, *, model=False):
         p.add_argument(
@@ -495,6 +500,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .server import main as serve_main
 
         return serve_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

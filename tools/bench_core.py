@@ -20,11 +20,8 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,16 +29,29 @@ import time
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-import xxhash
-from mlx_lm.models import llama
 from mlx_lm.models.cache import (
     KVCache,
-    load_prompt_cache,
     make_prompt_cache,
     save_prompt_cache,
 )
 
 from kvstore import KVStore
+from kvstore.bench.measure import (
+    allocated_bytes,
+    apparent_bytes,
+    eval_cache,
+    files_under,
+    gbps,
+    git_describe,
+    med,
+    minor_faults,
+    mlx_default_cache_limit,
+    run_interleaved,
+    source_digest,
+    time_load_prompt_cache,
+    warm_page_cache,
+)
+from kvstore.bench.models import tiny_model
 from kvstore.chunking import as_token_array, chain_hashes, root_hash, split_spans
 
 # SmolLM2-135M's KV cache shape.
@@ -85,23 +95,9 @@ def parse_args(argv=None):
 
 def stand_in_model(dtype):
     """A tiny random-weight llama whose KV cache has SmolLM2-135M's layout."""
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=KV_HEADS * HEAD_DIM,
-        num_hidden_layers=LAYERS,
-        intermediate_size=64,
-        num_attention_heads=KV_HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
+    return tiny_model(
+        layers=LAYERS, heads=KV_HEADS, head_dim=HEAD_DIM, vocab=VOCAB, dtype=dtype
     )
-    mx.random.seed(0)
-    model = llama.Model(args)
-    if dtype != mx.float32:
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
 
 
 def synthetic_cache(n, dtype, seed):
@@ -150,95 +146,7 @@ def same_bytes(a, b):
     return np.array_equal(np.asarray(a.view(view)), np.asarray(b.view(view)))
 
 
-def warm_page_cache(path):
-    """Read every file under ``path`` once with plain reads."""
-    buf = bytearray(8 << 20)
-    for p in files_under(path):
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-
-def files_under(path):
-    if os.path.isfile(path):
-        return [path]
-    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-
-
-def apparent_bytes(path):
-    return sum(os.stat(p).st_size for p in files_under(path))
-
-
-def allocated_bytes(path):
-    return sum(os.stat(p).st_blocks * 512 for p in files_under(path))
-
-
-def git_describe():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "kvstore"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        return None
-    return (rev + (" (kvstore/ has uncommitted changes)" if dirty else "")) or None
-
-
-def source_digest():
-    """xxh3 of kvstore's source files as measured (other people edit them)."""
-    import kvstore
-
-    h = xxhash.xxh3_64()
-    root = os.path.dirname(kvstore.__file__)
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
-    return h.hexdigest()
-
-
-def med(xs):
-    return statistics.median(xs)
-
-
-def minor_faults():
-    """Minor page faults of this process so far (all threads)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def mlx_default_cache_limit():
-    prev = mx.set_cache_limit(1 << 30)
-    mx.set_cache_limit(prev)
-    return prev
-
-
-def run_interleaved(cases, repeats):
-    """Run every case once per repeat, rotating the order; returns (times, faults) lists."""
-    names = list(cases)
-    times = {k: [] for k in names}
-    faults = {k: [] for k in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            f0 = minor_faults()
-            times[name].append(cases[name]())
-            faults[name].append(minor_faults() - f0)
-    return times, faults
-
-
 # -- timed cases ---------------------------------------------------------------------------
-
-
-def eval_cache(cache):
-    mx.eval([(c.keys, c.values) for c in cache])
 
 
 def time_kvstore_fetch(store, query, expect):
@@ -249,13 +157,6 @@ def time_kvstore_fetch(store, query, expect):
     if n != expect:
         raise RuntimeError(f"kvstore fetch restored {n} tokens, expected {expect}")
     return dt, cache
-
-
-def time_load_prompt_cache(path):
-    t0 = time.perf_counter()
-    cache = load_prompt_cache(path)
-    eval_cache(cache)
-    return time.perf_counter() - t0
 
 
 def time_raw_read(path, view):
@@ -304,8 +205,8 @@ def bench_restore(model, dtype, n, repeats, tmp, rng, per_token, miss):
     out["save_prompt_cache_s"] = time.perf_counter() - t0
     out["one_file_bytes"] = os.path.getsize(onefile)
 
-    warm_page_cache(store_dir)
-    warm_page_cache(onefile)
+    warm_page_cache(files_under(store_dir))
+    warm_page_cache([onefile])
 
     # First fetch at this size, with MLX's buffer cache emptied so that the destination
     # arrays come fresh from the OS (page faults), as in a new process.
@@ -483,10 +384,6 @@ def bench_save(model, dtype, repeats, tmp, rng, per_token):
 
 
 # -- report --------------------------------------------------------------------------------
-
-
-def gbps(nbytes, seconds):
-    return nbytes / seconds / GB
 
 
 def fmt_ms(s):

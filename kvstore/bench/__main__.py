@@ -1,0 +1,5 @@
+import sys
+
+from kvstore.bench import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""Scale: open time and fetch-miss / fetch-hit lookup time against the number of stored
+chunks. The index must be opened and walked, never scanned, so these stay flat.
+
+The store is filled fast with a tiny model (one layer, one KV head of 8 dims) and
+4-token chunks through ``KVStore.save`` itself: real chunk files and index records,
+no model run.
+"""
+
+import os
+import shutil
+import time
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+from tqdm import tqdm
+
+from kvstore import KVStore
+from kvstore.bench.measure import med, timed_fetch
+from kvstore.bench.models import tiny_model
+
+CHUNK = 4  # tokens per chunk: many nodes from little KV
+PER_PROMPT = 100  # chunks per saved prompt (one writer job and LMDB commit each)
+HIT_CHUNKS = 10  # a hit restores this many chunks at every scale
+CALLS = 200  # lookups per median
+MISS_TOKEN = 0  # no stored prompt starts with it
+
+
+def _populate(store, count: int, rng) -> float:
+    """Save prompts until the store holds ``count`` chunks; returns the seconds taken."""
+    kv = mx.array(rng.random((1, 1, PER_PROMPT * CHUNK, 8), dtype=np.float32))
+    kv = kv.astype(mx.float16)
+    t0 = time.perf_counter()
+    left, i = count, 0
+    with tqdm(total=count, desc=f"filling {count:,} chunks", leave=False) as bar:
+        while left > 0:
+            chunks = min(PER_PROMPT, left)
+            ntok = chunks * CHUNK
+            tokens = [1 + i] + rng.integers(1, 30000, size=ntok - 1).tolist()
+            cache = KVCache()
+            cache.state = (kv[:, :, :ntok, :], kv[:, :, :ntok, :], ntok)
+            store.save(tokens, [cache])
+            left -= chunks
+            i += 1
+            bar.update(chunks)
+            if i % 50 == 0:
+                store.flush()  # keep the writer's queue (and memory) short
+        store.flush()
+    return time.perf_counter() - t0
+
+
+def bench_one(count: int, *, repeats: int, tmp: str, seed: int) -> Dict:
+    model = tiny_model()
+    path = os.path.join(tmp, f"scale-{count}")
+    rng = np.random.default_rng(seed)
+    store = KVStore(path, model, chunk_tokens=CHUNK, ram_bytes=0)
+    fill_s = _populate(store, count, rng)
+    nodes = store.stats()["nodes"]
+    store.close()
+
+    opens = []
+    for _ in range(2 * repeats + 1):
+        t0 = time.perf_counter()
+        store = KVStore(path, model, chunk_tokens=CHUNK, ram_bytes=0)
+        opens.append(time.perf_counter() - t0)
+        store.close()
+
+    store = KVStore(path, model, chunk_tokens=CHUNK, ram_bytes=0)
+    hit = _hit_query(count, seed)
+    miss = [MISS_TOKEN] + hit[1:]
+    timed_fetch(store, hit, expect=len(hit) - 1)  # untimed warm-up
+    hit_total, hit_lookup, miss_total = [], [], []
+    for _ in range(CALLS):
+        phases, _ = timed_fetch(store, hit, expect=len(hit) - 1)
+        hit_total.append(phases.total)
+        hit_lookup.append(phases.lookup)
+        phases, _ = timed_fetch(store, miss, expect=0)
+        miss_total.append(phases.total)
+    store.close()
+    shutil.rmtree(path, ignore_errors=True)
+    return {
+        "chunks": nodes,
+        "fill_s": fill_s,
+        "open_s": opens,
+        "hit_tokens": len(hit) - 1,
+        "hit_lookup_s": med(hit_lookup),
+        "hit_total_s": med(hit_total),
+        "miss_s": med(miss_total),
+        "calls": CALLS,
+    }
+
+
+def _hit_query(count: int, seed: int) -> List[int]:
+    """The first HIT_CHUNKS chunks of the first saved prompt plus one new token: the
+    same prompt at every scale, since the first prompt's tokens depend only on ``seed``.
+    """
+    rng = np.random.default_rng(seed)
+    rng.random((1, 1, PER_PROMPT * CHUNK, 8), dtype=np.float32)  # as _populate
+    ntok = min(PER_PROMPT, count) * CHUNK
+    tokens = [1] + rng.integers(1, 30000, size=ntok - 1).tolist()
+    return tokens[: HIT_CHUNKS * CHUNK] + [30001]
+
+
+def bench_scale(counts: Sequence[int], *, repeats: int, tmp: str) -> List[Dict]:
+    return [bench_one(c, repeats=repeats, tmp=tmp, seed=7) for c in counts]

@@ -1,0 +1,171 @@
+"""``kvstore bench`` end to end on a tiny random model. Nothing here checks a timing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import compute_cache, random_tokens
+
+from kvstore.bench import main, parse_args
+from kvstore.bench.measure import (
+    FetchProbe,
+    can_drop_page_cache,
+    resident_fraction,
+    set_page_cache,
+    timed_fetch,
+)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_model_dir, tmp_path_factory):
+    """One small run of every section; returns (json result, png path or None)."""
+    out = tmp_path_factory.mktemp("bench")
+    png = out / "bench.png" if _has_matplotlib() else None
+    argv = [
+        "--model",
+        tiny_model_dir,
+        "--quick",
+        "--lengths",
+        "40",
+        "--restore-lengths",
+        "100",
+        "--scale-counts",
+        "3",
+        "12",
+        "--write-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--chunk-tokens",
+        "16",
+        "--dir",
+        str(out),
+        "--json",
+        str(out / "bench.json"),
+    ]
+    if png is not None:
+        argv += ["--plot", str(png)]
+    assert main(argv) == 0
+    with open(out / "bench.json") as f:
+        return json.load(f), png, out
+
+
+def test_every_case_in_json(bench_run):
+    res, _, out = bench_run
+    conds = res["page_cache_conditions"]
+    assert conds[0] == "warm"
+    (row,) = res["ttft"]
+    assert row["tokens"] == 40 and row["cold_s"] > 0
+    expected = {"ram_hot"} | {
+        f"{case}_{c}" for case in ("disk", "nearest", "restart") for c in conds
+    }
+    assert set(row["cases"]) == expected
+    for case in row["cases"].values():
+        assert len(case["ttft_s"]) == 1
+        assert case["reused"] in (39, 40 - 20)  # exact prefix, or the nearest one
+        assert None not in case["lookup_s"] + case["read_s"] + case["assemble_s"]
+    assert row["cases"]["ram_hot"]["in_ram"]
+    assert row["cases"]["restart_warm"]["open_s"]
+
+    (rr,) = res["restore"]
+    expected = {"ram_hot"} | {
+        f"{case}_{c}"
+        for case in ("disk", "load_prompt_cache", "raw", "restart")
+        for c in conds
+    }
+    assert set(rr["cases"]) == expected
+    assert rr["cases"]["disk_warm"]["reused"] == 100
+    assert rr["disk"]["ratio"] > 1
+
+    w = res["write"]
+    assert len(w["plain_s"]) == len(w["saving_s"]) == 1
+    assert w["nodes_written"] >= 1 and w["writes_failed"] == 0
+
+    assert [s["chunks"] for s in res["scale"]] == [3, 12]
+
+    whats = " ".join(t["what"] for t in res["targets"])
+    for part in (
+        "TTFT disk-hot, same process",
+        "TTFT disk-hot after restart",
+        "RAM-hot assemble",
+        "load_prompt_cache",
+        "raw read",
+        "open time",
+        "fetch-hit lookup",
+        "fetch-miss",
+        "prefill tokens/s with saving",
+        "bytes on disk",
+    ):
+        assert part in whats
+    assert all(t["ok"] in (True, False, None) for t in res["targets"])
+    # The temporary stores are gone; only the outputs stay.
+    assert not [p for p in out.iterdir() if p.name.startswith("kvstore-bench-")]
+
+
+def test_plot_is_a_png(bench_run):
+    _, png, _ = bench_run
+    if png is None:
+        pytest.skip("matplotlib is not installed")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit):
+        parse_args(["--plot", "x.png"])
+    assert "pip install 'kvstore[plot]'" in capsys.readouterr().err
+
+
+def test_quick_defaults_and_explicit_options():
+    args = parse_args(["--quick", "--repeats", "5", "--lengths", "64", "32", "64"])
+    assert args.repeats == 5 and args.lengths == [32, 64]
+    assert args.restore_lengths == [1024, 8192]
+    with pytest.raises(SystemExit):
+        parse_args(["--lengths", "1"])
+
+
+def test_cli_dispatches_bench():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0
+    assert "--restore-lengths" in proc.stdout
+
+
+def test_page_cache_helpers(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * (1 << 20))
+    assert set_page_cache([str(path)], "warm") in (1.0, None)
+    if can_drop_page_cache(str(tmp_path)):
+        assert set_page_cache([str(path)], "dropped") < 0.5
+    assert resident_fraction([]) in (1.0, None)
+
+
+def test_probe_restores_what_it_wraps(model, tmp_path):
+    from kvstore import KVStore, assemble
+
+    toks = random_tokens(40, seed=3)
+    init = assemble.AssemblyPlan.__dict__["__init__"]
+    with KVStore(str(tmp_path / "s"), model, chunk_tokens=16) as store:
+        store.save(toks, compute_cache(model, toks))
+        store.flush()
+        phases, cache = timed_fetch(store, toks, expect=39)
+        assert phases.lookup is not None and phases.assemble is not None
+        assert "read" not in store.index.__dict__
+        assert assemble.AssemblyPlan.__dict__["__init__"] is init
+        assert cache[0].offset == 39
+        with FetchProbe(store) as probe:
+            store.fetch(toks)
+        assert probe.times["index.read"]
