@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -225,6 +226,20 @@ def environment() -> dict:
 # -- synthetic KV and baselines ----------------------------------------------------------
 
 
+def kv_layers(layout) -> List[SimpleNamespace]:
+    """``heads, k_dim, v_dim, dtype`` of every layer of an all-``KVCache`` layout (the
+    restore cases measure such models: synthetic KV is made of these shapes)."""
+    out = []
+    for leaf in layout.leaves:
+        if leaf.cls != "KVCache":
+            raise ValueError(
+                f"restore cases need a KVCache model; layer {leaf.name} is {leaf.cls}"
+            )
+        (_, dtype, (heads, k_dim)), (_, _, (_, v_dim)) = leaf.tensors
+        out.append(SimpleNamespace(heads=heads, k_dim=k_dim, v_dim=v_dim, dtype=dtype))
+    return out
+
+
 def synthetic_cache(layout, n: int, *, seed: int, pool: int = 4) -> List[KVCache]:
     """KVCache objects holding ``n`` tokens of random KV in the store's ``layout``.
 
@@ -234,7 +249,7 @@ def synthetic_cache(layout, n: int, *, seed: int, pool: int = 4) -> List[KVCache
     rng = np.random.default_rng(seed)
     arrays: Dict[tuple, List[mx.array]] = {}
     cache = []
-    for i, lay in enumerate(layout):
+    for i, lay in enumerate(kv_layers(layout)):
         got = []
         for dim, j in ((lay.k_dim, 2 * i), (lay.v_dim, 2 * i + 1)):
             key = (lay.heads, dim, lay.dtype)
@@ -338,11 +353,11 @@ class FetchProbe:
         "ram.get": "read",
         "AssemblyPlan.__init__": "assemble",
         "AssemblyPlan.copy_node": "assemble",
-        "adapters.build_cache": "assemble",
+        "layout.build": "assemble",
     }
 
     def __init__(self, store):
-        from kvstore import adapters, assemble
+        from kvstore import assemble
 
         self._targets = [
             (store.index, "read", "index.read", True),
@@ -360,7 +375,7 @@ class FetchProbe:
                 "AssemblyPlan.copy_node",
                 False,
             ),
-            (adapters, "build_cache", "adapters.build_cache", False),
+            (store.layout, "build", "layout.build", True),
         ]
         self.times: Dict[str, List[float]] = {}
         self._undo = []

@@ -18,6 +18,7 @@ from kvstore.bench.measure import (
     allocated_bytes,
     apparent_bytes,
     files_under,
+    kv_layers,
     new_case,
     node_pieces,
     raw_read,
@@ -75,7 +76,7 @@ def bench_one(
     layout = probe.layout
     kv_bytes = n * sum(
         lay.heads * (lay.k_dim + lay.v_dim) * getattr(mx, lay.dtype).size
-        for lay in layout
+        for lay in kv_layers(layout)
     )
     # The RAM tier holds the saving process's chunks when they fit its default budget.
     ram_hot = kv_bytes <= DEFAULT_RAM_BYTES
