@@ -95,6 +95,18 @@ class NodeRecord:
         )
 
 
+def _clear_stale_readers(env: lmdb.Environment) -> int:
+    """Free the reader slots of processes that died holding a read transaction.
+
+    A stale slot keeps its snapshot's pages from being reused (the map grows without
+    need) and takes one of the reader table's slots. Returns how many were cleared.
+    """
+    try:
+        return env.reader_check()
+    except lmdb.Error:  # e.g. a read-only lock file: harmless, LMDB works without it
+        return 0
+
+
 def child_key(
     ns: bytes, parent: bytes, tokens: np.ndarray, child: bytes = b""
 ) -> bytes:
@@ -139,6 +151,7 @@ class Index:
                     subdir=True,
                     readahead=False,
                 )
+                _clear_stale_readers(env)
             _OPEN[self._key] = (env, refs + 1)
         self.env = env
         self._closed = False
@@ -206,6 +219,9 @@ class Index:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
+                # Pages a killed process's read snapshot held are free again.
+                if _clear_stale_readers(self.env):
+                    continue
                 size = self.env.info()["map_size"]
                 if size >= _MAX_MAP:
                     raise
