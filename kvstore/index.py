@@ -275,16 +275,28 @@ class Index:
         return None if raw is None else NodeRecord.decode(bytes(raw))
 
     def nearest_children(
-        self, ns: bytes, parent: bytes, query: np.ndarray, txn=None
+        self,
+        ns: bytes,
+        parent: bytes,
+        query: np.ndarray,
+        txn=None,
+        *,
+        on_corrupt: Optional[Callable[[bytes, CorruptRecord], None]] = None,
     ) -> List[Tuple[bytes, NodeRecord, int]]:
         """Children of ``parent`` sharing the longest token prefix with ``query``.
 
         Returns ``(hash, record, common prefix)`` for the best candidates (at
         least one token in common), best first. Only the edge keys next to the
         query's position are read, so a node with many children costs O(log n).
+        A child whose record is corrupt raises :class:`CorruptRecord`, or with
+        ``on_corrupt`` is passed to ``on_corrupt(hash, error)`` and skipped.
         """
         if txn is None:
-            return self.read(lambda t: self.nearest_children(ns, parent, query, t))
+            return self.read(
+                lambda t: self.nearest_children(
+                    ns, parent, query, t, on_corrupt=on_corrupt
+                )
+            )
         prefix = ns + parent
         seek = child_key(ns, parent, query)
         cur = txn.cursor(db=self.db["children"])
@@ -309,7 +321,13 @@ class Index:
         out = []
         for k in keys:
             h = k[head_len:]
-            rec = self.get_node(ns, h, txn)
+            try:
+                rec = self.get_node(ns, h, txn)
+            except CorruptRecord as e:
+                if on_corrupt is None:
+                    raise
+                on_corrupt(h, e)
+                continue
             if rec is None:
                 continue
             n = common_prefix(rec.tokens, query)

@@ -2,6 +2,7 @@
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
@@ -17,6 +18,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import adapters, maintenance
 from .assemble import AssemblyPlan
 from .blobs import (
+    DTYPES,
+    MAX_HEADER_BYTES,
     Blobs,
     CorruptBlob,
     metadata_matches,
@@ -231,7 +234,7 @@ class KVStore:
             if error is None or failed < len(path):
                 continue  # only the first broken node counts: the rest is cut anyway
             failed = i
-            if isinstance(error, (CorruptBlob, OSError)):
+            if isinstance(error, (CorruptBlob, CorruptRecord, OSError)):
                 self._report_broken(path[i].h, str(error))
             else:
                 log.error("kvstore: reading node failed", exc_info=error)
@@ -264,7 +267,7 @@ class KVStore:
                     step = _Step(h, rec, C)
             if step is None:
                 for h, rec, common in self.index.nearest_children(
-                    self.namespace, parent, query, txn
+                    self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
                 ):
                     if h not in self._broken:
                         step = _Step(h, rec, common)
@@ -287,8 +290,29 @@ class KVStore:
         try:
             return self.index.get_node(self.namespace, h, txn)
         except CorruptRecord as e:
-            self._report_broken(h, f"index record: {e}")
+            self._corrupt_record(h, e)
             return None
+
+    def _corrupt_record(self, h: bytes, error: CorruptRecord) -> None:
+        self._report_broken(h, f"index record: {error}")
+
+    def _check_sizes(self, rec: NodeRecord) -> None:
+        """Refuse a record whose sizes no node file of this store has, before anything
+        is allocated for it: a corrupt record must not cost gigabytes of memory."""
+        if rec.ntokens > self.chunk_tokens:
+            raise CorruptRecord(
+                f"record holds {rec.ntokens} tokens, nodes hold at most "
+                f"{self.chunk_tokens}"
+            )
+        data = sum(
+            math.prod(shape) * DTYPES[dtype][1]
+            for dtype, shape in self._expected(rec.ntokens).values()
+        )
+        if not data + 8 < rec.nbytes <= data + 8 + MAX_HEADER_BYTES:
+            raise CorruptRecord(
+                f"record says the file has {rec.nbytes} bytes; a node of "
+                f"{rec.ntokens} tokens has {data} bytes of data and a header"
+            )
 
     def _read_node(self, step: _Step, plan: AssemblyPlan, offset: int) -> None:
         """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.
@@ -300,6 +324,7 @@ class KVStore:
         if entry is not None:
             data, tensors = memoryview(entry.data), entry.tensors
         else:
+            self._check_sizes(rec)
             staging = getattr(self._staging, "buf", None)
             if staging is None or len(staging) < rec.nbytes:
                 # A new buffer rather than a resize: an earlier view may still be alive.
@@ -434,7 +459,12 @@ class KVStore:
                 for name, x in node.slices.items()
             }
             data = serialize_node(tensors, node_metadata(ns))
-            written.append((node, data, self.blobs.write(ns, node.h, data)))
+            try:
+                published = self.blobs.write(ns, node.h, data)
+            except BaseException:
+                self._release_failed_save(written, failed=(node.h, data))
+                raise
+            written.append((node, data, published))
             node.slices = None  # release the cache's buffers early
 
         now = time.time()
@@ -472,7 +502,11 @@ class KVStore:
                     self.index.set_pinned(txn, ns, h, True)
             return added, superseded
 
-        added, superseded = self.index.write(commit)
+        try:
+            added, superseded = self.index.write(commit)
+        except BaseException:
+            self._release_failed_save(written)
+            raise
         self._unlink_unindexed(superseded)
         for h, rec, data in added:
             if data is not None and self.ram.max_bytes >= len(data):
@@ -485,6 +519,31 @@ class KVStore:
             self._counters.nodes_written += len(added)
             self._counters.bytes_written += sum(rec.nbytes for _, rec, _ in added)
         self._enforce_disk_budget()
+
+    def _release_failed_save(
+        self, written: list, *, failed: Optional[Tuple[bytes, bytes]] = None
+    ) -> None:
+        """A save failed before its commit (disk full, I/O error): remove the files it
+        published, so that nothing of it stays on disk and the space comes back.
+
+        ``failed`` is ``(hash, bytes)`` of the node whose write raised; its file is
+        removed only if it holds those very bytes (published before the error).
+        :func:`kvstore.maintenance.release_files` keeps any file the index refers to.
+        """
+        ns = self.namespace
+        keys = [(ns, node.h) for node, data, pub in written if data and pub.ours]
+        if failed is not None:
+            h, data = failed
+            try:
+                with open(self.blobs.path(ns, h), "rb") as f:
+                    if f.read(len(data) + 1) == data:
+                        keys.append((ns, h))
+            except OSError:
+                pass  # no file (or an unreadable one, left to `kvstore gc`)
+        try:
+            maintenance.release_files(self.index, self.blobs, keys)
+        except Exception:
+            log.exception("kvstore: cannot remove the files of a failed save")
 
     def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
         """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
@@ -501,7 +560,7 @@ class KVStore:
         """
         gone = []
         for sib, srec, common in self.index.nearest_children(
-            self.namespace, rec.parent, rec.tokens, txn
+            self.namespace, rec.parent, rec.tokens, txn, on_corrupt=self._corrupt_record
         ):
             if (
                 sib != h
@@ -628,6 +687,7 @@ class KVStore:
                 rec = self.index.get_node(self.namespace, h)
                 if rec is None or self.ram.nbytes + rec.nbytes > self.ram.max_bytes:
                     continue
+                self._check_sizes(rec)
                 data, tensors, meta = self.blobs.read_all(
                     self.namespace,
                     h,
