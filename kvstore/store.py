@@ -468,9 +468,11 @@ class KVStore:
             node.slices = None  # release the cache's buffers early
 
         now = time.time()
+        evicted = []
 
         def commit(txn):
             added, superseded = [], []
+            evicted[:] = self._make_room(txn, written)
             for node, data, published in written:
                 if data is None:
                     continue
@@ -502,11 +504,14 @@ class KVStore:
                     self.index.set_pinned(txn, ns, h, True)
             return added, superseded
 
+        if self.disk_bytes is not None:
+            self._flush_touches()  # eviction order must see the latest accesses
         try:
             added, superseded = self.index.write(commit)
         except BaseException:
             self._release_failed_save(written)
             raise
+        self._release_evicted(evicted)
         self._unlink_unindexed(superseded)
         for h, rec, data in added:
             if data is not None and self.ram.max_bytes >= len(data):
@@ -601,6 +606,39 @@ class KVStore:
         if released.quarantined:
             with self._lock:
                 self._counters.quarantined.extend(released.quarantined)
+
+    def _make_room(self, txn, written: list) -> list:
+        """In the commit's transaction: evict what the new nodes need to fit the disk
+        budget (:func:`kvstore.maintenance.make_room`), sparing the nodes they hang from.
+        """
+        if self.disk_bytes is None:
+            return []
+        ns, nodes_db = self.namespace, self.index.db["nodes"]
+        new = [
+            (node, published)
+            for node, data, published in written
+            if data is not None and txn.get(ns + node.h, db=nodes_db) is None
+        ]
+        if not new:
+            return []
+        return maintenance.make_room(
+            self.index,
+            txn,
+            self.disk_bytes,
+            sum(published.nbytes for _, published in new),
+            keep={(ns, node.parent) for node, _ in new},
+        )
+
+    def _release_evicted(self, evicted: list) -> None:
+        """After the commit: unlink the files of the nodes :meth:`_make_room` evicted."""
+        if not evicted:
+            return
+        for (ns, h), _ in evicted:
+            if ns == self.namespace:
+                self.ram.discard(h)
+        maintenance.release_files(self.index, self.blobs, [key for key, _ in evicted])
+        with self._lock:
+            self._counters.nodes_evicted += len(evicted)
 
     def _enforce_disk_budget(self) -> None:
         """Evict least recently used unpinned leaves until the store fits ``disk_bytes``
