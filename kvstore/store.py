@@ -120,6 +120,18 @@ class KVStore:
             raise TypeError(
                 f"path must be a str or os.PathLike, got {type(path).__name__}"
             )
+        if not callable(model) or not (
+            hasattr(model, "layers") or hasattr(model, "make_cache")
+        ):
+            raise TypeError(
+                f"model must be an mlx-lm model (from mlx_lm.load), got "
+                f"{type(model).__name__}"
+            )
+        if tokenizer is not None and not hasattr(tokenizer, "get_vocab"):
+            raise TypeError(
+                f"tokenizer must be an mlx-lm or Hugging Face tokenizer (with "
+                f"get_vocab()) or None, got {type(tokenizer).__name__}"
+            )
         self.path = os.fspath(path)
         _prepare_dir(self.path)
 
@@ -387,7 +399,7 @@ class KVStore:
         Returns:
             The number of new nodes queued for writing.
         """
-        arr = self._checked(tokens, kind, "save")
+        arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
         adapters.check_cache(self.layout, cache, len(arr))
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
@@ -397,18 +409,35 @@ class KVStore:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
         (a generate loop's cache after the first new token): only the prefix is stored.
         """
-        arr = self._checked(tokens, kind, "save")
+        arr = self._checked(tokens, kind, "save", pin=pin)
         adapters.check_cache(self.layout, cache, len(arr), exact=False)
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
 
-    def _checked(self, tokens, kind: str, what: str) -> np.ndarray:
+    def _checked(
+        self, tokens, kind: str, what: str, *, pin=False, boundaries=()
+    ) -> np.ndarray:
         """Validate the arguments every write entry point shares."""
         self._check_open()
         arr = as_token_array(tokens)
         if len(arr) == 0:
             raise ValueError(f"tokens is empty: nothing to {what}")
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        _check_bool("pin", pin)
+        if isinstance(boundaries, (str, bytes)) or not hasattr(boundaries, "__iter__"):
+            raise TypeError(
+                f"boundaries must be a list of token positions, got "
+                f"{type(boundaries).__name__}"
+            )
+        for i, b in enumerate(boundaries):
+            if not isinstance(b, (int, np.integer)) or isinstance(b, (bool, np.bool_)):
+                raise TypeError(
+                    f"boundaries[{i}] is {type(b).__name__} {b!r}, expected int"
+                )
+            if not 0 <= b <= len(arr):
+                raise ValueError(
+                    f"boundaries[{i}] = {b} is outside the {len(arr)} tokens"
+                )
         return arr
 
     def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
@@ -673,8 +702,14 @@ class KVStore:
         Returns:
             ``{"tokens": len, "computed": model tokens run, "reused": tokens restored}``.
         """
-        arr = self._checked(tokens, kind, "prefill")
+        arr = self._checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
         check_int("step_tokens", step_tokens, minimum=1)
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if isinstance(vocab, int) and arr.max() >= vocab:
+            bad = int(np.flatnonzero(arr >= vocab)[0])
+            raise ValueError(
+                f"tokens[{bad}] = {arr[bad]} is not below the model's vocab_size {vocab}"
+            )
         stored = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
         )
@@ -748,6 +783,7 @@ class KVStore:
         from . import maintenance
 
         arr = self._checked(tokens, "user", "pin")
+        _check_bool("pinned", pinned)
         self.flush()
         path = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
@@ -804,6 +840,13 @@ class KVStore:
             )
 
 
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{name} must be True or False, got {type(value).__name__} {value!r}"
+        )
+
+
 def _prepare_dir(path: str) -> None:
     """Create a new store directory, or check that an existing one is a store."""
     if os.path.exists(path) and not os.path.isdir(path):
@@ -820,4 +863,9 @@ def _prepare_dir(path: str) -> None:
             raise StoreError(
                 f"{path} is not a kvstore directory (it holds {sorted(entries)[:5]} but no index/)"
             )
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise StoreError(
+            f"cannot create the store directory {path}: {e.strerror}"
+        ) from None
