@@ -7,6 +7,8 @@ identical across processes and machines.
 
 import array
 import sys
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
@@ -27,7 +29,9 @@ def as_token_array(tokens, *, what: str = "tokens") -> np.ndarray:
         TypeError: ``tokens`` is not a sequence of ints.
         ValueError: a token id is negative or does not fit in int32.
     """
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+    if isinstance(tokens, (str, bytes, Mapping, AbstractSet)) or not hasattr(
+        tokens, "__len__"
+    ):
         raise TypeError(f"{what} must be a list of ints, got {type(tokens).__name__}")
     if not isinstance(tokens, (list, tuple)):
         tokens = _array_to_list(tokens, what)

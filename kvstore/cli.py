@@ -59,6 +59,9 @@ def load_model(name: Optional[str]):
     """Load an mlx-lm model; None means the bundled default (converted on first use)."""
     from mlx_lm import load
 
+    local = name is not None and name.startswith(("/", "./", "../", "~"))
+    if local and not os.path.isdir(os.path.expanduser(name)):
+        raise CLIError(f"cannot load model {name!r}: no such directory")
     if name is None:
         from .default_model import ensure_default_model
 
@@ -106,14 +109,9 @@ def _context_length(model) -> Optional[int]:
 def cmd_prefill(args) -> int:
     from tqdm import tqdm
 
-    from .prompts import PromptError, parse_line, read_lines
+    from .prompts import PromptError, parse_line
 
-    if not os.path.isfile(args.prompts):
-        raise CLIError(f"{args.prompts}: no such file")
-    try:
-        lines = list(read_lines(args.prompts))
-    except (OSError, UnicodeDecodeError) as e:
-        raise CLIError(f"{args.prompts}: cannot read: {e}") from None
+    lines = _read_prompts(args.prompts)
     model, tokenizer = load_model(args.model)
     limit = _context_length(model)
     if args.max_tokens_per_prompt:
@@ -165,6 +163,21 @@ def cmd_prefill(args) -> int:
     summary["store"] = store.path
     _print_summary(summary, args.json)
     return EXIT_FAILED_LINES if summary["failed"] else EXIT_OK
+
+
+def _read_prompts(path: str) -> list:
+    """``(line number, text)`` of a prompts file; a CLIError naming the file if it
+    cannot be read."""
+    from .prompts import read_lines
+
+    if os.path.isdir(path):
+        raise CLIError(f"{path}: is a directory, not a prompts file")
+    if not os.path.exists(path):
+        raise CLIError(f"{path}: no such file")
+    try:
+        return list(read_lines(path))
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"{path}: cannot read: {e}") from None
 
 
 def _prefill_line(store, line) -> int:
@@ -325,9 +338,12 @@ def cmd_verify(args) -> int:
 
 def cmd_gc(args) -> int:
     _guard_store(args.store)
-    report = _maintenance().gc(
-        args.store, max_bytes=args.max_bytes, drop_namespaces=args.drop_model or ()
-    )
+    try:
+        report = _maintenance().gc(
+            args.store, max_bytes=args.max_bytes, drop_namespaces=args.drop_model or ()
+        )
+    except ValueError as e:  # a --drop-model that names no namespace
+        raise CLIError(f"--drop-model: {e}") from None
     print(
         json.dumps(report, sort_keys=True, default=str)
         if args.json
@@ -342,17 +358,20 @@ def _gc_text(report: dict) -> str:
 
 def cmd_pin(args, pinned: bool = True) -> int:
     _guard_store(args.store)
-    from .prompts import PromptError, parse_line, read_lines
+    from .prompts import PromptError, parse_line
 
     if args.node:
         if not args.namespace:
             raise CLIError("--node needs --namespace (see `kvstore stats`)")
-        n = _maintenance().pin_path(args.store, args.namespace, args.node, pinned)
+        try:
+            n = _maintenance().pin_path(args.store, args.namespace, args.node, pinned)
+        except ValueError as e:  # an id that is malformed or names nothing
+            raise CLIError(f"--namespace/--node: {e}") from None
         print(f"{'pinned' if pinned else 'unpinned'} {n} nodes")
         return EXIT_OK
     model, tokenizer = load_model(args.model)
     if args.file:
-        texts = [(f"{args.file}:{no}", t) for no, t in read_lines(args.file)]
+        texts = [(f"{args.file}:{no}", t) for no, t in _read_prompts(args.file)]
     elif args.text is not None:
         texts = [("text", json.dumps({"prompt": args.text}))]
     else:

@@ -124,6 +124,18 @@ class NodeRecord:
         )
 
 
+def _clear_stale_readers(env: lmdb.Environment) -> int:
+    """Free the reader slots of processes that died holding a read transaction.
+
+    A stale slot keeps its snapshot's pages from being reused (the map grows without
+    need) and takes one of the reader table's slots. Returns how many were cleared.
+    """
+    try:
+        return env.reader_check()
+    except lmdb.Error:  # e.g. a read-only lock file: harmless, LMDB works without it
+        return 0
+
+
 def child_key(
     ns: bytes, parent: bytes, tokens: np.ndarray, child: bytes = b""
 ) -> bytes:
@@ -168,6 +180,7 @@ class Index:
                     subdir=True,
                     readahead=False,
                 )
+                _clear_stale_readers(env)
             _OPEN[self._key] = (env, refs + 1)
         self.env = env
         self._closed = False
@@ -235,6 +248,9 @@ class Index:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
+                # Pages a killed process's read snapshot held are free again.
+                if _clear_stale_readers(self.env):
+                    continue
                 size = self.env.info()["map_size"]
                 if size >= _MAX_MAP:
                     raise
@@ -288,16 +304,28 @@ class Index:
         return None if raw is None else NodeRecord.decode(bytes(raw))
 
     def nearest_children(
-        self, ns: bytes, parent: bytes, query: np.ndarray, txn=None
+        self,
+        ns: bytes,
+        parent: bytes,
+        query: np.ndarray,
+        txn=None,
+        *,
+        on_corrupt: Optional[Callable[[bytes, CorruptRecord], None]] = None,
     ) -> List[Tuple[bytes, NodeRecord, int]]:
         """Children of ``parent`` sharing the longest token prefix with ``query``.
 
         Returns ``(hash, record, common prefix)`` for the best candidates (at
         least one token in common), best first. Only the edge keys next to the
         query's position are read, so a node with many children costs O(log n).
+        A child whose record is corrupt raises :class:`CorruptRecord`, or with
+        ``on_corrupt`` is passed to ``on_corrupt(hash, error)`` and skipped.
         """
         if txn is None:
-            return self.read(lambda t: self.nearest_children(ns, parent, query, t))
+            return self.read(
+                lambda t: self.nearest_children(
+                    ns, parent, query, t, on_corrupt=on_corrupt
+                )
+            )
         prefix = ns + parent
         seek = child_key(ns, parent, query)
         cur = txn.cursor(db=self.db["children"])
@@ -322,7 +350,13 @@ class Index:
         out = []
         for k in keys:
             h = k[head_len:]
-            rec = self.get_node(ns, h, txn)
+            try:
+                rec = self.get_node(ns, h, txn)
+            except CorruptRecord as e:
+                if on_corrupt is None:
+                    raise
+                on_corrupt(h, e)
+                continue
             if rec is None:
                 continue
             n = common_prefix(rec.tokens, query)
@@ -332,18 +366,30 @@ class Index:
         return out
 
     def prefix_children(
-        self, ns: bytes, parent: bytes, query: np.ndarray, txn
+        self,
+        ns: bytes,
+        parent: bytes,
+        query: np.ndarray,
+        txn,
+        on_corrupt: Optional[Callable[[bytes, CorruptRecord], None]] = None,
     ) -> List[Tuple[bytes, NodeRecord]]:
         """Children of fewer than ``CHILD_KEY_TOKENS`` tokens whose tokens may be a
         strict prefix of ``query``: one key seek per length (their padded edge keys
-        cannot be found next to the query's). The caller compares the tokens."""
+        cannot be found next to the query's). The caller compares the tokens.
+        Corrupt records go to ``on_corrupt`` as in :meth:`nearest_children`."""
         cur = txn.cursor(db=self.db["children"])
         out = []
         for n in range(1, min(len(query), CHILD_KEY_TOKENS)):
             head = child_key(ns, parent, query[:n])
             if cur.set_range(head) and bytes(cur.key()).startswith(head):
                 h = bytes(cur.key())[len(head) :]
-                rec = self.get_node(ns, h, txn)
+                try:
+                    rec = self.get_node(ns, h, txn)
+                except CorruptRecord as e:
+                    if on_corrupt is None:
+                        raise
+                    on_corrupt(h, e)
+                    continue
                 if rec is not None:
                     out.append((h, rec))
         return out

@@ -403,6 +403,13 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
 
         args.store = default_store()
     store_dir = os.path.expanduser(args.store)
+    from .store import StoreError, _prepare_dir
+
+    try:
+        _prepare_dir(store_dir)  # a bad --store fails now, not at the first request
+    except StoreError as e:
+        print(f"kvstore serve: bad --store: {e}", file=sys.stderr)
+        return 2
 
     caches: List[PersistentPromptCache] = []
     providers: List[Any] = []

@@ -2,6 +2,7 @@
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
@@ -17,6 +18,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from . import adapters, maintenance
 from .assemble import AssemblyPlan
 from .blobs import (
+    DELTA_PART,
+    DTYPES,
+    MAX_HEADER_BYTES,
     STATE_PART,
     Blobs,
     CorruptBlob,
@@ -128,6 +132,18 @@ class KVStore:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
                 f"path must be a str or os.PathLike, got {type(path).__name__}"
+            )
+        if not callable(model) or not (
+            hasattr(model, "layers") or hasattr(model, "make_cache")
+        ):
+            raise TypeError(
+                f"model must be an mlx-lm model (from mlx_lm.load), got "
+                f"{type(model).__name__}"
+            )
+        if tokenizer is not None and not hasattr(tokenizer, "get_vocab"):
+            raise TypeError(
+                f"tokenizer must be an mlx-lm or Hugging Face tokenizer (with "
+                f"get_vocab()) or None, got {type(tokenizer).__name__}"
             )
         self.path = os.fspath(path)
         _prepare_dir(self.path)
@@ -254,7 +270,7 @@ class KVStore:
             if at >= failed:
                 continue  # only the first broken node counts: the rest is cut anyway
             failed = at
-            if isinstance(error, (CorruptBlob, OSError)):
+            if isinstance(error, (CorruptBlob, CorruptRecord, OSError)):
                 self._report_broken(path[at].h, str(error))
             else:
                 log.error("kvstore: reading node failed", exc_info=error)
@@ -337,7 +353,7 @@ class KVStore:
         out += [
             _Step(h, rec, common)
             for h, rec, common in self.index.nearest_children(
-                self.namespace, parent, query, txn
+                self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
             )
             if h not in self._broken
         ]
@@ -349,7 +365,9 @@ class KVStore:
     def _shorter_children(self, txn, parent: bytes, query: np.ndarray) -> List[_Step]:
         """Children whose tokens are a strict prefix of ``query`` (found by hash)."""
         out = []
-        for h, rec in self.index.prefix_children(self.namespace, parent, query, txn):
+        for h, rec in self.index.prefix_children(
+            self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
+        ):
             if h not in self._broken and np.array_equal(
                 rec.tokens, query[: rec.ntokens]
             ):
@@ -362,8 +380,29 @@ class KVStore:
         try:
             return self.index.get_node(self.namespace, h, txn)
         except CorruptRecord as e:
-            self._report_broken(h, f"index record: {e}")
+            self._corrupt_record(h, e)
             return None
+
+    def _corrupt_record(self, h: bytes, error: CorruptRecord) -> None:
+        self._report_broken(h, f"index record: {error}")
+
+    def _check_sizes(self, rec: NodeRecord) -> None:
+        """Refuse a record whose sizes no node file of this store has, before anything
+        is allocated for it: a corrupt record must not cost gigabytes of memory."""
+        if rec.ntokens > self.chunk_tokens:
+            raise CorruptRecord(
+                f"record holds {rec.ntokens} tokens, nodes hold at most "
+                f"{self.chunk_tokens}"
+            )
+        data = sum(
+            math.prod(shape) * DTYPES[dtype][1]
+            for dtype, shape in self._expected(rec.ntokens).values()
+        )
+        if not data + 8 < rec.nbytes <= data + 8 + MAX_HEADER_BYTES:
+            raise CorruptRecord(
+                f"record says the file has {rec.nbytes} bytes; a node of "
+                f"{rec.ntokens} tokens has {data} bytes of data and a header"
+            )
 
     def _read_node(self, step: _Step, plan: AssemblyPlan, offset: int) -> None:
         """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.
@@ -375,6 +414,7 @@ class KVStore:
         if entry is not None:
             data, tensors = memoryview(entry.data), entry.tensors
         else:
+            self._check_sizes(rec)
             staging = getattr(self._staging, "buf", None)
             if staging is None or len(staging) < rec.nbytes:
                 # A new buffer rather than a resize: an earlier view may still be alive.
@@ -459,7 +499,7 @@ class KVStore:
         Returns:
             The number of new nodes queued for writing.
         """
-        arr = self._checked(tokens, kind, "save")
+        arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
         self.layout.check_cache(cache, len(arr))
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
@@ -471,18 +511,35 @@ class KVStore:
         A layout with state layers (sliding windows, recurrent state) cannot be cut
         back, so its cache must hold exactly ``tokens``.
         """
-        arr = self._checked(tokens, kind, "save")
+        arr = self._checked(tokens, kind, "save", pin=pin)
         self.layout.check_cache(cache, len(arr), exact=False)
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
 
-    def _checked(self, tokens, kind: str, what: str) -> np.ndarray:
+    def _checked(
+        self, tokens, kind: str, what: str, *, pin=False, boundaries=()
+    ) -> np.ndarray:
         """Validate the arguments every write entry point shares."""
         self._check_open()
         arr = as_token_array(tokens)
         if len(arr) == 0:
             raise ValueError(f"tokens is empty: nothing to {what}")
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        _check_bool("pin", pin)
+        if isinstance(boundaries, (str, bytes)) or not hasattr(boundaries, "__iter__"):
+            raise TypeError(
+                f"boundaries must be a list of token positions, got "
+                f"{type(boundaries).__name__}"
+            )
+        for i, b in enumerate(boundaries):
+            if not isinstance(b, (int, np.integer)) or isinstance(b, (bool, np.bool_)):
+                raise TypeError(
+                    f"boundaries[{i}] is {type(b).__name__} {b!r}, expected int"
+                )
+            if not 0 <= b <= len(arr):
+                raise ValueError(
+                    f"boundaries[{i}] = {b} is outside the {len(arr)} tokens"
+                )
         return arr
 
     def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
@@ -533,9 +590,15 @@ class KVStore:
             return 0
         return len(nodes)
 
-    def _publish(self, node: _NewNode) -> Tuple[Optional[tuple], Optional[tuple]]:
+    def _publish(
+        self, node: _NewNode, attempts: list
+    ) -> Tuple[Optional[tuple], Optional[tuple]]:
         """Writer thread: the files of ``node`` that the index lacks, as
-        ``(data, Published)`` pairs for its delta file and its state file."""
+        ``(data, Published)`` pairs for its delta file and its state file.
+
+        Every write is first noted in ``attempts`` as ``(hash, part, bytes)``, so that
+        a failed save can remove what it published (:meth:`_release_failed_save`).
+        """
         ns = self.namespace
         rec = self.index.get_node(ns, node.h)
         delta = state = None
@@ -546,6 +609,7 @@ class KVStore:
                 for name, x in node.slices.items()
             }
             data = serialize_node(tensors, node_metadata(ns))
+            attempts.append((node.h, DELTA_PART, data))
             delta = (data, self.blobs.write(ns, node.h, data))
         if node.state is not None and (rec is None or not rec.has_state):
             tensors = {
@@ -553,6 +617,7 @@ class KVStore:
                 for name, (dtype, a) in node.state.items()
             }
             data = serialize_node(tensors, node_metadata(ns))
+            attempts.append((node.h, STATE_PART, data))
             state = (data, self.blobs.write(ns, node.h, data, STATE_PART))
         node.slices = node.state = None  # release the cache's buffers early
         return delta, state
@@ -562,8 +627,15 @@ class KVStore:
     ):
         """Writer thread: publish the files, then commit their nodes in one transaction."""
         ns = self.namespace
-        written = [(node, *self._publish(node)) for node in nodes]
+        written, attempts = [], []
+        try:
+            for node in nodes:
+                written.append((node, *self._publish(node, attempts)))
+        except BaseException:
+            self._release_failed_save(attempts)
+            raise
         now = time.time()
+        evicted = []
 
         def is_ours(h: bytes, published, part: str = "") -> bool:
             # Index only the very file we checked: one removed (or replaced) by another
@@ -572,6 +644,7 @@ class KVStore:
 
         def commit(txn):
             added, superseded = [], []
+            evicted[:] = self._make_room(txn, written)
             for node, delta, state in written:
                 if state is not None and not is_ours(node.h, state[1], STATE_PART):
                     state = None
@@ -618,7 +691,14 @@ class KVStore:
                     self.index.set_pinned(txn, ns, h, True)
             return added, superseded
 
-        added, superseded = self.index.write(commit)
+        if self.disk_bytes is not None:
+            self._flush_touches()  # eviction order must see the latest accesses
+        try:
+            added, superseded = self.index.write(commit)
+        except BaseException:
+            self._release_failed_save(attempts)
+            raise
+        self._release_evicted(evicted)
         self._unlink_unindexed(superseded)
         for h, rec, data, state_data in added:
             for key, raw in ((h, data), (h + STATE_PART.encode(), state_data)):
@@ -630,6 +710,28 @@ class KVStore:
             self._counters.nodes_written += len(added)
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
         self._enforce_disk_budget()
+
+    def _release_failed_save(self, attempts: list) -> None:
+        """A save failed before its commit (disk full, I/O error): remove the files it
+        published, so that nothing of it stays on disk and the space comes back.
+
+        ``attempts`` are ``(hash, part, bytes)`` of the writes tried; a file is removed
+        only if it holds those very bytes (published by us, maybe before the error).
+        :func:`kvstore.maintenance.release_files` keeps any file the index refers to.
+        """
+        ns = self.namespace
+        keys = []
+        for h, part, data in attempts:
+            try:
+                with open(self.blobs.path(ns, h, part), "rb") as f:
+                    if f.read(len(data) + 1) == data:
+                        keys.append((ns, h))
+            except OSError:
+                pass  # no file (or an unreadable one, left to `kvstore gc`)
+        try:
+            maintenance.release_files(self.index, self.blobs, keys)
+        except Exception:
+            log.exception("kvstore: cannot remove the files of a failed save")
 
     def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
         """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
@@ -646,7 +748,7 @@ class KVStore:
         """
         gone = []
         for sib, srec, common in self.index.nearest_children(
-            self.namespace, rec.parent, rec.tokens, txn
+            self.namespace, rec.parent, rec.tokens, txn, on_corrupt=self._corrupt_record
         ):
             if (
                 sib != h
@@ -688,6 +790,39 @@ class KVStore:
             with self._lock:
                 self._counters.quarantined.extend(released.quarantined)
 
+    def _make_room(self, txn, written: list) -> list:
+        """In the commit's transaction: evict what the new nodes need to fit the disk
+        budget (:func:`kvstore.maintenance.make_room`), sparing the nodes they hang from.
+        """
+        if self.disk_bytes is None:
+            return []
+        ns, nodes_db = self.namespace, self.index.db["nodes"]
+        new = [
+            (node, delta[1].nbytes + (state[1].nbytes if state else 0))
+            for node, delta, state in written
+            if delta is not None and txn.get(ns + node.h, db=nodes_db) is None
+        ]
+        if not new:
+            return []
+        return maintenance.make_room(
+            self.index,
+            txn,
+            self.disk_bytes,
+            sum(nbytes for _, nbytes in new),
+            keep={(ns, node.parent) for node, _ in new},
+        )
+
+    def _release_evicted(self, evicted: list) -> None:
+        """After the commit: unlink the files of the nodes :meth:`_make_room` evicted."""
+        if not evicted:
+            return
+        for (ns, h), _ in evicted:
+            if ns == self.namespace:
+                self._forget(h)
+        maintenance.release_files(self.index, self.blobs, [key for key, _ in evicted])
+        with self._lock:
+            self._counters.nodes_evicted += len(evicted)
+
     def _enforce_disk_budget(self) -> None:
         """Evict least recently used unpinned leaves until the store fits ``disk_bytes``
         (:func:`kvstore.maintenance.evict_to_budget`)."""
@@ -724,8 +859,14 @@ class KVStore:
         Returns:
             ``{"tokens": len, "computed": model tokens run, "reused": tokens restored}``.
         """
-        arr = self._checked(tokens, kind, "prefill")
+        arr = self._checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
         check_int("step_tokens", step_tokens, minimum=1)
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if isinstance(vocab, int) and arr.max() >= vocab:
+            bad = int(np.flatnonzero(arr >= vocab)[0])
+            raise ValueError(
+                f"tokens[{bad}] = {arr[bad]} is not below the model's vocab_size {vocab}"
+            )
         stored = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
         )
@@ -809,6 +950,7 @@ class KVStore:
                     or self.ram.nbytes + rec.total_bytes > self.ram.max_bytes
                 ):
                     continue
+                self._check_sizes(rec)
                 parts = [(h, rec.nbytes, rec.checksum, "", self._expected(rec.ntokens))]
                 if rec.has_state:
                     parts.append(
@@ -846,6 +988,7 @@ class KVStore:
         from . import maintenance
 
         arr = self._checked(tokens, "user", "pin")
+        _check_bool("pinned", pinned)
         self.flush()
         path = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
@@ -902,6 +1045,13 @@ class KVStore:
             )
 
 
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{name} must be True or False, got {type(value).__name__} {value!r}"
+        )
+
+
 def _with_state(rec: NodeRecord, published) -> NodeRecord:
     """``rec`` with the state file ``published`` attached."""
     fields = {**rec.__dict__, "state_nbytes": published.nbytes}
@@ -943,4 +1093,9 @@ def _prepare_dir(path: str) -> None:
             raise StoreError(
                 f"{path} is not a kvstore directory (it holds {sorted(entries)[:5]} but no index/)"
             )
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise StoreError(
+            f"cannot create the store directory {path}: {e.strerror}"
+        ) from None

@@ -333,6 +333,42 @@ def evict_to_budget(
             return result
 
 
+def make_room(
+    index: Index, txn, max_bytes: int, incoming: int, *, keep: Iterable[Key] = ()
+) -> List[Tuple[Key, NodeRecord]]:
+    """Inside the write transaction that will add ``incoming`` bytes of nodes: delete
+    least recently used unpinned leaves until the store fits ``max_bytes`` with them.
+
+    Eviction and the commit adding the nodes are one transaction, so writers in other
+    processes cannot each find room for themselves and overshoot the budget together.
+    The deleted nodes' files are still on disk: pass the keys to :func:`release_files`
+    after the commit.
+
+    Args:
+        index: The store's index (all namespaces count against the budget).
+        txn: The write transaction.
+        max_bytes: The budget.
+        incoming: Bytes the transaction is about to add.
+        keep: Nodes that must stay (the parents the new nodes hang from); their
+            ancestors stay too.
+
+    Returns:
+        ``(key, record)`` of the deleted nodes, in eviction order.
+    """
+    excess = index.total_bytes(txn) + incoming - max_bytes
+    if excess <= 0:
+        return []
+    nodes = disk_nodes(index, txn)
+    for key in keep:
+        if key in nodes:
+            nodes[key] = nodes[key]._replace(pinned=True)
+    gone = []
+    for ns, h in disk_victims(nodes, excess):  # children before their parents
+        if not index.has_children(txn, ns, h):  # e.g. a child whose record is corrupt
+            gone.append(((ns, h), index.delete_node(txn, ns, h)))
+    return gone
+
+
 # -- namespaces and names --------------------------------------------------------------
 
 
