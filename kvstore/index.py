@@ -350,13 +350,7 @@ class Index:
         out = []
         for k in keys:
             h = k[head_len:]
-            try:
-                rec = self.get_node(ns, h, txn)
-            except CorruptRecord as e:
-                if on_corrupt is None:
-                    raise
-                on_corrupt(h, e)
-                continue
+            rec = self._get_reporting(ns, h, txn, on_corrupt)
             if rec is None:
                 continue
             n = common_prefix(rec.tokens, query)
@@ -364,6 +358,17 @@ class Index:
                 out.append((h, rec, n))
         out.sort(key=lambda item: -item[2])
         return out
+
+    def _get_reporting(self, ns: bytes, h: bytes, txn, on_corrupt):
+        """:meth:`get_node`, passing a corrupt record to ``on_corrupt(h, error)`` (and
+        returning None) when one is given."""
+        try:
+            return self.get_node(ns, h, txn)
+        except CorruptRecord as e:
+            if on_corrupt is None:
+                raise
+            on_corrupt(h, e)
+            return None
 
     def prefix_children(
         self,
@@ -383,13 +388,7 @@ class Index:
             head = child_key(ns, parent, query[:n])
             if cur.set_range(head) and bytes(cur.key()).startswith(head):
                 h = bytes(cur.key())[len(head) :]
-                try:
-                    rec = self.get_node(ns, h, txn)
-                except CorruptRecord as e:
-                    if on_corrupt is None:
-                        raise
-                    on_corrupt(h, e)
-                    continue
+                rec = self._get_reporting(ns, h, txn, on_corrupt)
                 if rec is not None:
                     out.append((h, rec))
         return out
