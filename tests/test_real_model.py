@@ -30,7 +30,8 @@ def test_system_prompt_restored_equals_cold(tmp_path, smollm2):
     model, tokenizer = smollm2
     tokens, system_end = chat_tokens(tokenizer, "What is the capital of France?")
     with KVStore(tmp_path / "s", model, tokenizer, chunk_tokens=16) as store:
-        assert store.layout[0].cls == "KVCache" and store.layout[0].heads == 3
+        leaf = store.layout.leaves[0]
+        assert leaf.cls == "KVCache" and leaf.tensors[0][2][0] == 3  # 3 KV heads
         # Prefill the system prompt only, as `kvstore prefill` would.
         done = store.prefill(tokens[:system_end], kind="system")
         assert done["computed"] == system_end
