@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="write every number to this file")
     p.add_argument("--plot", metavar="OUT.png", help="draw the chart (matplotlib)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.add_argument(
+        "--from-json",
+        metavar="IN",
+        help="measure nothing: print the tables and targets (and --plot) of a saved run",
+    )
     return p
 
 
@@ -132,6 +137,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     from kvstore.bench import report
+
+    if args.from_json:
+        return _replay(args, report)
     from kvstore.bench.measure import can_drop_page_cache, environment
     from kvstore.bench.models import load
     from kvstore.bench.restore import bench_restore
@@ -216,6 +224,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _replay(args, report) -> int:
+    """Print (and plot) a saved run, with its targets evaluated by this version."""
+    with open(args.from_json) as f:
+        res = json.load(f)
+    print(f"$ {res['command']}  (from {args.from_json})")
+    res["targets"] = report.targets(res)
+    report.print_report(res)
+    if args.plot:
+        report.plot(res, args.plot)
+        print(f"chart written to {args.plot}")
     return 0
 
 

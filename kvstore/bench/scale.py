@@ -23,7 +23,8 @@ from kvstore.bench.models import tiny_model
 CHUNK = 4  # tokens per chunk: many nodes from little KV
 PER_PROMPT = 100  # chunks per saved prompt (one writer job and LMDB commit each)
 HIT_CHUNKS = 10  # a hit restores this many chunks at every scale
-CALLS = 200  # lookups per median
+CALLS = 200  # lookups per scale, over all rounds
+OPENS_PER_ROUND = 3
 MISS_TOKEN = 0  # no stored prompt starts with it
 
 
@@ -50,45 +51,39 @@ def _populate(store, count: int, rng) -> float:
     return time.perf_counter() - t0
 
 
-def bench_one(count: int, *, repeats: int, tmp: str, seed: int) -> Dict:
-    model = tiny_model()
+def _fill(count: int, model, *, tmp: str, seed: int) -> Dict:
     path = os.path.join(tmp, f"scale-{count}")
-    rng = np.random.default_rng(seed)
     store = KVStore(path, model, chunk_tokens=CHUNK, ram_bytes=0)
-    fill_s = _populate(store, count, rng)
+    fill_s = _populate(store, count, np.random.default_rng(seed))
     nodes = store.stats()["nodes"]
     store.close()
-
-    opens = []
-    for _ in range(2 * repeats + 1):
-        t0 = time.perf_counter()
-        store = KVStore(path, model, chunk_tokens=CHUNK, ram_bytes=0)
-        opens.append(time.perf_counter() - t0)
-        store.close()
-
-    store = KVStore(path, model, chunk_tokens=CHUNK, ram_bytes=0)
     hit = _hit_query(count, seed)
+    return {"path": path, "chunks": nodes, "fill_s": fill_s, "hit": hit}
+
+
+def _time_open(row: Dict, model) -> None:
+    t0 = time.perf_counter()
+    store = KVStore(row["path"], model, chunk_tokens=CHUNK, ram_bytes=0)
+    row["open_s"].append(time.perf_counter() - t0)
+    store.close()
+
+
+def _time_lookups(row: Dict, model, calls: int) -> None:
+    """``calls`` fetch hits and misses, alternating; medians appended to ``row``."""
+    store = KVStore(row["path"], model, chunk_tokens=CHUNK, ram_bytes=0)
+    hit = row["hit"]
     miss = [MISS_TOKEN] + hit[1:]
     timed_fetch(store, hit, expect=len(hit) - 1)  # untimed warm-up
-    hit_total, hit_lookup, miss_total = [], [], []
-    for _ in range(CALLS):
+    totals, lookups, misses = [], [], []
+    for _ in range(calls):
         phases, _ = timed_fetch(store, hit, expect=len(hit) - 1)
-        hit_total.append(phases.total)
-        hit_lookup.append(phases.lookup)
-        phases, _ = timed_fetch(store, miss, expect=0)
-        miss_total.append(phases.total)
+        totals.append(phases.total)
+        lookups.append(phases.lookup)
+        misses.append(timed_fetch(store, miss, expect=0)[0].total)
     store.close()
-    shutil.rmtree(path, ignore_errors=True)
-    return {
-        "chunks": nodes,
-        "fill_s": fill_s,
-        "open_s": opens,
-        "hit_tokens": len(hit) - 1,
-        "hit_lookup_s": med(hit_lookup),
-        "hit_total_s": med(hit_total),
-        "miss_s": med(miss_total),
-        "calls": CALLS,
-    }
+    row["hit_total_s"].append(med(totals))
+    row["hit_lookup_s"].append(med(lookups))
+    row["miss_s"].append(med(misses))
 
 
 def _hit_query(count: int, seed: int) -> List[int]:
@@ -103,4 +98,21 @@ def _hit_query(count: int, seed: int) -> List[int]:
 
 
 def bench_scale(counts: Sequence[int], *, repeats: int, tmp: str) -> List[Dict]:
-    return [bench_one(c, repeats=repeats, tmp=tmp, seed=7) for c in counts]
+    """Fill one store per count, then time them in rotated rounds: a shared, noisy
+    machine drifts, so no scale is timed only at its own moment."""
+    model = tiny_model()
+    rows = [_fill(c, model, tmp=tmp, seed=7) for c in counts]
+    for row in rows:
+        row.update(open_s=[], hit_total_s=[], hit_lookup_s=[], miss_s=[])
+    rounds = max(3, 2 * repeats + 1)
+    for r in tqdm(range(rounds), desc="scale: open, lookups", leave=False):
+        order = rows[r % len(rows) :] + rows[: r % len(rows)]
+        for row in order:
+            for _ in range(OPENS_PER_ROUND):
+                _time_open(row, model)
+        for row in order:
+            _time_lookups(row, model, CALLS // rounds + 1)
+    for row in rows:
+        shutil.rmtree(row.pop("path"), ignore_errors=True)
+        row["hit_tokens"] = len(row.pop("hit")) - 1
+    return rows
