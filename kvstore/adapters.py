@@ -98,7 +98,21 @@ def _kv_shape(a: mx.array) -> Tuple[int, int]:
     return a.shape[1], a.shape[3]
 
 
-class _KV:
+def _window_tensors(c) -> tuple:
+    """Keys and values of a state layer whose length varies: ``(1, heads, -1, dim)``."""
+    d = dtype_name(c.keys.dtype)
+    h, dk, dv = c.keys.shape[1], c.keys.shape[3], c.values.shape[3]
+    return (("keys", d, (1, h, -1, dk)), ("values", d, (1, h, -1, dv)))
+
+
+class _Counted:
+    """A layer that counts its tokens in ``offset`` (every class but ArraysCache)."""
+
+    def held(self, c) -> int:
+        return c.offset if c.keys is not None else 0
+
+
+class _KV(_Counted):
     """``KVCache``: keys and values, concatenated along the token axis."""
 
     cls, mode = KVCache, DELTA
@@ -106,9 +120,6 @@ class _KV:
     def describe(self, c) -> Tuple[tuple, tuple]:
         d = dtype_name(c.keys.dtype)
         return (("keys", d, _kv_shape(c.keys)), ("values", d, _kv_shape(c.values))), ()
-
-    def held(self, c) -> int:
-        return c.offset if c.keys is not None else 0
 
     def arrays(self, c) -> List[mx.array]:
         return [c.keys, c.values]
@@ -148,20 +159,14 @@ class _QuantizedKV(_KV):
         return c
 
 
-class _Rotating:
+class _Rotating(_Counted):
     """``RotatingKVCache``: the window buffers as they are, with their positions."""
 
     cls, mode = RotatingKVCache, STATE
     INTS = ("offset", "keep", "max_size", "idx")
 
     def describe(self, c) -> Tuple[tuple, tuple]:
-        d = dtype_name(c.keys.dtype)
-        h, dk, dv = c.keys.shape[1], c.keys.shape[3], c.values.shape[3]
-        tensors = (("keys", d, (1, h, -1, dk)), ("values", d, (1, h, -1, dv)))
-        return tensors, (("keep", c.keep), ("max_size", c.max_size))
-
-    def held(self, c) -> int:
-        return c.offset if c.keys is not None else 0
+        return _window_tensors(c), (("keep", c.keep), ("max_size", c.max_size))
 
     def state(self, c) -> Tuple[List[mx.array], List[int]]:
         return [c.keys, c.values], [c.offset, c.keep, c.max_size, c._idx]
@@ -183,20 +188,14 @@ class _Rotating:
         return c
 
 
-class _Chunked:
+class _Chunked(_Counted):
     """``ChunkedKVCache``: the keys kept since the current attention chunk began."""
 
     cls, mode = ChunkedKVCache, STATE
     INTS = ("offset", "chunk_size", "start_position")
 
     def describe(self, c) -> Tuple[tuple, tuple]:
-        d = dtype_name(c.keys.dtype)
-        h, dk, dv = c.keys.shape[1], c.keys.shape[3], c.values.shape[3]
-        tensors = (("keys", d, (1, h, -1, dk)), ("values", d, (1, h, -1, dv)))
-        return tensors, (("chunk_size", c.chunk_size),)
-
-    def held(self, c) -> int:
-        return c.offset if c.keys is not None else 0
+        return _window_tensors(c), (("chunk_size", c.chunk_size),)
 
     def state(self, c) -> Tuple[List[mx.array], List[int]]:
         n = c.offset - c.start_position
@@ -310,6 +309,26 @@ class Layout:
         self.tree = tree
         self.make_cache = make_cache
         self.has_state = any(leaf.mode == STATE for leaf in self.leaves)
+        # State tensors: name -> (leaf, suffix, dtype, shape), with each leaf's ints.
+        self.state_tensors: Dict[str, Tuple[Leaf, str, str, Tuple[int, ...]]] = {}
+        for leaf in self.leaves:
+            if leaf.mode != STATE:
+                continue
+            for suffix, dtype, shape in leaf.tensors:
+                self.state_tensors[f"{leaf.name}.{suffix}"] = (
+                    leaf,
+                    suffix,
+                    dtype,
+                    shape,
+                )
+            ints = CODECS[leaf.cls].INTS
+            if ints:
+                self.state_tensors[f"{leaf.name}.ints"] = (
+                    leaf,
+                    "ints",
+                    "int32",
+                    (len(ints),),
+                )
         # Delta tensors: name -> (dtype, heads, width) of a (1, heads, T, width) array.
         self.rows = {
             f"{leaf.name}.{suffix}": (dtype, shape[0], shape[1])
@@ -334,22 +353,6 @@ class Layout:
             for name, (dtype, heads, width) in self.rows.items()
         }
 
-    def state_names(self) -> Dict[str, Tuple[Leaf, str, str, Tuple[int, ...]]]:
-        out = {}
-        for leaf in self.leaves:
-            if leaf.mode != STATE:
-                continue
-            for suffix, dtype, shape in leaf.tensors:
-                out[f"{leaf.name}.{suffix}"] = (leaf, suffix, dtype, shape)
-            if CODECS[leaf.cls].INTS:
-                out[f"{leaf.name}.ints"] = (
-                    leaf,
-                    "ints",
-                    "int32",
-                    (len(CODECS[leaf.cls].INTS),),
-                )
-        return out
-
     def decode_state(
         self, data: memoryview, tensors: Mapping[str, TensorEntry], end: int
     ) -> Dict[str, Tuple[List[np.ndarray], List[int]]]:
@@ -361,7 +364,7 @@ class Layout:
             CorruptBlob: a missing, extra or misshapen tensor, or positions that do not
                 fit the node.
         """
-        want = self.state_names()
+        want = self.state_tensors
         if set(tensors) != set(want):
             raise CorruptBlob(
                 f"state tensors differ (missing {sorted(set(want) - set(tensors))[:3]}, "

@@ -305,6 +305,7 @@ class KVStore:
         full_only = full_only or checkpoints
         path: List[_Step] = []
         best: List[_Step] = []  # the longest path ending at a checkpoint
+        best_end = 0
         parent, pos, C = self.root, 0, self.chunk_tokens
         while pos < limit:
             usable = [
@@ -320,10 +321,8 @@ class KVStore:
                 usable = [step for step in usable if step.take == step.rec.ntokens]
             if checkpoints:
                 for step in usable:
-                    if step.rec.has_state and pos + step.take > sum(
-                        s.take for s in best
-                    ):
-                        best = path + [step]
+                    if step.rec.has_state and pos + step.take > best_end:
+                        best, best_end = path + [step], pos + step.take
             if not usable:
                 break
             step = usable[0]
@@ -437,7 +436,7 @@ class KVStore:
 
         Raises CorruptBlob or OSError when the node's state file is broken.
         """
-        rec, key = step.rec, step.h + STATE_PART.encode()
+        rec, key = step.rec, _state_key(step.h)
         entry = self.ram.get(key)
         if entry is not None:
             data, tensors = memoryview(entry.data), entry.tensors
@@ -701,7 +700,7 @@ class KVStore:
         self._release_evicted(evicted)
         self._unlink_unindexed(superseded)
         for h, rec, data, state_data in added:
-            for key, raw in ((h, data), (h + STATE_PART.encode(), state_data)):
+            for key, raw in ((h, data), (_state_key(h), state_data)):
                 if raw is not None and self.ram.max_bytes >= len(raw):
                     _, tensors, _ = parse_header(raw, len(raw))
                     self.ram.put(key, RamEntry(raw, tensors, rec.kind, rec.pinned))
@@ -914,7 +913,7 @@ class KVStore:
     def _forget(self, h: bytes) -> None:
         """Drop node ``h``'s files from the RAM tier."""
         self.ram.discard(h)
-        self.ram.discard(h + STATE_PART.encode())
+        self.ram.discard(_state_key(h))
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -955,7 +954,7 @@ class KVStore:
                 if rec.has_state:
                     parts.append(
                         (
-                            h + STATE_PART.encode(),
+                            _state_key(h),
                             rec.state_nbytes,
                             rec.state_checksum,
                             STATE_PART,
@@ -1043,6 +1042,11 @@ class KVStore:
                 "this KVStore was opened before a fork(); LMDB environments cannot cross "
                 "fork(): open a new KVStore in the child process"
             )
+
+
+def _state_key(h: bytes) -> bytes:
+    """The RAM tier's key for node ``h``'s state file (``h`` is its delta file's)."""
+    return h + STATE_PART.encode()
 
 
 def _check_bool(name: str, value) -> None:
