@@ -14,13 +14,15 @@ import shutil
 import struct
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import xxhash
 from safetensors import TensorSpec, serialize
 
 MAX_HEADER_BYTES = 1 << 20
+# Buffers per preadv call (the kernel refuses more: EINVAL).
+_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
 
 # mlx dtype name -> (safetensors header code, item size)
 DTYPES: Dict[str, Tuple[str, int]] = {
@@ -358,6 +360,54 @@ class Blobs:
             raise CorruptBlob("checksum mismatch")
         return view, tensors, metadata
 
+    def read_into(
+        self,
+        ns: bytes,
+        h: bytes,
+        *,
+        nbytes: int,
+        checksum: int,
+        expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+        targets: Callable[[Mapping[str, TensorEntry]], List[memoryview]],
+    ) -> dict:
+        """Read a file's data straight into caller buffers, then verify its checksum.
+
+        One copy, from the page cache to the destination: no staging buffer. The
+        header is validated (and checked against ``expected``) before any data is
+        read, and the checksum is computed over the buffers in file order.
+
+        Args:
+            targets: Called with the file's validated tensors; returns writable
+                buffers that tile the data section exactly, in file order.
+
+        Returns:
+            The file's metadata.
+
+        Raises:
+            CorruptBlob: missing, wrong size, bad header, short read or checksum
+                mismatch. The buffers may then hold partial data.
+        """
+        fd = self._open(ns, h, nbytes, DELTA_PART)
+        try:
+            head, tensors, metadata = self.read_header(fd, nbytes, expected)
+            buffers = targets(tensors)
+            pos = len(head)
+            for batch in _batches(buffers, _IOV_MAX):
+                want = sum(len(b) for b in batch)
+                if os.preadv(fd, batch, pos) != want:
+                    raise CorruptBlob("file shrank while being read")
+                pos += want
+        finally:
+            os.close(fd)
+        if pos != nbytes:
+            raise ValueError(f"targets cover {pos} of {nbytes} bytes")
+        digest = xxhash.xxh3_64(head)
+        for b in buffers:
+            digest.update(b)
+        if digest.intdigest() != checksum:
+            raise CorruptBlob("checksum mismatch")
+        return metadata
+
     def read_all(
         self,
         ns: bytes,
@@ -445,6 +495,12 @@ class Blobs:
         if len(ns) != 16 or len(h) != 16 or rel[1] != rel[2][:2]:
             return None
         return ns, h
+
+
+def _batches(buffers: List[memoryview], size: int) -> Iterator[List[memoryview]]:
+    """``buffers`` in runs of at most ``size`` (a vectored read takes IOV_MAX)."""
+    for i in range(0, len(buffers), size):
+        yield buffers[i : i + size]
 
 
 def file_checksum(data: bytes) -> int:

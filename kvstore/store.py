@@ -1,6 +1,7 @@
 """The public ``KVStore`` façade: composes the index, chunk files, RAM tier and writer."""
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -412,6 +413,21 @@ class KVStore:
         entry = self.ram.get(key)
         if entry is not None:
             data, tensors = memoryview(entry.data), entry.tensors
+        elif step.take == rec.ntokens:
+            # The whole node: read straight into the plan's arrays (one copy).
+            self._check_sizes(rec)
+            meta = self.blobs.read_into(
+                self.namespace,
+                key,
+                nbytes=rec.nbytes,
+                checksum=rec.checksum,
+                expected=self._expected(rec.ntokens),
+                targets=functools.partial(
+                    plan.node_targets, offset=offset, node_tokens=rec.ntokens
+                ),
+            )
+            self._check_meta(meta)
+            return
         else:
             self._check_sizes(rec)
             staging = getattr(self._staging, "buf", None)

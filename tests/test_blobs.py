@@ -151,6 +151,31 @@ def test_read_staged_round_trip_reuses_staging(written, blobs):
     assert len(staging) == before and bytes(view2) == data
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_read_into_fills_the_targets(written, monkeypatch, split):
+    """Data lands in the caller's buffers, also across several vectored reads."""
+    import kvstore.blobs as blobs_mod
+
+    blobs, tensors, data, checksum, _ = written
+    monkeypatch.setattr(blobs_mod, "_IOV_MAX", 2)  # 3 tensors x split: 2-5 calls
+    got, meta = _read_into(blobs, tensors, len(data), checksum, split=split)
+    assert meta == META
+    assert got == {name: arr.tobytes() for name, (_, _, arr) in tensors.items()}
+
+
+def test_read_into_refuses_targets_that_do_not_tile(written):
+    blobs, tensors, data, checksum, _ = written
+    with pytest.raises(ValueError, match="targets cover"):
+        blobs.read_into(
+            NS,
+            H,
+            nbytes=len(data),
+            checksum=checksum,
+            expected=expected_of(tensors),
+            targets=lambda parsed: [bytearray(4)],
+        )
+
+
 def test_read_staged_with_large_header(blobs):
     """A header longer than the first read is fetched whole."""
     tensors = make_tensors(3)
@@ -524,6 +549,30 @@ def _read_all(blobs, tensors, data_len, checksum):
     )
 
 
+def _read_into(blobs, tensors, data_len, checksum, *, split=1):
+    """``read_into`` with one buffer per tensor (``split`` pieces each): name -> bytes."""
+    got = {}
+
+    def targets(parsed):
+        out = []
+        for name, entry in sorted(parsed.items(), key=lambda kv: kv[1].start):
+            got[name] = bytearray(entry.end - entry.start)
+            step = -(-len(got[name]) // split)
+            view = memoryview(got[name])
+            out += [view[i : i + step] for i in range(0, len(view), step)]
+        return out
+
+    meta = blobs.read_into(
+        NS,
+        H,
+        nbytes=data_len,
+        checksum=checksum,
+        expected=expected_of(tensors),
+        targets=targets,
+    )
+    return {name: bytes(b) for name, b in got.items()}, meta
+
+
 def test_checksum_mismatch_on_data_byte(written):
     blobs, tensors, data, checksum, path = written
     _flip(path, len(data) - 7)
@@ -531,6 +580,8 @@ def test_checksum_mismatch_on_data_byte(written):
         _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob, match="checksum"):
         _read_all(blobs, tensors, len(data), checksum)
+    with pytest.raises(CorruptBlob, match="checksum"):
+        _read_into(blobs, tensors, len(data), checksum)
 
 
 def test_checksum_mismatch_on_header_byte(written):
@@ -544,6 +595,8 @@ def test_checksum_mismatch_on_header_byte(written):
         _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob, match="checksum"):
         _read_all(blobs, tensors, len(data), checksum)
+    with pytest.raises(CorruptBlob, match="checksum"):
+        _read_into(blobs, tensors, len(data), checksum)
 
 
 def test_wrong_checksum_value(written):
@@ -552,6 +605,8 @@ def test_wrong_checksum_value(written):
         _read_staged(blobs, tensors, len(data), checksum ^ 1)
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, len(data), checksum ^ 1)
+    with pytest.raises(CorruptBlob):
+        _read_into(blobs, tensors, len(data), checksum ^ 1)
 
 
 @pytest.mark.parametrize("keep", [0, 5, 8, 60, -1, -100])
@@ -564,11 +619,15 @@ def test_truncated_file(written, keep):
         _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, len(data), checksum)
+    with pytest.raises(CorruptBlob):
+        _read_into(blobs, tensors, len(data), checksum)
     # an index that agrees with the truncated size
     with pytest.raises(CorruptBlob):
         _read_staged(blobs, tensors, keep, file_checksum(data[:keep]))
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, keep, file_checksum(data[:keep]))
+    with pytest.raises(CorruptBlob):
+        _read_into(blobs, tensors, keep, file_checksum(data[:keep]))
 
 
 def test_missing_file(written):
@@ -578,6 +637,8 @@ def test_missing_file(written):
         _read_staged(blobs, tensors, len(data), checksum)
     with pytest.raises(CorruptBlob, match="missing"):
         _read_all(blobs, tensors, len(data), checksum)
+    with pytest.raises(CorruptBlob, match="missing"):
+        _read_into(blobs, tensors, len(data), checksum)
 
 
 @pytest.mark.parametrize("delta", [-1, 1, 1000])
@@ -587,6 +648,8 @@ def test_nbytes_mismatch(written, delta):
         _read_staged(blobs, tensors, len(data) + delta, checksum)
     with pytest.raises(CorruptBlob):
         _read_all(blobs, tensors, len(data) + delta, checksum)
+    with pytest.raises(CorruptBlob):
+        _read_into(blobs, tensors, len(data) + delta, checksum)
 
 
 def test_layout_mismatch(written):
@@ -775,6 +838,8 @@ def test_fuzz_mutations_parse_identically_or_raise_corrupt(blobs):
                 )
             with pytest.raises(CorruptBlob):
                 _read_staged(blobs, tensors, nbytes, checksum)
+            with pytest.raises(CorruptBlob):
+                _read_into(blobs, tensors, nbytes, checksum)
         # 3. even with a checksum that matches the damaged file, no other exception
         try:
             _, parsed, _ = blobs.read_all(

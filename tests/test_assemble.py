@@ -1,0 +1,71 @@
+"""Unit tests for kvstore.assemble: destination arrays and where a node's bytes land."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore import assemble
+from kvstore.assemble import AssemblyPlan, empty_arrays
+from kvstore.blobs import TensorEntry
+
+# A quantized layer's rows next to float ones: three row shapes, two dtypes.
+ROWS = {
+    "0.keys": ("float16", 2, 8),
+    "0.values": ("float16", 2, 8),
+    "1.keys.w": ("uint32", 2, 2),
+    "1.keys.s": ("float16", 2, 1),
+    "1.values.w": ("uint32", 2, 2),
+    "1.values.s": ("float16", 2, 1),
+    "2.keys": ("float16", 2, 8),
+}
+
+
+def test_empty_arrays_have_the_requested_shapes():
+    arrays = empty_arrays([((1, 2, 5, 3), mx.float32), ((4,), mx.uint8)])
+    assert [(a.shape, a.dtype) for a in arrays] == [
+        ((1, 2, 5, 3), mx.float32),
+        ((4,), mx.uint8),
+    ]
+
+
+@pytest.mark.parametrize("stack_bytes", [1, 64, 1 << 20])
+def test_plan_arrays_are_separate_even_when_stacked(monkeypatch, stack_bytes):
+    """Each row's array gets its own bytes, whether it shares a buffer or not."""
+    monkeypatch.setattr(assemble, "STACK_BYTES", stack_bytes)
+    plan = AssemblyPlan(ROWS, 6)
+    assert list(plan.views) == list(ROWS)
+    for i, (name, (dtype, heads, width)) in enumerate(ROWS.items()):
+        a = dict(zip(ROWS, plan.arrays))[name]
+        assert a.shape == (1, heads, 6, width) and a.dtype == getattr(mx, dtype)
+        plan.views[name][:] = bytes([i + 1]) * len(plan.views[name])
+    for i, a in enumerate(plan.arrays):
+        assert (np.array(a.view(mx.uint8)) == i + 1).all()
+
+
+def test_node_targets_put_each_head_at_the_node_offset():
+    """A node file's data, read into the targets in file order, lands at its rows."""
+    plan = AssemblyPlan(ROWS, 10)
+    node_tokens, offset = 4, 3
+    # File order differs from the plan's order (safetensors sorts names).
+    tensors, pos = {}, 100
+    for name in sorted(ROWS):
+        dtype, heads, width = ROWS[name]
+        size = heads * node_tokens * width * getattr(mx, dtype).size
+        tensors[name] = TensorEntry(
+            "?", (1, heads, node_tokens, width), pos, pos + size
+        )
+        pos += size
+    targets = plan.node_targets(tensors, offset=offset, node_tokens=node_tokens)
+    assert sum(len(t) for t in targets) == pos - 100
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, pos - 100, dtype=np.uint8).tobytes()
+    at = 0
+    for t in targets:
+        t[:] = data[at : at + len(t)]
+        at += len(t)
+    for name, entry in tensors.items():
+        dtype, heads, width = ROWS[name]
+        want = np.frombuffer(data[entry.start - 100 : entry.end - 100], np.uint8)
+        want = want.reshape(heads, node_tokens, -1)
+        got = plan.grids[name][:, offset : offset + node_tokens]
+        np.testing.assert_array_equal(got, want)
