@@ -350,6 +350,7 @@ class FetchProbe:
     _PHASE = {
         "index.read": "lookup",
         "blobs.read_staged": "read",
+        "blobs.read_into": "read",  # whole nodes: read straight into the caches' arrays
         "ram.get": "read",
         "AssemblyPlan.__init__": "assemble",
         "AssemblyPlan.copy_node": "assemble",
@@ -362,6 +363,7 @@ class FetchProbe:
         self._targets = [
             (store.index, "read", "index.read", True),
             (store.blobs, "read_staged", "blobs.read_staged", True),
+            (store.blobs, "read_into", "blobs.read_into", True),
             (store.ram, "get", "ram.get", True),
             (
                 getattr(assemble, "AssemblyPlan", None),
