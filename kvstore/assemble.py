@@ -122,6 +122,8 @@ class AssemblyPlan:
         }
         self.nbytes = sum(a.nbytes for a in self.arrays)
         self._grids = None
+        self._pieces: Dict[Tuple[int, int], list] = {}
+        self._keep: list = []
 
     @property
     def grids(self) -> Dict[str, np.ndarray]:
@@ -144,15 +146,22 @@ class AssemblyPlan:
         ``[offset, offset + node_tokens)`` (``tensors`` are validated against the
         layout, so every name is one of the plan's).
         """
-        out = []
-        for name, _ in sorted(tensors.items(), key=lambda kv: kv[1].start):
-            row, heads = self.rows[name]
-            view, stride, span = self.views[name], self.ntokens * row, node_tokens * row
-            start = offset * row
-            for _ in range(heads):
-                out.append(view[start : start + span])
-                start += stride
-        return out
+        pieces = self._pieces.get((id(tensors), node_tokens))
+        if pieces is None:
+            pieces = []  # (destination view, start at row 0, length, row bytes)
+            for name, _ in sorted(tensors.items(), key=lambda kv: kv[1].start):
+                row, heads = self.rows[name]
+                stride, span = self.ntokens * row, node_tokens * row
+                pieces += [
+                    (self.views[name], hd * stride, span, row) for hd in range(heads)
+                ]
+            # Nodes of one size share a parsed header (Blobs caches it): build once.
+            self._pieces[(id(tensors), node_tokens)] = pieces
+            self._keep.append(tensors)  # keeps the id unique while the plan lives
+        return [
+            view[start + offset * row : start + offset * row + span]
+            for view, start, span, row in pieces
+        ]
 
     def copy_node(
         self, src: memoryview, tensors, *, offset: int, take: int, node_tokens: int

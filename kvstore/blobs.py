@@ -5,7 +5,9 @@ checksums, and reading a file's tensors straight into caller-provided buffers.
 It knows nothing about LMDB or eviction policy.
 """
 
+import bisect
 import errno
+import itertools
 import json
 import math
 import os
@@ -395,8 +397,7 @@ class Blobs:
             pos = len(head)
             # Hash each batch right after reading it, while it is still in the CPU
             # cache: a second pass over the whole node would cost memory bandwidth.
-            for batch in _batches(targets(tensors), HASH_BATCH_BYTES):
-                want = sum(len(b) for b in batch)
+            for batch, want in _batches(targets(tensors), HASH_BATCH_BYTES):
                 if os.preadv(fd, batch, pos) != want:
                     raise CorruptBlob("file shrank while being read")
                 pos += want
@@ -499,17 +500,18 @@ class Blobs:
         return ns, h
 
 
-def _batches(buffers: List[memoryview], nbytes: int) -> Iterator[List[memoryview]]:
-    """``buffers`` in runs of about ``nbytes`` and at most IOV_MAX buffers."""
-    batch, size = [], 0
-    for b in buffers:
-        if batch and (size + len(b) > nbytes or len(batch) == _IOV_MAX):
-            yield batch
-            batch, size = [], 0
-        batch.append(b)
-        size += len(b)
-    if batch:
-        yield batch
+def _batches(
+    buffers: List[memoryview], nbytes: int
+) -> Iterator[Tuple[List[memoryview], int]]:
+    """``(run, its bytes)``: ``buffers`` in runs of about ``nbytes`` (at least one
+    buffer, at most IOV_MAX). Bisects running totals: a node has hundreds of buffers."""
+    ends = list(itertools.accumulate(map(len, buffers)))
+    i, done = 0, 0
+    while i < len(buffers):
+        hi = min(len(buffers), i + _IOV_MAX)
+        j = max(i + 1, bisect.bisect_right(ends, done + nbytes, i, hi))
+        yield buffers[i:j], ends[j - 1] - done
+        i, done = j, ends[j - 1]
 
 
 def file_checksum(data: bytes) -> int:

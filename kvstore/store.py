@@ -180,6 +180,7 @@ class KVStore:
         self._touched: Dict[bytes, float] = {}
         self._broken: set = set()
         self._expected_by_size: Dict[int, Dict[str, Tuple[str, Tuple]]] = {}
+        self._data_bytes: Dict[int, int] = {}  # a node file's data bytes, by tokens
         self._staging = threading.local()  # per reader thread: one node file at a time
         self._closed = False
         self._preload_pinned()
@@ -394,10 +395,12 @@ class KVStore:
                 f"record holds {rec.ntokens} tokens, nodes hold at most "
                 f"{self.chunk_tokens}"
             )
-        data = sum(
-            math.prod(shape) * DTYPES[dtype][1]
-            for dtype, shape in self._expected(rec.ntokens).values()
-        )
+        data = self._data_bytes.get(rec.ntokens)
+        if data is None:
+            data = self._data_bytes[rec.ntokens] = sum(
+                math.prod(shape) * DTYPES[dtype][1]
+                for dtype, shape in self._expected(rec.ntokens).values()
+            )
         if not data + 8 < rec.nbytes <= data + 8 + MAX_HEADER_BYTES:
             raise CorruptRecord(
                 f"record says the file has {rec.nbytes} bytes; a node of "
