@@ -694,7 +694,7 @@ class KVStore:
             self._release_failed_save(attempts, reservation)
             raise
         now = time.time()
-        evicted, late = [], [0]
+        evicted, unindexed, late = [], [], [0]
 
         def is_ours(h: bytes, published, part: str = "") -> bool:
             # Index only the very file we checked: one removed (or replaced) by another
@@ -750,10 +750,13 @@ class KVStore:
             if pin:
                 for h in existing + [node.h for node, _, _ in written]:
                     self.index.set_pinned(txn, ns, h, True)
+            indexed = {h for h, *_ in added}
+            unindexed[:] = [a for a in attempts if a[0] not in indexed]
             if reservation is not None:
                 # Files this commit leaves unindexed stay reserved until unlinked.
                 late[0] = sum(rec.total_bytes for _, rec in evicted if rec is not None)
                 late[0] += sum(rec.total_bytes for _, rec in superseded)
+                late[0] += sum(len(data) for _, _, data in unindexed)
                 if late[0]:
                     reservations.put(self.index, txn, reservation, late[0])
             return added, superseded
@@ -766,6 +769,9 @@ class KVStore:
         try:
             self._release_evicted(evicted)
             self._unlink_unindexed([h for h, _ in superseded])
+            # Files of nodes the commit skipped (their parent was evicted meanwhile,
+            # say) would be orphans: remove them unless another save indexed them.
+            self._remove_written(unindexed)
         finally:
             if reservation is not None and late[0]:
                 self._unreserve(reservation)
@@ -802,6 +808,8 @@ class KVStore:
         before an error). :func:`kvstore.maintenance.release_files` keeps any file the
         index refers to.
         """
+        if not attempts:
+            return
         ns = self.namespace
         keys = []
         for h, part, data in attempts:

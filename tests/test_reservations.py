@@ -218,3 +218,32 @@ def test_store_made_before_the_reservations_db_opens(tmp_path, model):
         assert s.fetch(tokens + [1])[1] == 2 * C
         save(s, model, 2)
         assert s.stats()["nodes"] == 3 and listed(s) == []
+
+
+def test_files_of_nodes_the_commit_skips_are_removed(tmp_path, model, monkeypatch):
+    """The parent of a save's nodes is evicted (by another process) after the save
+    reserved and before it commits: the nodes are not indexed, and their files,
+    which no budget counts any more, do not stay as orphans."""
+    path = tmp_path / "s"
+    with KVStore(path, model, chunk_tokens=C, disk_bytes=1 << 30) as s:
+        first = save(s, model, 1)
+        (parent,) = s.index.read(lambda txn: s.index.children(s.namespace, s.root, txn))
+        real = s.blobs.write
+
+        def write(*args, **kw):
+            published = real(*args, **kw)
+            gone = s.index.write(
+                lambda txn: m.delete_subtree(s.index, txn, s.namespace, parent)
+            )
+            m.release_files(s.index, s.blobs, [(s.namespace, h) for h, _ in gone])
+            return published
+
+        monkeypatch.setattr(s.blobs, "write", write)
+        tokens = first + random_tokens(2 * C, seed=2)
+        s.save(tokens, compute_cache(model, tokens))
+        s.flush()
+        monkeypatch.undo()
+        assert s.stats()["nodes"] == 0 and s.stats()["writes_failed"] == 0
+        assert listed(s) == []
+    report = m.verify(path)
+    assert report["clean"] and report["orphans"] == 0, report["problems"]
