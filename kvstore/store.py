@@ -622,14 +622,15 @@ class KVStore:
         Every write is first noted in ``attempts`` as ``(hash, part, bytes)``, so that
         a failed save can remove what it published (:meth:`_release_failed_save`).
         """
-        out = []
-        for data, part in zip(files, (DELTA_PART, STATE_PART)):
-            if data is None:
-                out.append(None)
-                continue
-            attempts.append((node.h, part, data))
-            out.append((data, self.blobs.write(self.namespace, node.h, data, part)))
-        return out[0], out[1]
+        ns, (delta_data, state_data) = self.namespace, files
+        delta = state = None
+        if delta_data is not None:
+            attempts.append((node.h, DELTA_PART, delta_data))
+            delta = (delta_data, self.blobs.write(ns, node.h, delta_data))
+        if state_data is not None:
+            attempts.append((node.h, STATE_PART, state_data))
+            state = (state_data, self.blobs.write(ns, node.h, state_data, STATE_PART))
+        return delta, state
 
     def _reserve(self, nodes: List[_NewNode], files: List[tuple]) -> Optional[bytes]:
         """Writer thread: reserve the disk bytes of ``files`` in the index, evicting what
