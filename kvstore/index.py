@@ -1,5 +1,6 @@
 """The LMDB index: nodes of the token-chunk trie, trie edges, access times, pins,
-namespaces and per-namespace counters. Knows nothing about tensors.
+namespaces, per-namespace counters and the disk reservations of saves in flight
+(:mod:`kvstore.reservations`). Knows nothing about tensors.
 
 Keys are fixed-width bytes so that a namespace's entries are contiguous and a
 node's children sort by their first tokens (see :func:`child_key`).
@@ -158,7 +159,18 @@ class Index:
         map_size: Initial map size; the map doubles when it fills up.
     """
 
-    _DBS = ("meta", "nodes", "children", "atime", "pins", "namespaces", "counters")
+    # "reservations" (bytes of saves in flight, :mod:`kvstore.reservations`) came
+    # later: opening a store made before creates it.
+    _DBS = (
+        "meta",
+        "nodes",
+        "children",
+        "atime",
+        "pins",
+        "namespaces",
+        "counters",
+        "reservations",
+    )
 
     def __init__(self, path: str, *, create: bool = True, map_size: int = 64 << 20):
         exists = os.path.exists(os.path.join(path, "data.mdb"))

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, maintenance
+from . import adapters, maintenance, reservations
 from .assemble import AssemblyPlan
 from .blobs import (
     DELTA_PART,
@@ -165,6 +165,8 @@ class KVStore:
 
         self.index = Index(os.path.join(self.path, "index"))
         self.index.register_namespace(self.namespace, self.description)
+        # Reservations of saves that died with their process (or this one) free up.
+        reservations.drop_stale(self.index)
         if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
             maintenance.write_disk_budget(self.index, disk_bytes)
         self.blobs = Blobs(
@@ -608,15 +610,9 @@ class KVStore:
             return 0
         return len(nodes)
 
-    def _publish(
-        self, node: _NewNode, attempts: list
-    ) -> Tuple[Optional[tuple], Optional[tuple]]:
-        """Writer thread: the files of ``node`` that the index lacks, as
-        ``(data, Published)`` pairs for its delta file and its state file.
-
-        Every write is first noted in ``attempts`` as ``(hash, part, bytes)``, so that
-        a failed save can remove what it published (:meth:`_release_failed_save`).
-        """
+    def _serialize(self, node: _NewNode) -> Tuple[Optional[bytes], Optional[bytes]]:
+        """Writer thread: the bytes of the files of ``node`` that the index lacks, its
+        delta file and its state file (None: nothing to write)."""
         ns = self.namespace
         rec = self.index.get_node(ns, node.h)
         delta = state = None
@@ -626,34 +622,99 @@ class KVStore:
                 name: (*expected[name], np.ascontiguousarray(np.asarray(x)))
                 for name, x in node.slices.items()
             }
-            data = serialize_node(tensors, node_metadata(ns))
-            attempts.append((node.h, DELTA_PART, data))
-            delta = (data, self.blobs.write(ns, node.h, data))
+            delta = serialize_node(tensors, node_metadata(ns))
         if node.state is not None and (rec is None or not rec.has_state):
             tensors = {
                 name: (dtype, a.shape, np.ascontiguousarray(np.asarray(a)))
                 for name, (dtype, a) in node.state.items()
             }
-            data = serialize_node(tensors, node_metadata(ns))
-            attempts.append((node.h, STATE_PART, data))
-            state = (data, self.blobs.write(ns, node.h, data, STATE_PART))
+            state = serialize_node(tensors, node_metadata(ns))
         node.slices = node.state = None  # release the cache's buffers early
         return delta, state
+
+    def _publish(
+        self, node: _NewNode, files: tuple, attempts: list
+    ) -> Tuple[Optional[tuple], Optional[tuple]]:
+        """Writer thread: write the ``(delta, state)`` bytes of :meth:`_serialize`, as
+        ``(data, Published)`` pairs (None where there were no bytes).
+
+        Every write is first noted in ``attempts`` as ``(hash, part, bytes)``, so that
+        a failed save can remove what it published (:meth:`_release_failed_save`).
+        """
+        ns, (delta_data, state_data) = self.namespace, files
+        delta = state = None
+        if delta_data is not None:
+            attempts.append((node.h, DELTA_PART, delta_data))
+            delta = (delta_data, self.blobs.write(ns, node.h, delta_data))
+        if state_data is not None:
+            attempts.append((node.h, STATE_PART, state_data))
+            state = (state_data, self.blobs.write(ns, node.h, state_data, STATE_PART))
+        return delta, state
+
+    def _reserve(self, nodes: List[_NewNode], files: List[tuple]) -> Optional[bytes]:
+        """Writer thread: reserve the disk bytes of ``files`` in the index, evicting what
+        the budget needs, and unlink the evicted nodes' files.
+
+        Returns:
+            The reservation's key (the commit deletes it), or None when nothing is
+            to be written.
+        """
+        nbytes = sum(len(data) for pair in files for data in pair if data is not None)
+        if nbytes == 0:
+            return None
+        ns = self.namespace
+        # The nodes the new ones hang from, and nodes getting only a checkpoint.
+        keep = {(ns, node.parent) for node in nodes}
+        keep |= {(ns, node.h) for node, (delta, _) in zip(nodes, files) if not delta}
+        key = reservations.new_key()
+        touched = self._take_touches()
+
+        def reserve(txn):
+            self._apply_touches(txn, touched)  # eviction order must see them
+            return maintenance.reserve_room(
+                self.index, txn, self.disk_bytes, nbytes, key=key, keep=keep
+            )
+
+        try:
+            evicted = self.index.write(reserve)
+            self._release_evicted(evicted)
+        except BaseException:
+            self._unreserve(key)
+            raise
+        return key
+
+    def _unreserve(self, key: bytes) -> None:
+        """Delete reservation ``key``. If that fails, this process forgets it anyway, so
+        its next reservation (or anyone's, after the timeout) drops it as stale."""
+        try:
+            self.index.write(lambda txn: reservations.delete(self.index, txn, key))
+        except Exception:
+            log.exception("kvstore: cannot delete a disk reservation")
+        finally:
+            reservations.forget(key)
 
     def _write_nodes(
         self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
     ):
-        """Writer thread: publish the files, then commit their nodes in one transaction."""
+        """Writer thread: serialize the files, reserve their bytes under the disk budget
+        (:meth:`_reserve`), write them, then commit their nodes in one transaction that
+        also drops the reservation. A file is reserved until it is indexed or unlinked.
+        """
         ns = self.namespace
-        written, attempts = [], []
+        files = [self._serialize(node) for node in nodes]
+        written, attempts, reservation = [], [], None
         try:
-            for node in nodes:
-                written.append((node, *self._publish(node, attempts)))
+            # Reserve (evicting), unlink the evicted files, only then write: files on
+            # disk stay <= indexed + reserved bytes, and reserving keeps that <= budget.
+            if self.disk_bytes is not None:
+                reservation = self._reserve(nodes, files)
+            for node, pair in zip(nodes, files):
+                written.append((node, *self._publish(node, pair, attempts)))
         except BaseException:
-            self._release_failed_save(attempts)
+            self._release_failed_save(attempts, reservation)
             raise
         now = time.time()
-        evicted = []
+        evicted, unindexed, late = [], [], [0]
 
         def is_ours(h: bytes, published, part: str = "") -> bool:
             # Index only the very file we checked: one removed (or replaced) by another
@@ -662,6 +723,8 @@ class KVStore:
 
         def commit(txn):
             added, superseded = [], []
+            if reservation is not None:
+                reservations.delete(self.index, txn, reservation)
             evicted[:] = self._make_room(txn, written)
             for node, delta, state in written:
                 if state is not None and not is_ours(node.h, state[1], STATE_PART):
@@ -707,17 +770,33 @@ class KVStore:
             if pin:
                 for h in existing + [node.h for node, _, _ in written]:
                     self.index.set_pinned(txn, ns, h, True)
+            indexed = {h for h, *_ in added}
+            unindexed[:] = [a for a in attempts if a[0] not in indexed]
+            if reservation is not None:
+                # Files this commit leaves unindexed stay reserved until unlinked.
+                late[0] = sum(rec.total_bytes for _, rec in evicted if rec is not None)
+                late[0] += sum(rec.total_bytes for _, rec in superseded)
+                late[0] += sum(len(data) for _, _, data in unindexed)
+                if late[0]:
+                    reservations.put(self.index, txn, reservation, late[0])
             return added, superseded
 
-        if self.disk_bytes is not None:
-            self._flush_touches()  # eviction order must see the latest accesses
         try:
             added, superseded = self.index.write(commit)
         except BaseException:
-            self._release_failed_save(attempts)
+            self._release_failed_save(attempts, reservation)
             raise
-        self._release_evicted(evicted)
-        self._unlink_unindexed(superseded)
+        try:
+            self._release_evicted(evicted)
+            self._unlink_unindexed([h for h, _ in superseded])
+            # Files of nodes the commit skipped (their parent was evicted meanwhile,
+            # say) would be orphans: remove them unless another save indexed them.
+            self._remove_written(unindexed)
+        finally:
+            if reservation is not None and late[0]:
+                self._unreserve(reservation)
+            elif reservation is not None:
+                reservations.forget(reservation)  # the commit deleted it
         for h, rec, data, state_data in added:
             for key, raw in ((h, data), (_state_key(h), state_data)):
                 if raw is not None and self.ram.max_bytes >= len(raw):
@@ -729,14 +808,28 @@ class KVStore:
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
         self._enforce_disk_budget()
 
-    def _release_failed_save(self, attempts: list) -> None:
+    def _release_failed_save(
+        self, attempts: list, reservation: Optional[bytes] = None
+    ) -> None:
         """A save failed before its commit (disk full, I/O error): remove the files it
-        published, so that nothing of it stays on disk and the space comes back.
+        published (:meth:`_remove_written`), so that nothing of it stays on disk and the
+        space comes back; then delete its disk reservation."""
+        try:
+            self._remove_written(attempts)
+        finally:
+            if reservation is not None:
+                self._unreserve(reservation)
 
-        ``attempts`` are ``(hash, part, bytes)`` of the writes tried; a file is removed
-        only if it holds those very bytes (published by us, maybe before the error).
-        :func:`kvstore.maintenance.release_files` keeps any file the index refers to.
+    def _remove_written(self, attempts: list) -> None:
+        """Remove the files of ``attempts``, ``(hash, part, bytes)`` of writes tried, that
+        no index record names.
+
+        A file is removed only if it holds those very bytes (published by us, maybe
+        before an error). :func:`kvstore.maintenance.release_files` keeps any file the
+        index refers to.
         """
+        if not attempts:
+            return
         ns = self.namespace
         keys = []
         for h, part, data in attempts:
@@ -759,10 +852,13 @@ class KVStore:
             self._expected_by_size[ntokens] = expected
         return expected
 
-    def _supersede(self, txn, h: bytes, rec: NodeRecord) -> List[bytes]:
+    def _supersede(
+        self, txn, h: bytes, rec: NodeRecord
+    ) -> List[Tuple[bytes, NodeRecord]]:
         """Drop unpinned leaf siblings whose tokens are a strict prefix of the new node's.
 
         The new node can be sliced to restore them, so keeping them only costs bytes.
+        Returns their ``(hash, record)``.
         """
         gone = []
         for sib, srec, common in self.index.nearest_children(
@@ -777,7 +873,7 @@ class KVStore:
                 if stronger_kind(srec.kind, rec.kind) != rec.kind:
                     continue  # keep a system prompt's tail rather than demote it
                 self.index.delete_node(txn, self.namespace, sib)
-                gone.append(sib)
+                gone.append((sib, srec))
         return gone
 
     # -- removal -------------------------------------------------------------
@@ -945,16 +1041,19 @@ class KVStore:
         if many:
             self.writer.submit(self._flush_touches)
 
-    def _flush_touches(self) -> None:
+    def _take_touches(self) -> Dict[bytes, float]:
         with self._lock:
             touched, self._touched = self._touched, {}
+        return touched
+
+    def _apply_touches(self, txn, touched: Dict[bytes, float]) -> None:
+        for h, t in touched.items():
+            self.index.touch(txn, self.namespace, h, t)
+
+    def _flush_touches(self) -> None:
+        touched = self._take_touches()
         if touched:
-            self.index.write(
-                lambda txn: [
-                    self.index.touch(txn, self.namespace, h, t)
-                    for h, t in touched.items()
-                ]
-            )
+            self.index.write(lambda txn: self._apply_touches(txn, touched))
 
     def _preload_pinned(self) -> None:
         """Load pinned nodes' files into the RAM tier (as far as its budget allows)."""

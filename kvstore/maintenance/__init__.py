@@ -18,6 +18,10 @@ their rules live in one place (:mod:`.common`):
 * **Leaf-first LRU eviction** (:func:`evict_to_budget`): least recently used leaves go
   first (:func:`kvstore.policy.disk_victims`); a parent whose last child went competes
   by its own access time, so no descendant is ever orphaned.
+* **Reserve, then write.** A ``KVStore`` save reserves its files' bytes in the index
+  and evicts for them in one write transaction (:func:`reserve_room`) before writing
+  them, so files on disk, not only indexed bytes, stay within the disk budget under
+  concurrent writers (:mod:`kvstore.reservations`).
 
 Submodules: :mod:`.common` (opening, budget, deletion, eviction, names), :mod:`.stats`
 (:func:`store_stats`, :func:`list_tree`), :mod:`.verify` (:func:`verify`) and :mod:`.gc`
@@ -35,6 +39,7 @@ from .common import (
     make_room,
     read_disk_budget,
     release_files,
+    reserve_room,
     set_disk_budget,
     write_disk_budget,
 )
@@ -57,6 +62,7 @@ __all__ = [
     "pin_path",
     "read_disk_budget",
     "release_files",
+    "reserve_room",
     "set_disk_budget",
     "set_pinned",
     "store_stats",

@@ -1,6 +1,6 @@
 """Shared maintenance helpers: opening a store, its disk budget, deletion (index first,
-files afterwards), leaf-first LRU eviction, resolving namespace and node names, and
-argument checks."""
+files afterwards), leaf-first LRU eviction (also for the room a save reserves before
+writing), resolving namespace and node names, and argument checks."""
 
 import json
 import os
@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
+from .. import reservations
 from ..adapters import Layout
 from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
@@ -336,26 +337,29 @@ def evict_to_budget(
 def make_room(
     index: Index, txn, max_bytes: int, incoming: int, *, keep: Iterable[Key] = ()
 ) -> List[Tuple[Key, NodeRecord]]:
-    """Inside the write transaction that will add ``incoming`` bytes of nodes: delete
-    least recently used unpinned leaves until the store fits ``max_bytes`` with them.
+    """Inside a write transaction: delete least recently used unpinned leaves until the
+    indexed bytes, the live reservations of saves in flight and ``incoming`` bytes fit
+    ``max_bytes`` (stale reservations are deleted on the way).
 
-    Eviction and the commit adding the nodes are one transaction, so writers in other
-    processes cannot each find room for themselves and overshoot the budget together.
-    The deleted nodes' files are still on disk: pass the keys to :func:`release_files`
-    after the commit.
+    Eviction and the reservation (:func:`reserve_room`) or commit adding the bytes are
+    one transaction, so writers in other processes cannot each find room for themselves
+    and overshoot the budget together. The deleted nodes' files are still on disk: pass
+    the keys to :func:`release_files` after the commit. Pinned nodes never go, so the
+    bytes may still not fit; the caller goes on anyway.
 
     Args:
         index: The store's index (all namespaces count against the budget).
         txn: The write transaction.
         max_bytes: The budget.
-        incoming: Bytes the transaction is about to add.
+        incoming: Bytes the transaction is about to add or reserve.
         keep: Nodes that must stay (the parents the new nodes hang from); their
             ancestors stay too.
 
     Returns:
         ``(key, record)`` of the deleted nodes, in eviction order.
     """
-    excess = index.total_bytes(txn) + incoming - max_bytes
+    reserved = reservations.live_bytes(index, txn)
+    excess = index.total_bytes(txn) + reserved + incoming - max_bytes
     if excess <= 0:
         return []
     nodes = disk_nodes(index, txn)
@@ -366,6 +370,36 @@ def make_room(
     for ns, h in disk_victims(nodes, excess):  # children before their parents
         if not index.has_children(txn, ns, h):  # e.g. a child whose record is corrupt
             gone.append(((ns, h), index.delete_node(txn, ns, h)))
+    return gone
+
+
+def reserve_room(
+    index: Index,
+    txn,
+    max_bytes: int,
+    nbytes: int,
+    *,
+    key: bytes,
+    keep: Iterable[Key] = (),
+) -> List[Tuple[Key, NodeRecord]]:
+    """Before a save writes its files: make room for ``nbytes`` (:func:`make_room`) and
+    record reservation ``key`` of them, in one write transaction.
+
+    Args:
+        index: The store's index.
+        txn: The write transaction.
+        max_bytes: The budget.
+        nbytes: Bytes of the files the save is about to write.
+        key: The save's reservation (:func:`kvstore.reservations.new_key`); the commit
+            indexing the files deletes it.
+        keep: Nodes that must stay (the parents the new nodes hang from).
+
+    Returns:
+        ``(key, record)`` of the deleted nodes: unlink their files
+        (:func:`release_files`) before writing the new ones.
+    """
+    gone = make_room(index, txn, max_bytes, nbytes, keep=keep)
+    reservations.put(index, txn, key, nbytes)
     return gone
 
 

@@ -4,6 +4,7 @@ import os
 import time
 from typing import Any, Dict, Iterable, List, Optional, Set
 
+from .. import reservations
 from ..chunking import HASH_BYTES, root_hash
 from ..index import CorruptRecord, Index, StoreError
 from .common import (
@@ -41,8 +42,9 @@ def gc(
     does; evicts down to the budget, least recently used unpinned leaves first
     (leaf-first) and only if that is not enough, pinned leaves too (least recently used
     first); finally unlinks orphan chunk files and temp files older than
-    ``temp_age_seconds``. Every deletion leaves the index first and unlinks the file
-    afterwards, re-checking the index under the writer lock.
+    ``temp_age_seconds``, and drops the disk reservations of saves whose process is
+    gone. Every deletion leaves the index first and unlinks the file afterwards,
+    re-checking the index under the writer lock.
 
     Args:
         path: The store directory.
@@ -63,7 +65,8 @@ def gc(
         found, as in :func:`verify`), ``quarantined``, ``index_repairs``, ``budget``,
         ``evicted_nodes``, ``evicted_bytes``, ``evicted_pinned``, ``over_budget``
         (bytes still above the budget), ``orphans_removed``, ``orphan_bytes``,
-        ``temp_removed``, ``temp_bytes``, ``temp_kept``, ``bytes_before`` /
+        ``temp_removed``, ``temp_bytes``, ``temp_kept``, ``reservations_dropped``
+        (stale reservations of saves in flight), ``bytes_before`` /
         ``bytes_after`` (indexed bytes) and ``bytes_freed`` (the recorded sizes of the
         dropped, broken and evicted nodes plus the orphan and temp files unlinked).
 
@@ -181,6 +184,8 @@ def gc(
             temp_removed=temp_removed,
             temp_bytes=temp_bytes,
             temp_kept=temp_kept,
+            # Real time, not ``now``: a reservation's age says whether its save lives.
+            reservations_dropped=reservations.drop_stale(index),
             bytes_after=index.total_bytes(),
         )
     report["bytes_freed"] = (

@@ -1,0 +1,164 @@
+"""Disk-space reservations of saves in flight, in the index's ``reservations`` DB.
+
+A writer reserves the bytes of a save's files before writing them and drops the
+reservation in the transaction that indexes them, so the budget arithmetic
+(:func:`kvstore.maintenance.make_room`) sees files that exist on disk but not yet in
+the index. A reservation is keyed by its process (pid and start time) and a counter;
+one whose process is gone, or older than :data:`STALE_SECONDS`, no longer counts.
+"""
+
+import itertools
+import os
+import struct
+import threading
+import time
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+
+from .index import Index
+
+# A save reserved this long ago is taken for a leftover even if its process lives.
+STALE_SECONDS = 600.0
+
+_KEY = struct.Struct(">IQQ")  # pid, process start time (0: unknown), counter
+_VALUE = struct.Struct("<qd")  # bytes, when reserved (Unix seconds)
+
+_counter = itertools.count(1)
+_live: Set[bytes] = set()  # this process's reservations not yet released
+_live_lock = threading.Lock()
+_identity: Dict[int, int] = {}  # pid -> start time: a forked child reads its own
+
+
+class Reservation(NamedTuple):
+    """One reservation as stored."""
+
+    key: bytes
+    pid: int
+    start: int
+    nbytes: int
+    when: float
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """The start time of process ``pid`` in clock ticks since boot, None if unknown.
+
+    Linux only (``/proc/<pid>/stat`` field 22); None elsewhere or if ``pid`` is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from its end.
+    try:
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _own_identity() -> Tuple[int, int]:
+    pid = os.getpid()
+    if pid not in _identity:
+        _identity[pid] = process_start_time(pid) or 0
+    return pid, _identity[pid]
+
+
+def process_alive(pid: int, start: int) -> bool:
+    """Whether the process that made a reservation still runs.
+
+    Compares start times where ``/proc`` shows them (a reused pid is another
+    process), otherwise only asks whether some process has the pid.
+    """
+    now_start = process_start_time(pid) if start else None
+    if now_start is not None:
+        return now_start == start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, alive
+    except OSError:
+        return False
+    return True
+
+
+def key_for(pid: int, start: int, counter: int) -> bytes:
+    """The key of reservation ``counter`` of process ``pid`` started at ``start``."""
+    return _KEY.pack(pid, start, counter)
+
+
+def new_key() -> bytes:
+    """A key unique to this process and save, live until :func:`forget` is called."""
+    key = key_for(*_own_identity(), next(_counter))
+    with _live_lock:
+        _live.add(key)
+    return key
+
+
+def put(index: Index, txn, key: bytes, nbytes: int, *, now: Optional[float] = None):
+    """Record (or resize) reservation ``key`` of ``nbytes`` in a write transaction."""
+    when = time.time() if now is None else now
+    txn.put(key, _VALUE.pack(nbytes, when), db=index.db["reservations"])
+
+
+def delete(index: Index, txn, key: bytes) -> None:
+    """Drop reservation ``key`` (if still there) in a write transaction."""
+    txn.delete(key, db=index.db["reservations"])
+
+
+def forget(key: bytes) -> None:
+    """This process no longer holds ``key`` (after the transaction deleting it)."""
+    with _live_lock:
+        _live.discard(key)
+
+
+def listed(index: Index, txn) -> List[Reservation]:
+    """Every reservation in the index, stale or not (malformed ones included as stale:
+    pid 0, time 0)."""
+    out = []
+    for k, v in txn.cursor(db=index.db["reservations"]):
+        k, v = bytes(k), bytes(v)
+        if len(k) != _KEY.size or len(v) != _VALUE.size:
+            out.append(Reservation(k, 0, 0, 0, 0.0))
+            continue
+        pid, start, _ = _KEY.unpack(k)
+        nbytes, when = _VALUE.unpack(v)
+        out.append(Reservation(k, pid, start, max(0, nbytes), when))
+    return out
+
+
+def is_stale(res: Reservation, *, now: float) -> bool:
+    """Whether ``res`` is a leftover: its process is gone (or is this very process,
+    which no longer holds it), or it is older than :data:`STALE_SECONDS`."""
+    if res.pid == 0 or now - res.when > STALE_SECONDS:
+        return True
+    if (res.pid, res.start) == _own_identity():
+        with _live_lock:
+            return res.key not in _live
+    return not process_alive(res.pid, res.start)
+
+
+def live_bytes(index: Index, txn, *, now: Optional[float] = None) -> int:
+    """Bytes of the live reservations; stale ones are deleted (a write transaction)."""
+    now = time.time() if now is None else now
+    total = 0
+    for res in listed(index, txn):
+        if is_stale(res, now=now):
+            delete(index, txn, res.key)
+        else:
+            total += res.nbytes
+    return total
+
+
+def drop_stale(index: Index, *, now: Optional[float] = None) -> int:
+    """Delete every stale reservation (this process's leftovers included). Returns how
+    many went."""
+    now = time.time() if now is None else now
+
+    def drop(txn):
+        stale = [res for res in listed(index, txn) if is_stale(res, now=now)]
+        for res in stale:
+            delete(index, txn, res.key)
+        return len(stale)
+
+    return index.write(drop)
