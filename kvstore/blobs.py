@@ -25,6 +25,8 @@ from safetensors import TensorSpec, serialize
 MAX_HEADER_BYTES = 1 << 20
 # Buffers per preadv call (the kernel refuses more: EINVAL).
 _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+_LINK_ATTEMPTS = 5  # publishing races with other processes' evictions of that file
+_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV)
 HASH_BATCH_BYTES = 256 << 10  # read, then hashed while in the CPU cache (measured best)
 
 # mlx dtype name -> (safetensors header code, item size)
@@ -242,34 +244,34 @@ class Blobs:
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
+            inode = os.fstat(fd).st_ino  # the final name's too, once linked
         except BaseException:
             os.close(fd)
             _unlink(tmp)
             raise
         os.close(fd)
-        ours = True
         try:
-            os.link(tmp, final)
-        except FileExistsError:
-            ours = False
-        except OSError as e:  # no hard links here (e.g. some network or FAT mounts)
-            if e.errno not in (
-                errno.EPERM,
-                errno.ENOTSUP,
-                errno.EOPNOTSUPP,
-                errno.EXDEV,
-            ):
-                _unlink(tmp)
-                raise
-            os.replace(tmp, final)
+            for _ in range(_LINK_ATTEMPTS):
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    try:
+                        adopted = self._adopt(final)
+                    except FileNotFoundError:
+                        continue  # removed (evicted) since: publish ours after all
+                    _fsync_dir(directory)
+                    return adopted
+                except OSError as e:  # no hard links (e.g. some network or FAT mounts)
+                    if e.errno not in _NO_LINKS:
+                        raise
+                    os.replace(tmp, final)
+                break
+            else:
+                raise OSError(errno.EAGAIN, f"{final} keeps appearing and vanishing")
         finally:
             _unlink(tmp)
         _fsync_dir(directory)
-        if ours:
-            return Published(
-                len(data), file_checksum(data), os.stat(final).st_ino, True
-            )
-        return self._adopt(final)
+        return Published(len(data), file_checksum(data), inode, True)
 
     def _adopt(self, final: str) -> "Published":
         """Size, checksum and inode of a complete file another writer published."""

@@ -231,6 +231,28 @@ def test_write_never_replaces_a_published_file(blobs):
     assert [k for k, _ in blobs.iter_files()] == ["blob"]  # no temp file left
 
 
+def test_write_publishes_when_the_file_it_would_adopt_vanishes(blobs, monkeypatch):
+    """Another process evicts the existing file between our link and our adopt: we
+    publish ours instead of failing the save."""
+    first = serialize_node(make_tensors(3), META)
+    mine = serialize_node(make_tensors(4), META)
+    blobs.write(NS, H, first)
+    adopt = Blobs._adopt
+
+    def vanish_once(self, final):
+        monkeypatch.setattr(Blobs, "_adopt", adopt)
+        os.unlink(final)
+        return adopt(self, final)  # raises FileNotFoundError, as in the race
+
+    monkeypatch.setattr(Blobs, "_adopt", vanish_once)
+    got = blobs.write(NS, H, mine)
+    assert got.ours and got.checksum == file_checksum(mine)
+    assert got.inode == os.stat(blobs.path(NS, H)).st_ino
+    with open(blobs.path(NS, H), "rb") as f:
+        assert f.read() == mine
+    assert [k for k, _ in blobs.iter_files()] == ["blob"]
+
+
 def test_failed_write_cleans_up_temp_file(blobs):
     with pytest.raises(TypeError):
         blobs.write(NS, H, 12345)  # not a bytes-like object
