@@ -31,6 +31,9 @@ def _child(path: str, start: int, fault: str, forever: bool = True) -> None:
     from kvstore import blobs, index
 
     def die():
+        # Mark that the fault point was reached: a child failing before it would
+        # otherwise be killed by the parent's timeout and look the same.
+        open(os.path.join(path, f"fired-{os.getpid()}"), "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
 
     if fault == "mid-file-write":
@@ -115,6 +118,10 @@ def test_sigkill_at_random_moments_and_at_chosen_points(tmp_path):
         child.join(60)
         assert child.exitcode is not None, "child hung"
         killed += child.exitcode == -signal.SIGKILL
+        if fault:
+            marker = os.path.join(path, f"fired-{child.pid}")
+            assert os.path.exists(marker), f"fault point {fault} never fired"
+            os.unlink(marker)
         if step % 8 == 0 or fault:
             _check_store(path, model)
     assert killed == len(plan), f"only {killed} of {len(plan)} children died by SIGKILL"
