@@ -66,6 +66,7 @@ class _NewNode:
     tokens: np.ndarray
     slices: Optional[Dict[str, mx.array]]
     state: Optional[Dict[str, Tuple[str, mx.array]]] = None
+    raw: Optional[Dict[str, bytes]] = None  # files by part, validated (remote tier)
 
 
 @dataclass
@@ -101,6 +102,10 @@ class KVStore:
         kv_bits: Store and return ``QuantizedKVCache`` layers of this many bits in
             place of the model's ``KVCache`` layers (as mlx-lm's ``--kv-bits``).
         kv_group_size: Quantization group size with ``kv_bits``.
+        remote: A shared remote tier behind the disk: an ``s3://bucket/prefix`` URL
+            or a :class:`kvstore.remote.RemoteTier` (needs boto3). Fetches download
+            what the remote has beyond the local nodes; new nodes are uploaded in the
+            background. A failing remote is logged and counted, never raised.
 
     Raises:
         StoreError: ``path`` exists but is not a kvstore, or has another format.
@@ -120,6 +125,7 @@ class KVStore:
         read_threads: int = 2,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
+        remote=None,
     ):
         check_int("chunk_tokens", chunk_tokens, minimum=1)
         check_int("kv_group_size", kv_group_size, minimum=1)
@@ -147,6 +153,7 @@ class KVStore:
                 f"get_vocab()) or None, got {type(tokenizer).__name__}"
             )
         self.path = os.fspath(path)
+        self.remote = _remote_tier(remote)
         _prepare_dir(self.path)
 
         self.model = model
@@ -183,6 +190,8 @@ class KVStore:
         self._staging = threading.local()  # per reader thread: one node file at a time
         self._closed = False
         self._preload_pinned()
+        if self.remote is not None:
+            self.remote.bind(self)
         # Pending writes are flushed at interpreter exit even without close().
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
@@ -203,6 +212,8 @@ class KVStore:
             self._closed = True
             return
         self.flush()
+        if self.remote is not None:
+            self.remote.close()  # waits (bounded) for uploads, ends downloads
         self._closed = True
         self.writer.close()
         self._readers.shutdown()
@@ -230,6 +241,8 @@ class KVStore:
         self._check_open()
         arr = as_token_array(tokens)
         tic = time.perf_counter()
+        if self.remote is not None:
+            self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
             cache, n = self._fetch(arr)
         except Exception:
@@ -614,6 +627,8 @@ class KVStore:
         Every write is first noted in ``attempts`` as ``(hash, part, bytes)``, so that
         a failed save can remove what it published (:meth:`_release_failed_save`).
         """
+        if node.raw is not None:
+            return self._publish_raw(node, attempts)
         ns = self.namespace
         rec = self.index.get_node(ns, node.h)
         delta = state = None
@@ -635,6 +650,25 @@ class KVStore:
             attempts.append((node.h, STATE_PART, data))
             state = (data, self.blobs.write(ns, node.h, data, STATE_PART))
         node.slices = node.state = None  # release the cache's buffers early
+        return delta, state
+
+    def _publish_raw(
+        self, node: _NewNode, attempts: list
+    ) -> Tuple[Optional[tuple], Optional[tuple]]:
+        """:meth:`_publish` for files already serialized (downloaded and validated by
+        the remote tier)."""
+        ns = self.namespace
+        rec = self.index.get_node(ns, node.h)
+        delta = state = None
+        data = node.raw.get(DELTA_PART)
+        if rec is None and data is not None:
+            attempts.append((node.h, DELTA_PART, data))
+            delta = (data, self.blobs.write(ns, node.h, data))
+        data = node.raw.get(STATE_PART)
+        if data is not None and (rec is None or not rec.has_state):
+            attempts.append((node.h, STATE_PART, data))
+            state = (data, self.blobs.write(ns, node.h, data, STATE_PART))
+        node.raw = None
         return delta, state
 
     def _write_nodes(
@@ -724,6 +758,8 @@ class KVStore:
             self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
+        if self.remote is not None and added:
+            self.remote.after_commit(added)  # queues uploads; returns at once
         self._enforce_disk_budget()
 
     def _release_failed_save(self, attempts: list) -> None:
@@ -1019,6 +1055,7 @@ class KVStore:
         namespaces = self.index.namespaces()
         nodes, tokens, nbytes, pinned = self.index.counters(self.namespace)
         total = self.index.total_bytes()
+        remote = {"remote": None} if self.remote is None else self.remote.stats()
         with self._lock:
             c = self._counters
             return {
@@ -1048,6 +1085,7 @@ class KVStore:
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
+                **remote,
             }
 
     def _check_open(self) -> None:
@@ -1077,6 +1115,19 @@ def _with_state(rec: NodeRecord, published) -> NodeRecord:
     fields = {**rec.__dict__, "state_nbytes": published.nbytes}
     fields["state_checksum"] = published.checksum
     return NodeRecord(**fields)
+
+
+def _remote_tier(remote):
+    """``KVStore``'s ``remote`` argument as an unbound RemoteTier, or None."""
+    if remote is None:
+        return None
+    from .remote import RemoteTier
+
+    if isinstance(remote, RemoteTier):
+        if remote._store is not None:
+            raise ValueError(f"remote {remote!r} already serves another KVStore")
+        return remote
+    return RemoteTier(remote)  # TypeError/ValueError for a bad URL, ImportError: boto3
 
 
 def _cache_maker(model, kv_bits: Optional[int], kv_group_size: int):
