@@ -110,15 +110,15 @@ def parse_url(url) -> Tuple[str, str]:
     m = re.fullmatch(r"s3://([^/]*)(?:/(.*))?", url)
     if m is None:
         raise ValueError(f"remote {url!r} is not an s3://bucket/prefix URL")
-    bucket, prefix = m.group(1), (m.group(2) or "").strip("/")
+    bucket, prefix = m.group(1), m.group(2) or ""
     if not _BUCKET.fullmatch(bucket):
         raise ValueError(
             f"remote {url!r}: {bucket!r} is not a bucket name (3-63 letters, digits, "
             f"'.', '-' or '_')"
         )
-    if "//" in prefix or any(ord(c) < 32 for c in prefix) or len(prefix) > 512:
+    if "//" in "/" + prefix or any(ord(c) < 32 for c in prefix) or len(prefix) > 512:
         raise ValueError(f"remote {url!r}: the prefix {prefix!r} is not a usable key")
-    return bucket, prefix
+    return bucket, prefix.rstrip("/")
 
 
 def encode_manifest(ns: bytes, h: bytes, rec: NodeRecord) -> bytes:
