@@ -70,7 +70,7 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _CHILD_KEY = re.compile(r"([0-9a-f]{32})\.json")
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}  # "404": HEAD, which has no body
 _WINDOW = 8  # full-chunk manifests asked for at once along a prompt
 _BATCH_BYTES = 64 << 20  # downloaded bytes held before they are committed
 _LIST_PAGE = 1000
@@ -350,8 +350,8 @@ class RemoteTier:
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+            if not 0 <= value < 1e9:  # NaN and inf too: waits take finite timeouts
+                raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
         for name, value, minimum in (
             ("max_attempts", max_attempts, 1),
             ("failures_to_open", failures_to_open, 1),
@@ -526,7 +526,9 @@ class RemoteTier:
             err = e.response.get("Error", {})
             code = str(err.get("Code", ""))
             if code in _NOT_FOUND:
-                self._succeeded()
+                # A HEAD's bare 404 may be a missing bucket: it does not end a streak.
+                if code == "NoSuchKey":
+                    self._succeeded()
                 raise _NotFound(key) from None
             reason = f"{op} {key}: {code}: {err.get('Message', '')}".rstrip(": ")
             self._failed(reason)
@@ -713,13 +715,23 @@ class RemoteTier:
         """``KVStore.fetch`` hook: download the nodes the remote has along ``arr``
         beyond the local ones, waiting at most ``lookup_timeout``. Never raises."""
         store = self._store
-        if store is None or self._closing.is_set():
+        if store is None or self._closing.is_set() or len(arr) < 2:
             return
+        try:
+            path = store.index.read(
+                lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True)
+            )
+        except Exception:  # the fetch itself reports a broken index
+            return
+        pos = sum(step.take for step in path)
+        if pos >= len(arr) - 1:
+            return  # the local store has every restorable token: no remote needed
+        parent = path[-1].h if path else store.root
         if self.circuit_open() or not self._lookup_slots.acquire(blocking=False):
             self._count(remote_skipped=1)  # dead remote, or two lookups in flight
             return
         try:
-            job = self._lookups.submit(self._fill_released, arr)
+            job = self._lookups.submit(self._fill_released, parent, pos, arr)
         except RuntimeError:  # shut down meanwhile
             self._lookup_slots.release()
             return
@@ -737,9 +749,9 @@ class RemoteTier:
             log.exception("kvstore: remote lookup failed")
             self._count(remote_errors=1)
 
-    def _fill_released(self, arr: np.ndarray) -> None:
+    def _fill_released(self, parent: bytes, pos: int, arr: np.ndarray) -> None:
         try:
-            self._fill(arr)
+            self._fill(parent, pos, arr)
         except RemoteError:
             pass  # counted and logged where it happened
         except Exception:  # e.g. a local write error: logged, never the caller's
@@ -748,16 +760,9 @@ class RemoteTier:
         finally:
             self._lookup_slots.release()
 
-    def _fill(self, arr: np.ndarray) -> int:
-        """Download and commit the remote's nodes along ``arr``; returns how many."""
-        store = self._store
-        path = store.index.read(
-            lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True)
-        )
-        pos = sum(step.take for step in path)
-        if pos >= len(arr) - 1:
-            return 0  # the local store already has every restorable token
-        parent = path[-1].h if path else store.root
+    def _fill(self, parent: bytes, pos: int, arr: np.ndarray) -> int:
+        """Download and commit the remote's nodes along ``arr`` after the local node
+        ``parent`` (which ends at ``pos``); returns how many."""
         chain, failed = self._resolve(parent, pos, arr)
         done = self._download_commit(chain, chain_mode=True) if chain else 0
         if done or not failed:

@@ -16,23 +16,17 @@ import threading
 import time
 import uuid
 
+import boto3  # the "test" extra installs boto3 and moto[server]: no skipping
 import mlx.core as mx
+import moto.server as moto_server
 import numpy as np
 import pytest
 from conftest import compute_cache, greedy, next_logits, random_tokens
 
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
-
-from kvstore import KVStore, cli, maintenance, server  # noqa: E402
-from kvstore.blobs import node_metadata, serialize_node  # noqa: E402
-from kvstore.chunking import chain_hash, root_hash  # noqa: E402
-from kvstore.remote import (  # noqa: E402
-    RemoteTier,
-    decode_manifest,
-    encode_manifest,
-    parse_url,
-)
+from kvstore import KVStore, cli, maintenance, server
+from kvstore.blobs import node_metadata, serialize_node
+from kvstore.chunking import chain_hash
+from kvstore.remote import RemoteTier, decode_manifest, encode_manifest, parse_url
 
 C = 64  # chunk tokens
 SYSTEM = random_tokens(150, seed=21)  # nodes [0,64) [64,128) [128,150)
