@@ -483,16 +483,13 @@ class RemoteTier:
     def _s3(self):
         with self._client_lock:
             if self._client is None:
-                boto3, Config = _import_boto3()
-                config = Config(
-                    connect_timeout=self.connect_timeout,
-                    read_timeout=self.read_timeout,
-                    retries={"mode": "standard", "max_attempts": self.max_attempts},
-                    max_pool_connections=self.threads + 4,
-                )
                 try:
-                    self._client = boto3.session.Session().client(
-                        "s3", endpoint_url=self.endpoint_url, config=config
+                    self._client = _new_client(
+                        self.endpoint_url,
+                        connect_timeout=self.connect_timeout,
+                        read_timeout=self.read_timeout,
+                        retries={"mode": "standard", "max_attempts": self.max_attempts},
+                        max_pool_connections=self.threads + 4,
                     )
                 except Exception as e:  # e.g. a malformed AWS_ENDPOINT_URL
                     self._failed(f"cannot make an S3 client: {type(e).__name__}: {e}")
@@ -1250,6 +1247,27 @@ def _new_node(h: bytes, rec: NodeRecord, raw: Dict[str, bytes]):
     from .store import _NewNode
 
     return _NewNode(h, rec.parent, rec.start, rec.tokens, None, raw=raw)
+
+
+_SESSIONS_LOCK = threading.Lock()
+_LOADER = []  # botocore's data loader, shared: a new session re-reads ~130 ms of JSON
+
+
+def _new_client(endpoint_url: Optional[str], **config):
+    """A new S3 client (a new session: credentials and endpoint as the environment says
+    now), sharing botocore's parsed service descriptions with earlier clients."""
+    boto3, Config = _import_boto3()
+    import botocore.session
+
+    with _SESSIONS_LOCK:  # botocore sessions are not thread-safe
+        session = botocore.session.get_session()
+        if _LOADER:
+            session.register_component("data_loader", _LOADER[0])
+        else:
+            _LOADER.append(session.get_component("data_loader"))
+        return boto3.session.Session(botocore_session=session).client(
+            "s3", endpoint_url=endpoint_url, config=Config(**config)
+        )
 
 
 def _import_boto3():

@@ -53,8 +53,12 @@ def stop_moto(srv):
 
 @pytest.fixture(scope="module")
 def moto():
+    """The module's S3 server, with the environment pointing at it."""
     srv, endpoint = start_moto()
+    env = pytest.MonkeyPatch()
+    aws_env(env, endpoint)
     yield endpoint
+    env.undo()
     stop_moto(srv)
 
 
@@ -72,9 +76,8 @@ def aws_env(monkeypatch, endpoint):
 
 
 @pytest.fixture
-def s3(moto, monkeypatch):
-    """A boto3 client of the module's server, with the environment pointing at it."""
-    aws_env(monkeypatch, moto)
+def s3(moto):
+    """A boto3 client of the module's server."""
     return boto3.client("s3")
 
 
@@ -84,6 +87,27 @@ def url(s3):
     bucket = f"kv-{uuid.uuid4().hex[:12]}"
     s3.create_bucket(Bucket=bucket)
     return f"s3://{bucket}/fleet"
+
+
+@pytest.fixture(scope="module")
+def golden(moto, model, tmp_path_factory):
+    """Machine A's store and upload of SYSTEM, made once: ``(url, A's store path)``."""
+    boto3.client("s3").create_bucket(Bucket="kv-golden")
+    url = "s3://kv-golden/fleet"
+    path = tmp_path_factory.mktemp("machine-a") / "a"
+    assert machine_a(path, model, url)["uploads"] == 3
+    return url, path
+
+
+@pytest.fixture
+def shared(url, s3, golden):
+    """``url``'s bucket holding a copy of machine A's upload of SYSTEM."""
+    src = bucket_of(golden[0])
+    for key in keys(s3, golden[0]):
+        s3.copy_object(
+            Bucket=bucket_of(url), Key=key, CopySource={"Bucket": src, "Key": key}
+        )
+    return url
 
 
 def fast(url, **kw):
@@ -201,10 +225,10 @@ def assert_clean(path):
 # -- two machines --------------------------------------------------------------------------
 
 
-def test_two_machines_share_a_system_prompt(tmp_path, model, url, s3):
-    a_stats = machine_a(tmp_path / "a", model, url)
-    assert a_stats["uploads"] == 3
-    ns = a_stats["namespace"]
+def test_two_machines_share_a_system_prompt(tmp_path, model, shared, golden, s3):
+    url = shared
+    with KVStore(golden[1], model, chunk_tokens=C) as a:
+        ns = a.namespace.hex()
     assert f"fleet/{ns}/namespace.json" in keys(s3, url)
 
     with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
@@ -214,7 +238,7 @@ def test_two_machines_share_a_system_prompt(tmp_path, model, url, s3):
         assert stats["remote_hits"] == 1 and stats["remote_nodes_down"] == 3
         assert stats["nodes"] == 3 and stats["remote_corrupt"] == 0
         # The KV B restores is A's, bit for bit.
-        with KVStore(tmp_path / "a", model, chunk_tokens=C) as a:
+        with KVStore(golden[1], model, chunk_tokens=C) as a:
             ref, n = a.fetch(PROMPT)
         got, m = b.fetch(PROMPT)
         assert n == m == len(SYSTEM)
@@ -238,8 +262,8 @@ def test_two_machines_share_a_system_prompt(tmp_path, model, url, s3):
         assert c.prefill(SYSTEM, kind="system")["computed"] == 1
 
 
-def test_machine_b_uploads_what_it_computes(tmp_path, model, url):
-    machine_a(tmp_path / "a", model, url)
+def test_machine_b_uploads_what_it_computes(tmp_path, model, shared):
+    url = shared
     with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
         result = b.prefill(PROMPT, kind="user")
         assert result == {"tokens": 190, "computed": 40, "reused": 150}
@@ -397,9 +421,9 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_broken_remote_object_is_a_miss_and_a_report(
-    tmp_path, model, url, s3, caplog, damage
+    tmp_path, model, shared, s3, caplog, damage
 ):
-    machine_a(tmp_path / "a", model, url)
+    url = shared
     what, how = DAMAGE[damage]
     with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
         mkey, _, h1 = _second_node(b, url)
@@ -523,14 +547,16 @@ def test_remote_stopped_mid_run(tmp_path, model, monkeypatch):
     assert_clean(tmp_path / "b")
 
 
-def test_slow_remote_is_waited_for_at_most_lookup_timeout(tmp_path, model, url, moto):
-    machine_a(tmp_path / "a", model, url)
-    proxy = DelayProxy(moto, delay=0.6)
+def test_slow_remote_is_waited_for_at_most_lookup_timeout(
+    tmp_path, model, shared, moto
+):
+    url = shared
+    proxy = DelayProxy(moto, delay=0.25)
     try:
         # Slower than the lookup budget but within the read timeout: the fetch goes on
         # without the remote, the download finishes in the background.
         tier = fast(
-            url, endpoint_url=proxy.endpoint, read_timeout=10.0, lookup_timeout=0.5
+            url, endpoint_url=proxy.endpoint, read_timeout=10.0, lookup_timeout=0.1
         )
         with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=tier) as b:
             tic = time.perf_counter()
@@ -543,7 +569,7 @@ def test_slow_remote_is_waited_for_at_most_lookup_timeout(tmp_path, model, url, 
             assert b.stats()["nodes"] == 3
             assert_same_as_cold(model, b, PROMPT, len(SYSTEM))
         # Slower than the read timeout: requests fail, the breaker opens.
-        tier = fast(url, endpoint_url=proxy.endpoint, read_timeout=0.3)
+        tier = fast(url, endpoint_url=proxy.endpoint, read_timeout=0.1)
         with KVStore(tmp_path / "c", model, chunk_tokens=C, remote=tier) as c:
             local = random_tokens(100, seed=33)
             tic = time.perf_counter()
