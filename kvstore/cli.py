@@ -501,6 +501,13 @@ def cmd_pull(args) -> int:
     else:
         for problem in report["problems"]:
             print(f"kvstore pull: {problem}", file=sys.stderr)
+        if not report["remote_nodes"]:
+            print(
+                f"kvstore pull: the remote has no nodes of namespace "
+                f"{report['namespace'][:12]} (same model, tokenizer, --chunk-tokens "
+                f"and --kv-bits as the machines that uploaded?)",
+                file=sys.stderr,
+            )
         print(
             f"{report['remote_nodes']} nodes on the remote: {report['pulled']} pulled "
             f"({_human(report['bytes_down'])}), {report['present']} already here, "

@@ -616,6 +616,35 @@ def test_misconfigured_remote_is_reported_not_raised(
     assert_clean(tmp_path / "b")
 
 
+@pytest.mark.slow
+def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
+    """``kvstore serve --remote`` as real processes on two stores: B answers with the
+    system prompt A computed, restored through the remote."""
+    from test_server import Server, answer, chat_body, request
+
+    def serve(name):
+        store = str(tmp_path / name)
+        kv = ["kvstore.server", "--model", tiny_model_dir, "--store", store]
+        return Server(kv + ["--remote", url], tmp_path / f"{name}.log")
+
+    a = serve("a")
+    try:
+        assert answer(a.chat(chat_body("w10 w11 w12 w13")))
+        assert request(a.port, "/kvstore/stats")["misses"] == 1
+    finally:
+        assert a.stop() == 0, a.output()  # uploads are drained at close
+    b = serve("b")
+    try:
+        assert answer(b.chat(chat_body("w20 w21 w22")))
+        stats = request(b.port, "/kvstore/stats")
+    finally:
+        assert b.stop() == 0, b.output()
+    assert stats["disk_hits"] == 1 and stats["tokens_reused_disk"] >= 300
+    store = stats["stores"][0]
+    assert store["remote"] == url and store["remote_hits"] == 1
+    assert store["remote_nodes_down"] >= 2 and store["remote_errors"] == 0
+
+
 # -- push, pull and the command line --------------------------------------------------------
 
 
