@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     print(f"{'case':<14} {'ms (median)':>12} {'x cold':>8} {'restored':>9}  samples ms")
     for r in rows:
         print(
-            f"{r['case']:<14} {r['ms']:12.1f} {r['ms'] / cold:8.3f} "
+            f"{r['case']:<14} {r['ms']:12.1f} {r['ms'] / cold:8.4f} "
             f"{r['restored']:>9}  {r['samples']}"
         )
     return 0
