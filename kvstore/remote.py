@@ -890,9 +890,9 @@ class RemoteTier:
             try:
                 data = self._get(key, limit=nbytes, exact=nbytes)
             except _NotFound:
-                # A manifest is uploaded after its files, so this is a deleted object:
-                # a miss, not corruption.
-                raise RemoteError(f"GET {key}: missing") from None
+                # Files go up before their manifest: this one was deleted since (a
+                # lifecycle rule, a person). A broken pair, reported like corruption.
+                raise RemoteCorrupt(f"{key}: missing") from None
             except RemoteCorrupt as e:
                 raise RemoteCorrupt(f"{key}: {e}") from None
             try:

@@ -375,6 +375,7 @@ DAMAGE = {
     "blob-truncated": ("blob", lambda d: d[: len(d) // 2]),
     "blob-flipped-byte": ("blob", _flip),
     "blob-empty": ("blob", lambda d: b""),
+    "blob-deleted": ("blob", None),
     "blob-wrong-shape": ("forge", {"shape": (1, 2, 64, 8)}),
     "blob-other-namespace": ("forge", {"ns": b"\x01" * 16}),
     "manifest-not-json": ("manifest", lambda d: b"{not json"),
@@ -427,7 +428,9 @@ def test_broken_remote_object_is_a_miss_and_a_report(
     what, how = DAMAGE[damage]
     with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
         mkey, _, h1 = _second_node(b, url)
-        if what == "blob":
+        if what == "blob" and how is None:
+            s3.delete_object(Bucket=bucket_of(url), Key=_blob_key(s3, url, mkey))
+        elif what == "blob":
             _rewrite(s3, url, _blob_key(s3, url, mkey), how)
         elif what == "manifest":
             _rewrite(s3, url, mkey, how)
