@@ -513,7 +513,9 @@ class RemoteTier:
         """Run ``call(client)``; failures feed the breaker and become RemoteError."""
         if self.circuit_open():
             self._count(remote_skipped=1)
-            raise RemoteUnavailable(f"{self.url} is skipped after repeated failures")
+            raise RemoteUnavailable(
+                f"skipped after repeated failures (last: {self._last_error})"
+            )
         from botocore.exceptions import BotoCoreError, ClientError
         from urllib3.exceptions import HTTPError
 
@@ -1073,14 +1075,9 @@ class RemoteTier:
                 return False
         for part, nbytes, checksum in _parts(rec):
             data = blobs.read_all(
-                ns,
-                h,
-                nbytes=nbytes,
-                checksum=checksum,
-                expected=None,
-                part=part,
+                ns, h, nbytes=nbytes, checksum=checksum, expected=None, part=part
             )[0]
-            check_node_file(bytes(data), rec, part, ns=ns, layout=layout)
+            check_node_file(data, rec, part, ns=ns, layout=layout)
             self._put(self._blob_key(ns, h, checksum, part), bytes(data))
         self._put(
             mkey,
