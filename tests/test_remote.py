@@ -820,7 +820,7 @@ def test_serve_remote_argument(tmp_path, capsys):
 
 
 def test_without_boto3_the_library_works_and_remote_says_what_to_install(
-    tmp_path, model, monkeypatch
+    tmp_path, model, monkeypatch, capsys
 ):
     monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 -> ImportError
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as s:
@@ -828,6 +828,10 @@ def test_without_boto3_the_library_works_and_remote_says_what_to_install(
         assert s.stats()["remote"] is None
     with pytest.raises(ImportError, match=r"pip install 'kvstore\[remote\]'"):
         KVStore(tmp_path / "s", model, remote="s3://bucket/p")
+    status, _, err = run_cli(
+        capsys, ["push", "--remote", "s3://bucket/p", "--store", tmp_path / "s"]
+    )
+    assert status == 2 and "--remote: " in err and "pip install" in err
 
 
 # -- benchmark: remote vs cold vs local disk (numbers printed, never asserted) -------------------
