@@ -75,7 +75,7 @@ def load_model(name: Optional[str]):
         raise CLIError(f"cannot load model {name!r}: {type(e).__name__}: {e}") from None
 
 
-def open_store(path: str, model, tokenizer, args):
+def open_store(path: str, model, tokenizer, args, *, remote=None):
     """The store for ``args``' --chunk-tokens and --kv-bits / --kv-group-size."""
     from . import KVStore, StoreError, UnsupportedCacheError
 
@@ -87,11 +87,25 @@ def open_store(path: str, model, tokenizer, args):
             chunk_tokens=args.chunk_tokens,
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
+            remote=remote,
         )
     except (StoreError, UnsupportedCacheError) as e:
         raise CLIError(str(e)) from None
     except ValueError as e:  # e.g. a group size the model's head dimension rejects
         raise CLIError(f"cannot use --kv-bits/--kv-group-size here: {e}") from None
+
+
+def remote_tier(url: Optional[str], **options):
+    """The RemoteTier of ``--remote URL`` (None without one); a CLIError naming the
+    option for a bad URL or a missing boto3. No request is made here."""
+    if url is None:
+        return None
+    from .remote import RemoteTier
+
+    try:
+        return RemoteTier(url, **options)
+    except (TypeError, ValueError, ImportError) as e:
+        raise CLIError(f"--remote: {e}") from None
 
 
 def _context_length(model) -> Optional[int]:
@@ -112,6 +126,7 @@ def cmd_prefill(args) -> int:
     from .prompts import PromptError, parse_line
 
     lines = _read_prompts(args.prompts)
+    remote = remote_tier(args.remote)  # a bad URL fails before the model loads
     model, tokenizer = load_model(args.model)
     limit = _context_length(model)
     if args.max_tokens_per_prompt:
@@ -121,7 +136,7 @@ def cmd_prefill(args) -> int:
     summary = {"prompts": len(lines), "prefilled": 0, "skipped": 0, "failed": 0}
     summary.update({"tokens_computed": 0, "tokens_reused": 0})
     tic = time.perf_counter()
-    store = open_store(args.store, model, tokenizer, args)
+    store = open_store(args.store, model, tokenizer, args, remote=remote)
     with (
         store,
         tqdm(total=len(lines), unit="prompt", disable=args.quiet or None) as bar,
@@ -156,8 +171,14 @@ def cmd_prefill(args) -> int:
                 computed=summary["tokens_computed"], reused=summary["tokens_reused"]
             )
             bar.update(1)
+        if remote is not None:
+            store.flush()
+            remote.wait_uploads(remote.close_timeout)
         stats = store.stats()
     summary["bytes_written"] = stats["bytes_written"]
+    if remote is not None:
+        for key in _REMOTE_SUMMARY:
+            summary[key] = stats[key]
     summary["writes_dropped"] = stats["writes_dropped"]
     summary["seconds"] = round(time.perf_counter() - tic, 3)
     summary["store"] = store.path
@@ -211,6 +232,26 @@ def _print_summary(summary: dict, as_json: bool) -> None:
         f"tokens: {s['tokens_computed']} computed, {s['tokens_reused']} reused from the store\n"
         f"{_human(s['bytes_written'])} written to {s['store']} in {s['seconds']:.1f} s"
     )
+    if "remote" in s:
+        print(
+            f"remote {s['remote']}: {s['remote_nodes_down']} nodes downloaded, "
+            f"{s['uploads']} uploaded, {s['remote_errors']} errors, "
+            f"{s['remote_corrupt']} invalid objects"
+        )
+
+
+_REMOTE_SUMMARY = (
+    "remote",
+    "remote_hits",
+    "remote_nodes_down",
+    "bytes_down",
+    "uploads",
+    "bytes_up",
+    "upload_errors",
+    "remote_errors",
+    "remote_corrupt",
+    "remote_last_error",
+)
 
 
 def _human(n: int) -> str:
@@ -390,6 +431,91 @@ def cmd_pin(args, pinned: bool = True) -> int:
     return EXIT_FAILED_LINES if failed else EXIT_OK
 
 
+# -- remote tier -----------------------------------------------------------------
+
+
+def cmd_push(args) -> int:
+    tier = remote_tier(args.remote, upload=False)
+    _guard_store(args.store)
+    from .remote import RemoteError, push
+
+    try:
+        namespaces = _push_namespaces(args)
+        report = push(args.store, tier, namespaces=namespaces)
+    except RemoteError as e:
+        raise CLIError(f"--remote {args.remote}: {e}") from None
+    finally:
+        tier.close()
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        for problem in report["problems"]:
+            print(f"kvstore push: {problem}", file=sys.stderr)
+        print(
+            f"{report['nodes']} nodes in {report['namespaces']} namespaces: "
+            f"{report['uploaded']} uploaded ({_human(report['bytes_up'])}), "
+            f"{report['present']} already there, {report['skipped']} skipped"
+        )
+    return EXIT_FAILED_LINES if report["problems"] else EXIT_OK
+
+
+def _push_namespaces(args) -> Optional[List[bytes]]:
+    """The namespaces ``--namespace`` and ``--model`` name; None (all) without them."""
+    if not args.namespace and args.model is None:
+        return None
+    from .index import Index
+    from .maintenance.common import _known_namespaces, _resolve_namespace
+
+    out = []
+    if args.namespace:
+        index = Index(os.path.join(args.store, "index"), create=False)
+        try:
+            known = index.read(lambda txn: _known_namespaces(index, txn))
+            for spec in args.namespace:
+                try:
+                    out.append(_resolve_namespace(known, spec))
+                except ValueError as e:
+                    raise CLIError(f"--namespace: {e}") from None
+        finally:
+            index.close()
+    if args.model is not None:
+        model, tokenizer = load_model(args.model)
+        with open_store(args.store, model, tokenizer, args) as store:
+            out.append(store.namespace)
+    return out
+
+
+def cmd_pull(args) -> int:
+    tier = remote_tier(args.remote, upload=False)
+    from .remote import RemoteError
+
+    model, tokenizer = load_model(args.model)
+    with open_store(args.store, model, tokenizer, args, remote=tier) as store:
+        try:
+            report = tier.pull()
+        except RemoteError as e:
+            raise CLIError(f"--remote {args.remote}: {e}") from None
+        report["namespace"] = store.namespace.hex()
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        for problem in report["problems"]:
+            print(f"kvstore pull: {problem}", file=sys.stderr)
+        if not report["remote_nodes"]:
+            print(
+                f"kvstore pull: the remote has no nodes of namespace "
+                f"{report['namespace'][:12]} (same model, tokenizer, --chunk-tokens "
+                f"and --kv-bits as the machines that uploaded?)",
+                file=sys.stderr,
+            )
+        print(
+            f"{report['remote_nodes']} nodes on the remote: {report['pulled']} pulled "
+            f"({_human(report['bytes_down'])}), {report['present']} already here, "
+            f"{report['invalid']} invalid, {report['unreachable']} unreachable"
+        )
+    return EXIT_FAILED_LINES if report["invalid"] else EXIT_OK
+
+
 # -- parser --------------------------------------------------------------------
 
 
@@ -461,6 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="shared remote tier s3://bucket/prefix: download what it has, upload "
+        "what is computed (endpoint and credentials from AWS_* variables)",
+    )
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser("stats", help="what the store holds, per model")
@@ -498,6 +630,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop a namespace (repeatable)",
     )
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser(
+        "push", help="upload the store's nodes that a remote tier (s3://) lacks"
+    )
+    common(p)
+    p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
+    p.add_argument(
+        "--namespace",
+        action="append",
+        metavar="ID",
+        help="only this namespace (hex id or prefix; repeatable; default: all)",
+    )
+    p.add_argument(
+        "--model", default=None, help="only the namespace of this mlx-lm model"
+    )
+    p.add_argument("--chunk-tokens", type=_positive, default=256)
+    p.add_argument("--kv-bits", type=_positive, default=None)
+    p.add_argument("--kv-group-size", type=_positive, default=64)
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser(
+        "pull",
+        help="download (and validate) every node of a model that a remote tier has",
+    )
+    common(p, model=True)
+    p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
+    p.set_defaults(func=cmd_pull)
 
     for name, pinned in (("pin", True), ("unpin", False)):
         p = sub.add_parser(

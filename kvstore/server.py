@@ -375,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove matches (re.MULTILINE) from message contents and prompts before "
         "tokenization; repeatable. E.g. '^x-anthropic-billing-header: .*\\n?'",
     )
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="shared remote tier s3://bucket/prefix behind the store (endpoint and "
+        "credentials from AWS_* variables)",
+    )
     return p
 
 
@@ -410,6 +416,14 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     except StoreError as e:
         print(f"kvstore serve: bad --store: {e}", file=sys.stderr)
         return 2
+    if args.remote is not None:
+        from .remote import RemoteTier
+
+        try:
+            RemoteTier(args.remote)  # a bad URL or no boto3 fails now (no request)
+        except (TypeError, ValueError, ImportError) as e:
+            print(f"kvstore serve: bad --remote: {e}", file=sys.stderr)
+            return 2
 
     caches: List[PersistentPromptCache] = []
     providers: List[Any] = []
@@ -427,13 +441,12 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     def prompt_cache_factory(max_size: int = 10, max_bytes: int = 1 << 63):
         provider = providers[-1] if providers else None
         cli_args = getattr(provider, "cli_args", None)
-        store_kwargs = {}
+        store_kwargs = {} if args.remote is None else {"remote": args.remote}
         if getattr(cli_args, "kv_bits", None) is not None:
             # mlx-lm quantizes long prompts' KV (--kv-bits): store those caches.
-            store_kwargs = {
-                "kv_bits": cli_args.kv_bits,
-                "kv_group_size": cli_args.kv_group_size,
-            }
+            store_kwargs.update(
+                kv_bits=cli_args.kv_bits, kv_group_size=cli_args.kv_group_size
+            )
         cache = PersistentPromptCache(
             store_dir, provider, max_size, max_bytes, store_kwargs=store_kwargs
         )

@@ -66,6 +66,7 @@ class _NewNode:
     tokens: np.ndarray
     slices: Optional[Dict[str, mx.array]]
     state: Optional[Dict[str, Tuple[str, mx.array]]] = None
+    raw: Optional[Dict[str, bytes]] = None  # files by part, validated (remote tier)
 
 
 @dataclass
@@ -101,6 +102,10 @@ class KVStore:
         kv_bits: Store and return ``QuantizedKVCache`` layers of this many bits in
             place of the model's ``KVCache`` layers (as mlx-lm's ``--kv-bits``).
         kv_group_size: Quantization group size with ``kv_bits``.
+        remote: A shared remote tier behind the disk: an ``s3://bucket/prefix`` URL
+            or a :class:`kvstore.remote.RemoteTier` (needs boto3). Fetches download
+            what the remote has beyond the local nodes; new nodes are uploaded in the
+            background. A failing remote is logged and counted, never raised.
 
     Raises:
         StoreError: ``path`` exists but is not a kvstore, or has another format.
@@ -120,6 +125,7 @@ class KVStore:
         read_threads: int = 2,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
+        remote=None,
     ):
         check_int("chunk_tokens", chunk_tokens, minimum=1)
         check_int("kv_group_size", kv_group_size, minimum=1)
@@ -147,6 +153,7 @@ class KVStore:
                 f"get_vocab()) or None, got {type(tokenizer).__name__}"
             )
         self.path = os.fspath(path)
+        self.remote = _remote_tier(remote)
         _prepare_dir(self.path)
 
         self.model = model
@@ -186,6 +193,8 @@ class KVStore:
         self._staging = threading.local()  # per reader thread: one node file at a time
         self._closed = False
         self._preload_pinned()
+        if self.remote is not None:
+            self.remote.bind(self)
         # Pending writes are flushed at interpreter exit even without close().
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
@@ -206,6 +215,8 @@ class KVStore:
             self._closed = True
             return
         self.flush()
+        if self.remote is not None:
+            self.remote.close()  # waits (bounded) for uploads, ends downloads
         self._closed = True
         self.writer.close()
         self._readers.shutdown()
@@ -233,6 +244,8 @@ class KVStore:
         self._check_open()
         arr = as_token_array(tokens)
         tic = time.perf_counter()
+        if self.remote is not None:
+            self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
             cache, n = self._fetch(arr)
         except Exception:
@@ -615,6 +628,12 @@ class KVStore:
         delta file and its state file (None: nothing to write)."""
         ns = self.namespace
         rec = self.index.get_node(ns, node.h)
+        if node.raw is not None:  # downloaded and validated by the remote tier
+            raw, node.raw = node.raw, None
+            return (
+                raw.get(DELTA_PART) if rec is None else None,
+                raw.get(STATE_PART) if rec is None or not rec.has_state else None,
+            )
         delta = state = None
         if rec is None and node.slices is not None:
             expected = self._expected(len(node.tokens))
@@ -806,6 +825,8 @@ class KVStore:
             self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
+        if self.remote is not None and added:
+            self.remote.after_commit(added)  # queues uploads; returns at once
         self._enforce_disk_budget()
 
     def _release_failed_save(
@@ -1121,6 +1142,7 @@ class KVStore:
         namespaces = self.index.namespaces()
         nodes, tokens, nbytes, pinned = self.index.counters(self.namespace)
         total = self.index.total_bytes()
+        remote = {"remote": None} if self.remote is None else self.remote.stats()
         with self._lock:
             c = self._counters
             return {
@@ -1150,6 +1172,7 @@ class KVStore:
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
+                **remote,
             }
 
     def _check_open(self) -> None:
@@ -1179,6 +1202,19 @@ def _with_state(rec: NodeRecord, published) -> NodeRecord:
     fields = {**rec.__dict__, "state_nbytes": published.nbytes}
     fields["state_checksum"] = published.checksum
     return NodeRecord(**fields)
+
+
+def _remote_tier(remote):
+    """``KVStore``'s ``remote`` argument as an unbound RemoteTier, or None."""
+    if remote is None:
+        return None
+    from .remote import RemoteTier
+
+    if isinstance(remote, RemoteTier):
+        if remote._store is not None:
+            raise ValueError(f"remote {remote!r} already serves another KVStore")
+        return remote
+    return RemoteTier(remote)  # TypeError/ValueError for a bad URL, ImportError: boto3
 
 
 def _cache_maker(model, kv_bits: Optional[int], kv_group_size: int):
