@@ -76,9 +76,15 @@ def load_model(name: Optional[str]):
 
 
 def open_store(path: str, model, tokenizer, args, *, remote=None):
-    """The store for ``args``' --chunk-tokens and --kv-bits / --kv-group-size."""
+    """The store for ``args``' --chunk-tokens, --kv-bits / --kv-group-size and (where
+    the command has them) --disk-bytes / --ram-bytes."""
     from . import KVStore, StoreError, UnsupportedCacheError
 
+    sizes = {}
+    if getattr(args, "ram_bytes", None) is not None:
+        sizes["ram_bytes"] = args.ram_bytes
+    if hasattr(args, "disk_bytes"):
+        sizes["disk_bytes"] = store_disk_budget(path, args.disk_bytes)
     try:
         return KVStore(
             path,
@@ -88,11 +94,44 @@ def open_store(path: str, model, tokenizer, args, *, remote=None):
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             remote=remote,
+            **sizes,
         )
     except (StoreError, UnsupportedCacheError) as e:
         raise CLIError(str(e)) from None
     except ValueError as e:  # e.g. a group size the model's head dimension rejects
         raise CLIError(f"cannot use --kv-bits/--kv-group-size here: {e}") from None
+
+
+def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
+    """``--disk-bytes`` if given, else the budget the store recorded when one was last
+    given (a store keeps its budget across runs, as ``kvstore gc`` does)."""
+    if given is not None:
+        return given
+    from . import StoreError, maintenance
+
+    try:
+        return maintenance.disk_budget(path)
+    except StoreError:  # not a store yet: no budget recorded
+        return None
+
+
+def add_size_options(p: argparse.ArgumentParser) -> None:
+    """``--disk-bytes`` and ``--ram-bytes`` (shared by prefill and serve)."""
+    p.add_argument(
+        "--disk-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="disk budget of the store, e.g. 20G: least recently used unpinned "
+        "prefixes are evicted (default: the budget last given to this store, if any)",
+    )
+    p.add_argument(
+        "--ram-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="budget of the in-memory tier, e.g. 2G (default: 512M)",
+    )
 
 
 def remote_tier(url: Optional[str], **options):
@@ -586,6 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
+    add_size_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
         "--remote",

@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove matches (re.MULTILINE) from message contents and prompts before "
         "tokenization; repeatable. E.g. '^x-anthropic-billing-header: .*\\n?'",
     )
+    from .cli import add_size_options
+
+    add_size_options(p)
     p.add_argument(
         "--remote",
         metavar="URL",
@@ -409,6 +412,7 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
 
         args.store = default_store()
     store_dir = os.path.expanduser(args.store)
+    from .cli import store_disk_budget
     from .store import StoreError, _prepare_dir
 
     try:
@@ -442,6 +446,9 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         provider = providers[-1] if providers else None
         cli_args = getattr(provider, "cli_args", None)
         store_kwargs = {} if args.remote is None else {"remote": args.remote}
+        store_kwargs["disk_bytes"] = store_disk_budget(store_dir, args.disk_bytes)
+        if args.ram_bytes is not None:
+            store_kwargs["ram_bytes"] = args.ram_bytes
         if getattr(cli_args, "kv_bits", None) is not None:
             # mlx-lm quantizes long prompts' KV (--kv-bits): store those caches.
             store_kwargs.update(

@@ -361,3 +361,28 @@ def test_pin_and_unpin_by_text_and_file(tmp_path, tiny_model_dir):
     assert proc.returncode == 0 and "unpinned 2 nodes" in proc.stdout, proc.stderr
     assert pinned_bytes() == 0
     assert kvstore("pin", *common).returncode == 2  # nothing to pin: a clear error
+
+
+def test_prefill_disk_budget_is_kept_by_later_runs(tmp_path, tiny_model_dir):
+    """--disk-bytes holds the store to a budget, and a later prefill without it keeps
+    the budget the store recorded; a bad size is a clear error."""
+    rows = [{"tokens": random_tokens(128, 3000 + i)} for i in range(6)]
+    store = tmp_path / "store"
+    first = write_jsonl(tmp_path / "a.jsonl", rows[:2])
+    assert prefill(tiny_model_dir, first, store).returncode == 0
+    per_prompt = sum(os.path.getsize(f) for f in _blob_files(store)) // 2
+    budget = per_prompt * 3 + per_prompt // 2
+    second = write_jsonl(tmp_path / "b.jsonl", rows[2:4])
+    proc = prefill(tiny_model_dir, second, store, "--disk-bytes", budget)
+    assert proc.returncode == 0, proc.stderr
+    assert sum(os.path.getsize(f) for f in _blob_files(store)) <= budget
+    third = write_jsonl(tmp_path / "c.jsonl", rows[4:])
+    proc = prefill(tiny_model_dir, third, store)  # no --disk-bytes: the recorded one
+    assert proc.returncode == 0, proc.stderr
+    assert sum(os.path.getsize(f) for f in _blob_files(store)) <= budget
+    # The newest prompts are the ones kept.
+    assert stored_prefix(tiny_model_dir, store, rows[5]["tokens"] + [5]) == 128
+
+    proc = prefill(tiny_model_dir, third, store, "--disk-bytes", "lots")
+    assert proc.returncode == 2 and "--disk-bytes" in proc.stderr
+    assert "not a size" in proc.stderr

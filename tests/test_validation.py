@@ -261,6 +261,8 @@ def test_unreadable_prompts_file_and_store(files, tiny_model_dir, capsys, model)
         (["--store", "{files}/adir-with-photos"], "bad --store: .*not a kvstore"),
         (["--store"], "--store: expected one argument"),
         (["--strip-pattern"], "--strip-pattern: expected one argument"),
+        (["--disk-bytes", "-5"], "--disk-bytes: size must not be negative"),
+        (["--ram-bytes", "2X"], "--ram-bytes: not a size"),
     ],
 )
 def test_serve_arguments(files, capsys, argv, message):
