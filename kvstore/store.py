@@ -29,7 +29,8 @@ from .restore import MLX_LOCK, _ReadPath, _state_key, _Step
 from .saving import _NewNode, _with_state, _WritePath
 from .writer import BackgroundWriter
 
-# Names other modules (kvstore.remote, kvstore.server, tests) import from here.
+# What the package imports from here (kvstore.remote: _NewNode; kvstore.server:
+# _prepare_dir), and the names that moved to restore/saving in the split.
 __all__ = [
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_RAM_BYTES",
