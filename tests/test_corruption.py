@@ -19,7 +19,7 @@ import pytest
 from conftest import compute_cache, random_tokens
 
 import kvstore.blobs
-import kvstore.store
+import kvstore.restore
 from kvstore import KVStore
 from kvstore.blobs import file_checksum
 from kvstore.index import KINDS, RECORD_VERSION, CorruptRecord, NodeRecord
@@ -150,7 +150,7 @@ def stored(tmp_path, model):
 
 
 class _Allocations:
-    """``bytearray`` for kvstore.store and kvstore.blobs (where restores allocate the
+    """``bytearray`` for kvstore.restore and kvstore.blobs (where restores allocate the
     buffers whose size comes from the index or a file), recording the largest size asked
     for and refusing sizes beyond :data:`PEAK_BYTES`."""
 
@@ -168,7 +168,7 @@ class _Allocations:
 @pytest.fixture(autouse=True)
 def allocations(monkeypatch):
     watch = _Allocations()
-    monkeypatch.setattr(kvstore.store, "bytearray", watch, raising=False)
+    monkeypatch.setattr(kvstore.restore, "bytearray", watch, raising=False)
     monkeypatch.setattr(kvstore.blobs, "bytearray", watch, raising=False)
     yield watch
     assert watch.largest <= PEAK_BYTES, f"a restore asked for {watch.largest} bytes"

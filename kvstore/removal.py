@@ -1,0 +1,136 @@
+"""Removing node files for ``KVStore``: eviction under the disk budget, quarantine of
+broken nodes, and cleaning up after failed or superseded saves.
+
+``_Removal`` is a mixin of :class:`kvstore.store.KVStore`. Files are unlinked through
+:func:`kvstore.maintenance.release_files`, which re-checks the index first.
+"""
+
+import logging
+from typing import Optional, Sequence
+
+from . import maintenance
+from .restore import _state_key
+
+log = logging.getLogger("kvstore")
+
+
+class _Removal:
+    """Evicting, quarantining and unlinking the node files of a
+    :class:`kvstore.store.KVStore`, and forgetting them in its RAM tier."""
+
+    def _release_failed_save(
+        self, attempts: list, reservation: Optional[bytes] = None
+    ) -> None:
+        """A save failed before its commit (disk full, I/O error): remove the files it
+        published (:meth:`_remove_written`), so that nothing of it stays on disk and the
+        space comes back; then delete its disk reservation."""
+        try:
+            self._remove_written(attempts)
+        finally:
+            if reservation is not None:
+                self._unreserve(reservation)
+
+    def _remove_written(self, attempts: list) -> None:
+        """Remove the files of ``attempts``, ``(hash, part, bytes)`` of writes tried, that
+        no index record names.
+
+        A file is removed only if it holds those very bytes (published by us, maybe
+        before an error). :func:`kvstore.maintenance.release_files` keeps any file the
+        index refers to.
+        """
+        if not attempts:
+            return
+        ns = self.namespace
+        keys = []
+        for h, part, data in attempts:
+            try:
+                with open(self.blobs.path(ns, h, part), "rb") as f:
+                    if f.read(len(data) + 1) == data:
+                        keys.append((ns, h))
+            except OSError:
+                pass  # no file (or an unreadable one, left to `kvstore gc`)
+        try:
+            maintenance.release_files(self.index, self.blobs, keys)
+        except Exception:
+            log.exception("kvstore: cannot remove the files of a failed save")
+
+    def _unlink_unindexed(self, hashes: Sequence[bytes]) -> None:
+        """Unlink files of deleted nodes, re-checking the index under the writer lock
+        (:func:`kvstore.maintenance.release_files`)."""
+        for h in hashes:
+            self._forget(h)
+        maintenance.release_files(
+            self.index, self.blobs, [(self.namespace, h) for h in hashes]
+        )
+
+    def _quarantine(self, h: bytes, reason: str) -> None:
+        """Writer thread: remove a broken node and its descendants from the index, then
+        move its file to quarantine and unlink theirs."""
+        ns = self.namespace
+        gone = self.index.write(
+            lambda txn: maintenance.delete_subtree(self.index, txn, ns, h)
+        )
+        keys = [(ns, h)] + [(ns, x) for x, _ in gone if x != h]
+        for _, x in keys:
+            self._forget(x)
+        released = maintenance.release_files(
+            self.index, self.blobs, keys, quarantine={(ns, h): reason}
+        )
+        if released.quarantined:
+            with self._lock:
+                self._counters.quarantined.extend(released.quarantined)
+
+    def _make_room(self, txn, written: list) -> list:
+        """In the commit's transaction: evict what the new nodes need to fit the disk
+        budget (:func:`kvstore.maintenance.make_room`), sparing the nodes they hang from.
+        """
+        if self.disk_bytes is None:
+            return []
+        ns, nodes_db = self.namespace, self.index.db["nodes"]
+        new = [
+            (node, delta[1].nbytes + (state[1].nbytes if state else 0))
+            for node, delta, state in written
+            if delta is not None and txn.get(ns + node.h, db=nodes_db) is None
+        ]
+        if not new:
+            return []
+        return maintenance.make_room(
+            self.index,
+            txn,
+            self.disk_bytes,
+            sum(nbytes for _, nbytes in new),
+            keep={(ns, node.parent) for node, _ in new},
+        )
+
+    def _release_evicted(self, evicted: list) -> None:
+        """After the commit: unlink the files of the nodes :meth:`_make_room` evicted."""
+        if not evicted:
+            return
+        for (ns, h), _ in evicted:
+            if ns == self.namespace:
+                self._forget(h)
+        maintenance.release_files(self.index, self.blobs, [key for key, _ in evicted])
+        with self._lock:
+            self._counters.nodes_evicted += len(evicted)
+
+    def _enforce_disk_budget(self) -> None:
+        """Evict least recently used unpinned leaves until the store fits ``disk_bytes``
+        (:func:`kvstore.maintenance.evict_to_budget`)."""
+        if self.disk_bytes is None:
+            return
+        self._flush_touches()  # eviction order must see the latest accesses
+        evicted = maintenance.evict_to_budget(self.index, self.blobs, self.disk_bytes)
+        for (_, h), _ in evicted.gone:
+            self._forget(h)
+        with self._lock:
+            self._counters.nodes_evicted += evicted.nodes
+        if evicted.excess:
+            log.warning(
+                "kvstore: disk budget exceeded by %d bytes that cannot be evicted (pinned)",
+                evicted.excess,
+            )
+
+    def _forget(self, h: bytes) -> None:
+        """Drop node ``h``'s files from the RAM tier."""
+        self.ram.discard(h)
+        self.ram.discard(_state_key(h))

@@ -1,0 +1,342 @@
+"""The read path of ``KVStore``: walking the trie, reading and checking node files.
+
+``_ReadPath`` is a mixin of :class:`kvstore.store.KVStore`; its methods use the
+store's index, chunk files, RAM tier and layout, and report broken nodes.
+"""
+
+import functools
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .assemble import AssemblyPlan
+from .blobs import (
+    DTYPES,
+    MAX_HEADER_BYTES,
+    STATE_PART,
+    CorruptBlob,
+    metadata_matches,
+)
+from .chunking import chain_hash
+from .index import CorruptRecord, NodeRecord
+from .ram import RamEntry
+
+log = logging.getLogger("kvstore")
+
+# kvstore's own MLX graph work (allocating, slicing) is serialized across threads:
+# a server may fetch from HTTP threads while its generation thread saves.
+MLX_LOCK = threading.RLock()
+
+
+@dataclass
+class _Step:
+    """One node on a walked path and how many of its tokens are used."""
+
+    h: bytes
+    rec: NodeRecord
+    take: int
+
+
+def _state_key(h: bytes) -> bytes:
+    """The RAM tier's key for node ``h``'s state file (``h`` is its delta file's)."""
+    return h + STATE_PART.encode()
+
+
+class _ReadPath:
+    """Restores of :class:`kvstore.store.KVStore`: the trie walk, the parallel node
+    reads into an :class:`~kvstore.assemble.AssemblyPlan`, and broken-node reports."""
+
+    def _fetch(self, arr: np.ndarray, retries: int = 2) -> Tuple[List[Any], int]:
+        path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
+        if not path:
+            return self.new_cache(), 0
+        with MLX_LOCK:
+            plan = AssemblyPlan(self.layout.rows, sum(step.take for step in path))
+        jobs, offset = [], 0  # (index of the node in path, future)
+        if self.layout.rows:  # a layout of state layers only has nothing to copy
+            for i, step in enumerate(path):
+                jobs.append(
+                    (i, self._readers.submit(self._read_node, step, plan, offset))
+                )
+                offset += step.take
+        state = None
+        if self.layout.has_state:
+            last = len(path) - 1
+            jobs.append((last, self._readers.submit(self._read_state, path[last])))
+        failed = len(path)
+        for at, job in jobs:
+            error = job.exception()
+            if error is None:
+                continue
+            if at >= failed:
+                continue  # only the first broken node counts: the rest is cut anyway
+            failed = at
+            if isinstance(error, (CorruptBlob, CorruptRecord, OSError)):
+                self._report_broken(path[at].h, str(error))
+            else:
+                log.error("kvstore: reading node failed", exc_info=error)
+                with self._lock:
+                    self._counters.errors += 1
+        if self.layout.has_state:
+            if failed < len(path):
+                # The checkpoint's path is broken: look again (broken nodes are skipped
+                # now) for the next best checkpoint.
+                return (
+                    self._fetch(arr, retries - 1) if retries else (self.new_cache(), 0)
+                )
+            state = jobs[-1][1].result()
+        path = path[:failed]  # a broken node: keep only what precedes it
+        n = sum(step.take for step in path)
+        if n == 0:
+            return self.new_cache(), 0
+        self._touch(step.h for step in path)
+        with MLX_LOCK:
+            return self.layout.build(plan.delta_arrays(n), state or {}, n), n
+
+    def _walk(
+        self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
+    ) -> List[_Step]:
+        """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
+
+        With ``full_only`` the walk stops before a node that is not wholly used. A
+        layout with state layers restores only at a node holding a checkpoint: its
+        fetch walk returns the longest such path.
+        """
+        checkpoints = self.layout.has_state and not full_only
+        full_only = full_only or checkpoints
+        path: List[_Step] = []
+        best: List[_Step] = []  # the longest path ending at a checkpoint
+        best_end = 0
+        parent, pos, C = self.root, 0, self.chunk_tokens
+        while pos < limit:
+            usable = [
+                step
+                for step in self._candidates(
+                    txn, parent, arr[pos : pos + C], checkpoints
+                )
+                if step.rec.start == pos
+            ]
+            for step in usable:
+                step.take = min(step.take, limit - pos)
+            if full_only:
+                usable = [step for step in usable if step.take == step.rec.ntokens]
+            if checkpoints:
+                for step in usable:
+                    if step.rec.has_state and pos + step.take > best_end:
+                        best, best_end = path + [step], pos + step.take
+            if not usable:
+                break
+            step = usable[0]
+            path.append(step)
+            if step.take < step.rec.ntokens:
+                break
+            parent, pos = step.h, pos + step.take
+        return best if checkpoints else path
+
+    def _candidates(
+        self, txn, parent: bytes, query: np.ndarray, checkpoints: bool
+    ) -> List[_Step]:
+        """Children of ``parent`` matching a prefix of ``query``, longest match first.
+
+        With ``checkpoints``, every child whose tokens are a prefix of the query: a
+        shorter sibling may hold the only checkpoint (a system prompt's tail stored
+        after a longer prompt without that boundary).
+        """
+        out = []
+        if len(query) == self.chunk_tokens:  # the common case: found by its hash
+            h = chain_hash(parent, query)
+            rec = self._get_node(txn, h)
+            if rec is not None and np.array_equal(rec.tokens, query):
+                out.append(_Step(h, rec, len(query)))
+                if not checkpoints:
+                    return out
+        out += [
+            _Step(h, rec, common)
+            for h, rec, common in self.index.nearest_children(
+                self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
+            )
+            if h not in self._broken
+        ]
+        if checkpoints:
+            out += self._shorter_children(txn, parent, query)
+        unique = {step.h: step for step in reversed(out)}  # keep the first of each
+        return sorted(unique.values(), key=lambda step: -step.take)
+
+    def _shorter_children(self, txn, parent: bytes, query: np.ndarray) -> List[_Step]:
+        """Children whose tokens are a strict prefix of ``query`` (found by hash)."""
+        out = []
+        for h, rec in self.index.prefix_children(
+            self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
+        ):
+            if h not in self._broken and np.array_equal(
+                rec.tokens, query[: rec.ntokens]
+            ):
+                out.append(_Step(h, rec, rec.ntokens))
+        return out
+
+    def _get_node(self, txn, h: bytes) -> Optional[NodeRecord]:
+        if h in self._broken:
+            return None
+        try:
+            return self.index.get_node(self.namespace, h, txn)
+        except CorruptRecord as e:
+            self._corrupt_record(h, e)
+            return None
+
+    def _corrupt_record(self, h: bytes, error: CorruptRecord) -> None:
+        self._report_broken(h, f"index record: {error}")
+
+    def _check_sizes(self, rec: NodeRecord) -> None:
+        """Refuse a record whose sizes no node file of this store has, before anything
+        is allocated for it: a corrupt record must not cost gigabytes of memory."""
+        if rec.ntokens > self.chunk_tokens:
+            raise CorruptRecord(
+                f"record holds {rec.ntokens} tokens, nodes hold at most "
+                f"{self.chunk_tokens}"
+            )
+        data = self._data_bytes.get(rec.ntokens)
+        if data is None:
+            data = self._data_bytes[rec.ntokens] = sum(
+                math.prod(shape) * DTYPES[dtype][1]
+                for dtype, shape in self._expected(rec.ntokens).values()
+            )
+        if not data + 8 < rec.nbytes <= data + 8 + MAX_HEADER_BYTES:
+            raise CorruptRecord(
+                f"record says the file has {rec.nbytes} bytes; a node of "
+                f"{rec.ntokens} tokens has {data} bytes of data and a header"
+            )
+
+    def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
+        """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
+        expected = self._expected_by_size.get(ntokens)
+        if expected is None:
+            expected = self.layout.delta_tensors(ntokens)
+            self._expected_by_size[ntokens] = expected
+        return expected
+
+    def _read_node(self, step: _Step, plan: AssemblyPlan, offset: int) -> None:
+        """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.
+
+        Raises CorruptBlob or OSError when the node's file is broken.
+        """
+        rec, key = step.rec, step.h
+        entry = self.ram.get(key)
+        if entry is not None:
+            data, tensors = memoryview(entry.data), entry.tensors
+        elif step.take == rec.ntokens:
+            # The whole node: read straight into the plan's arrays (one copy).
+            self._check_sizes(rec)
+            meta = self.blobs.read_into(
+                self.namespace,
+                key,
+                nbytes=rec.nbytes,
+                checksum=rec.checksum,
+                expected=self._expected(rec.ntokens),
+                targets=functools.partial(
+                    plan.node_targets, offset=offset, node_tokens=rec.ntokens
+                ),
+            )
+            self._check_meta(meta)
+            return
+        else:
+            self._check_sizes(rec)
+            staging = getattr(self._staging, "buf", None)
+            if staging is None or len(staging) < rec.nbytes:
+                # A new buffer rather than a resize: an earlier view may still be alive.
+                staging = self._staging.buf = bytearray(rec.nbytes)
+            data, tensors, meta = self.blobs.read_staged(
+                self.namespace,
+                key,
+                nbytes=rec.nbytes,
+                checksum=rec.checksum,
+                expected=self._expected(rec.ntokens),
+                staging=staging,
+            )
+            self._check_meta(meta)
+        plan.copy_node(
+            data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens
+        )
+
+    def _read_state(self, step: _Step):
+        """The decoded checkpoint of ``step``'s node (see ``Layout.decode_state``).
+
+        Raises CorruptBlob or OSError when the node's state file is broken.
+        """
+        rec, key = step.rec, _state_key(step.h)
+        entry = self.ram.get(key)
+        if entry is not None:
+            data, tensors = memoryview(entry.data), entry.tensors
+        else:
+            data, tensors, meta = self.blobs.read_all(
+                self.namespace,
+                step.h,
+                nbytes=rec.state_nbytes,
+                checksum=rec.state_checksum,
+                expected=None,
+                part=STATE_PART,
+            )
+            self._check_meta(meta)
+            data = memoryview(data)
+        return self.layout.decode_state(data, tensors, rec.end)
+
+    def _check_meta(self, meta: dict) -> None:
+        if not metadata_matches(meta, self.namespace):
+            raise CorruptBlob("file belongs to another namespace")
+
+    def _report_broken(self, h: bytes, reason: str) -> None:
+        with self._lock:
+            if h in self._broken:
+                return
+            self._broken.add(h)
+            self._counters.corrupt += 1
+        log.warning(
+            "kvstore: node %s is broken (%s); treating it as a miss",
+            h.hex()[:12],
+            reason,
+        )
+        self._forget(h)
+        self.writer.submit(lambda: self._quarantine(h, reason))
+
+    def _preload_pinned(self) -> None:
+        """Load pinned nodes' files into the RAM tier (as far as its budget allows)."""
+        if self.ram.max_bytes == 0:
+            return
+        for h in self.index.pinned(self.namespace):
+            try:
+                rec = self.index.get_node(self.namespace, h)
+                if (
+                    rec is None
+                    or self.ram.nbytes + rec.total_bytes > self.ram.max_bytes
+                ):
+                    continue
+                self._check_sizes(rec)
+                parts = [(h, rec.nbytes, rec.checksum, "", self._expected(rec.ntokens))]
+                if rec.has_state:
+                    parts.append(
+                        (
+                            _state_key(h),
+                            rec.state_nbytes,
+                            rec.state_checksum,
+                            STATE_PART,
+                            None,
+                        )
+                    )
+                for key, nbytes, checksum, part, expected in parts:
+                    data, tensors, meta = self.blobs.read_all(
+                        self.namespace,
+                        h,
+                        nbytes=nbytes,
+                        checksum=checksum,
+                        expected=expected,
+                        part=part,
+                    )
+                    self._check_meta(meta)
+                    if part == STATE_PART:
+                        self.layout.decode_state(memoryview(data), tensors, rec.end)
+                    self.ram.put(key, RamEntry(data, tensors, rec.kind, True))
+            except (CorruptBlob, CorruptRecord, OSError) as e:
+                self._report_broken(h, str(e))

@@ -1,0 +1,326 @@
+"""The write path of ``KVStore``: capturing a cache's nodes, then (writer thread)
+serializing, reserving disk bytes, publishing the files and committing their nodes.
+
+``_WritePath`` is a mixin of :class:`kvstore.store.KVStore`.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from . import maintenance, reservations
+from .blobs import DELTA_PART, STATE_PART, node_metadata, parse_header, serialize_node
+from .chunking import chain_hashes, split_spans
+from .index import NodeRecord
+from .policy import stronger_kind
+from .ram import RamEntry
+from .restore import MLX_LOCK, _state_key
+
+log = logging.getLogger("kvstore")
+
+
+@dataclass
+class _NewNode:
+    """A node to write: its delta slices (None: already stored) and maybe a state."""
+
+    h: bytes
+    parent: bytes
+    start: int
+    tokens: np.ndarray
+    slices: Optional[Dict[str, mx.array]]
+    state: Optional[Dict[str, Tuple[str, mx.array]]] = None
+    raw: Optional[Dict[str, bytes]] = None  # files by part, validated (remote tier)
+
+
+def _with_state(rec: NodeRecord, published) -> NodeRecord:
+    """``rec`` with the state file ``published`` attached."""
+    fields = {**rec.__dict__, "state_nbytes": published.nbytes}
+    fields["state_checksum"] = published.checksum
+    return NodeRecord(**fields)
+
+
+class _WritePath:
+    """Saves of :class:`kvstore.store.KVStore`: :meth:`_save` captures the nodes and
+    queues :meth:`_write_nodes` on the background writer."""
+
+    def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
+        path = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+        )
+        pos = sum(step.take for step in path)
+        parent = path[-1].h if path else self.root
+        spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
+        hashes = chain_hashes(parent, arr, spans)
+        nodes, nbytes = [], 0
+        with MLX_LOCK:
+            for (s, e), h in zip(spans, hashes):
+                slices = self.layout.node_slices(cache, s, e)
+                nbytes += sum(x.nbytes for x in slices.values())
+                nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
+                parent = h
+            if self.layout.has_state and (nodes or not path[-1].rec.has_state):
+                # The checkpoint of the state layers at the end of ``arr``.
+                if not nodes:
+                    last = path[-1]
+                    nodes.append(
+                        _NewNode(
+                            last.h,
+                            last.rec.parent,
+                            last.rec.start,
+                            last.rec.tokens,
+                            None,
+                        )
+                    )
+                nodes[-1].state = self.layout.state_arrays(cache)
+                nbytes += sum(a.nbytes for _, a in nodes[-1].state.values())
+            # Views of the cache's buffers: no copy, and immune to the caller's updates.
+            mx.eval([(n.slices, n.state) for n in nodes])
+        existing = [step.h for step in path]
+        self._touch(existing)
+
+        def job():
+            self._write_nodes(nodes, kind=kind, pin=pin, existing=existing)
+
+        if (nodes or pin) and not self.writer.submit(job, nbytes):
+            with self._lock:
+                self._counters.writes_dropped += 1
+            log.warning(
+                "kvstore: %d bytes of writes pending; dropped a save",
+                self.writer.pending_bytes,
+            )
+            return 0
+        return len(nodes)
+
+    def _serialize(self, node: _NewNode) -> Tuple[Optional[bytes], Optional[bytes]]:
+        """Writer thread: the bytes of the files of ``node`` that the index lacks, its
+        delta file and its state file (None: nothing to write)."""
+        ns = self.namespace
+        rec = self.index.get_node(ns, node.h)
+        if node.raw is not None:  # downloaded and validated by the remote tier
+            raw, node.raw = node.raw, None
+            return (
+                raw.get(DELTA_PART) if rec is None else None,
+                raw.get(STATE_PART) if rec is None or not rec.has_state else None,
+            )
+        delta = state = None
+        if rec is None and node.slices is not None:
+            expected = self._expected(len(node.tokens))
+            tensors = {
+                name: (*expected[name], np.ascontiguousarray(np.asarray(x)))
+                for name, x in node.slices.items()
+            }
+            delta = serialize_node(tensors, node_metadata(ns))
+        if node.state is not None and (rec is None or not rec.has_state):
+            tensors = {
+                name: (dtype, a.shape, np.ascontiguousarray(np.asarray(a)))
+                for name, (dtype, a) in node.state.items()
+            }
+            state = serialize_node(tensors, node_metadata(ns))
+        node.slices = node.state = None  # release the cache's buffers early
+        return delta, state
+
+    def _publish(
+        self, node: _NewNode, files: tuple, attempts: list
+    ) -> Tuple[Optional[tuple], Optional[tuple]]:
+        """Writer thread: write the ``(delta, state)`` bytes of :meth:`_serialize`, as
+        ``(data, Published)`` pairs (None where there were no bytes).
+
+        Every write is first noted in ``attempts`` as ``(hash, part, bytes)``, so that
+        a failed save can remove what it published (:meth:`_release_failed_save`).
+        """
+        ns, (delta_data, state_data) = self.namespace, files
+        delta = state = None
+        if delta_data is not None:
+            attempts.append((node.h, DELTA_PART, delta_data))
+            delta = (delta_data, self.blobs.write(ns, node.h, delta_data))
+        if state_data is not None:
+            attempts.append((node.h, STATE_PART, state_data))
+            state = (state_data, self.blobs.write(ns, node.h, state_data, STATE_PART))
+        return delta, state
+
+    def _reserve(self, nodes: List[_NewNode], files: List[tuple]) -> Optional[bytes]:
+        """Writer thread: reserve the disk bytes of ``files`` in the index, evicting what
+        the budget needs, and unlink the evicted nodes' files.
+
+        Returns:
+            The reservation's key (the commit deletes it), or None when nothing is
+            to be written.
+        """
+        nbytes = sum(len(data) for pair in files for data in pair if data is not None)
+        if nbytes == 0:
+            return None
+        ns = self.namespace
+        # The nodes the new ones hang from, and nodes getting only a checkpoint.
+        keep = {(ns, node.parent) for node in nodes}
+        keep |= {(ns, node.h) for node, (delta, _) in zip(nodes, files) if not delta}
+        key = reservations.new_key()
+        touched = self._take_touches()
+
+        def reserve(txn):
+            self._apply_touches(txn, touched)  # eviction order must see them
+            return maintenance.reserve_room(
+                self.index, txn, self.disk_bytes, nbytes, key=key, keep=keep
+            )
+
+        try:
+            evicted = self.index.write(reserve)
+            self._release_evicted(evicted)
+        except BaseException:
+            self._unreserve(key)
+            raise
+        return key
+
+    def _unreserve(self, key: bytes) -> None:
+        """Delete reservation ``key``. If that fails, this process forgets it anyway, so
+        its next reservation (or anyone's, after the timeout) drops it as stale."""
+        try:
+            self.index.write(lambda txn: reservations.delete(self.index, txn, key))
+        except Exception:
+            log.exception("kvstore: cannot delete a disk reservation")
+        finally:
+            reservations.forget(key)
+
+    def _write_nodes(
+        self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
+    ):
+        """Writer thread: serialize the files, reserve their bytes under the disk budget
+        (:meth:`_reserve`), write them, then commit their nodes in one transaction that
+        also drops the reservation. A file is reserved until it is indexed or unlinked.
+        """
+        ns = self.namespace
+        files = [self._serialize(node) for node in nodes]
+        written, attempts, reservation = [], [], None
+        try:
+            # Reserve (evicting), unlink the evicted files, only then write: files on
+            # disk stay <= indexed + reserved bytes, and reserving keeps that <= budget.
+            if self.disk_bytes is not None:
+                reservation = self._reserve(nodes, files)
+            for node, pair in zip(nodes, files):
+                written.append((node, *self._publish(node, pair, attempts)))
+        except BaseException:
+            self._release_failed_save(attempts, reservation)
+            raise
+        now = time.time()
+        evicted, unindexed, late = [], [], [0]
+
+        def is_ours(h: bytes, published, part: str = "") -> bool:
+            # Index only the very file we checked: one removed (or replaced) by another
+            # process since then must not be indexed with our checksum.
+            return self.blobs.published_inode(ns, h, part) == published.inode
+
+        def commit(txn):
+            added, superseded = [], []
+            if reservation is not None:
+                reservations.delete(self.index, txn, reservation)
+            evicted[:] = self._make_room(txn, written)
+            for node, delta, state in written:
+                if state is not None and not is_ours(node.h, state[1], STATE_PART):
+                    state = None
+                if delta is None:
+                    rec = self.index.get_node(ns, node.h, txn)
+                    if state is None or rec is None or rec.has_state:
+                        continue
+                    # A checkpoint for a node stored without one.
+                    rec = _with_state(rec, state[1])
+                    self.index.replace_node(txn, ns, node.h, rec)
+                    added.append((node.h, rec, None, state[0]))
+                    continue
+                parent_ok = node.parent == self.root or self.index.get_node(
+                    ns, node.parent, txn
+                )
+                if not parent_ok or not is_ours(node.h, delta[1]):
+                    break
+                rec = NodeRecord(
+                    node.parent,
+                    node.start,
+                    node.tokens,
+                    delta[1].nbytes,
+                    delta[1].checksum,
+                    kind,
+                    pin,
+                    now,
+                )
+                if state is not None:
+                    rec = _with_state(rec, state[1])
+                if self.index.put_node(txn, ns, node.h, rec):
+                    if not added and not self.layout.has_state:
+                        superseded = self._supersede(txn, node.h, rec)
+                    # The RAM tier holds our bytes only if they are the file's.
+                    added.append(
+                        (
+                            node.h,
+                            rec,
+                            delta[0] if delta[1].ours else None,
+                            state[0] if state is not None and state[1].ours else None,
+                        )
+                    )
+            if pin:
+                for h in existing + [node.h for node, _, _ in written]:
+                    self.index.set_pinned(txn, ns, h, True)
+            indexed = {h for h, *_ in added}
+            unindexed[:] = [a for a in attempts if a[0] not in indexed]
+            if reservation is not None:
+                # Files this commit leaves unindexed stay reserved until unlinked.
+                late[0] = sum(rec.total_bytes for _, rec in evicted if rec is not None)
+                late[0] += sum(rec.total_bytes for _, rec in superseded)
+                late[0] += sum(len(data) for _, _, data in unindexed)
+                if late[0]:
+                    reservations.put(self.index, txn, reservation, late[0])
+            return added, superseded
+
+        try:
+            added, superseded = self.index.write(commit)
+        except BaseException:
+            self._release_failed_save(attempts, reservation)
+            raise
+        try:
+            self._release_evicted(evicted)
+            self._unlink_unindexed([h for h, _ in superseded])
+            # Files of nodes the commit skipped (their parent was evicted meanwhile,
+            # say) would be orphans: remove them unless another save indexed them.
+            self._remove_written(unindexed)
+        finally:
+            if reservation is not None and late[0]:
+                self._unreserve(reservation)
+            elif reservation is not None:
+                reservations.forget(reservation)  # the commit deleted it
+        for h, rec, data, state_data in added:
+            for key, raw in ((h, data), (_state_key(h), state_data)):
+                if raw is not None and self.ram.max_bytes >= len(raw):
+                    _, tensors, _ = parse_header(raw, len(raw))
+                    self.ram.put(key, RamEntry(raw, tensors, rec.kind, rec.pinned))
+        with self._lock:
+            self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
+            self._counters.nodes_written += len(added)
+            self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
+        if self.remote is not None and added:
+            self.remote.after_commit(added)  # queues uploads; returns at once
+        self._enforce_disk_budget()
+
+    def _supersede(
+        self, txn, h: bytes, rec: NodeRecord
+    ) -> List[Tuple[bytes, NodeRecord]]:
+        """Drop unpinned leaf siblings whose tokens are a strict prefix of the new node's.
+
+        The new node can be sliced to restore them, so keeping them only costs bytes.
+        Returns their ``(hash, record)``.
+        """
+        gone = []
+        for sib, srec, common in self.index.nearest_children(
+            self.namespace, rec.parent, rec.tokens, txn, on_corrupt=self._corrupt_record
+        ):
+            if (
+                sib != h
+                and common == srec.ntokens < rec.ntokens
+                and not srec.pinned
+                and not self.index.has_children(txn, self.namespace, sib)
+            ):
+                if stronger_kind(srec.kind, rec.kind) != rec.kind:
+                    continue  # keep a system prompt's tail rather than demote it
+                self.index.delete_node(txn, self.namespace, sib)
+                gone.append((sib, srec))
+        return gone
