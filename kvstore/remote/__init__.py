@@ -23,8 +23,9 @@ through the store's own commit. A broken object is a miss and a report; a dead o
 remote costs one bounded wait, then a circuit breaker skips it for a while.
 
 Modules: ``manifest`` (the format, pure), ``client`` (S3 requests, circuit breaker),
-``tier`` (``RemoteTier``: the fetch and commit hooks), ``uploads`` (the upload queue),
-``sync`` (``push`` / ``pull``), ``errors``.
+``reader`` (manifests and listings, cached), ``tier`` (``RemoteTier``: the fetch and
+commit hooks), ``uploads`` (the upload queue), ``sync`` (``push`` / ``pull``),
+``errors``.
 """
 
 from .client import S3Client, parse_url

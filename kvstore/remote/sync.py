@@ -46,7 +46,9 @@ def pull(
     report.update({"invalid": 0, "unreachable": 0, "problems": []})
 
     def manifest(h, parent, start):
-        return tier._manifest(ns, parent, h, start=start, chunk_tokens=C, strict=True)
+        return tier._reader.manifest(
+            ns, parent, h, start=start, chunk_tokens=C, strict=True
+        )
 
     reached = 0
     level = [(h, store.root, 0) for h in sorted(children[store.root])]
@@ -57,7 +59,7 @@ def pull(
             try:
                 rec = job.result()
             except RemoteCorrupt as e:
-                tier._report_corrupt(str(e))
+                tier._reader.report_corrupt(str(e))
                 report["problems"].append(str(e))
                 report["invalid"] += 1
                 continue

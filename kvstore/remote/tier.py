@@ -2,19 +2,17 @@
 
 ``RemoteTier`` is what ``KVStore`` calls: before a fetch it follows the prompt on the
 remote and downloads the nodes the disk lacks; after a commit it queues the new nodes for
-upload (see ``uploads``). Requests go through ``client``, manifests are checked by
-``manifest``, ``kvstore push`` / ``pull`` are in ``sync``.
+upload (see ``uploads``). Manifests are read through ``reader``, requests go through
+``client``; ``kvstore push`` / ``pull`` are in ``sync``.
 """
 
 import itertools
 import logging
 import threading
-import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -22,16 +20,10 @@ from ..blobs import CorruptBlob
 from ..chunking import chain_hash, chain_hashes, common_prefix
 from ..index import CorruptRecord, NodeRecord
 from . import sync
-from .client import LIST_PAGE, Counters, S3Client, parse_url
+from .client import Counters, S3Client, parse_url
 from .errors import NotFound, RemoteCorrupt, RemoteError
-from .manifest import (
-    CHILD_KEY,
-    check_node_file,
-    decode_manifest,
-    is_int,
-    manifest_limit,
-    node_parts,
-)
+from .manifest import check_node_file, is_int, node_parts
+from .reader import ManifestReader
 from .uploads import Uploader
 
 log = logging.getLogger("kvstore")
@@ -166,9 +158,9 @@ class RemoteTier:
             max_connections=threads + 4,
             counters=self._counters,
         )
-        self._lock = threading.Lock()
-        self._manifests: "OrderedDict[bytes, Tuple[float, Any]]" = OrderedDict()
-        self._listings: "OrderedDict[bytes, Tuple[float, Set[bytes]]]" = OrderedDict()
+        self._reader = ManifestReader(
+            self._s3, cache_seconds=cache_seconds, max_object_bytes=max_object_bytes
+        )
         self._io = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote")
         self._store = None
         self._local = threading.local()
@@ -222,88 +214,6 @@ class RemoteTier:
     def circuit_open(self) -> bool:
         """Whether the breaker currently skips the remote."""
         return self._s3.circuit_open()
-
-    # -- reading manifests -------------------------------------------------------------
-
-    def _cached(self, cache: OrderedDict, key: bytes):
-        with self._lock:
-            hit = cache.get(key)
-            if hit is None:
-                return None
-            if hit[0] < time.monotonic():
-                del cache[key]
-                return None
-            return hit
-
-    def _remember(self, cache: OrderedDict, key: bytes, value) -> None:
-        with self._lock:
-            cache[key] = (time.monotonic() + self.cache_seconds, value)
-            cache.move_to_end(key)
-            while len(cache) > 8192:
-                cache.popitem(last=False)
-
-    def _manifest(
-        self,
-        ns: bytes,
-        parent: bytes,
-        h: bytes,
-        *,
-        start: int,
-        chunk_tokens: int,
-        tokens: Optional[np.ndarray] = None,
-        strict: bool = False,
-    ) -> Optional[NodeRecord]:
-        """Node ``h``'s manifest, validated; None when the remote lacks it or it is
-        invalid (reported). With ``strict``, an invalid one raises RemoteCorrupt."""
-        hit = self._cached(self._manifests, h)
-        if hit is not None and not strict:
-            return hit[1]
-        listing = self._cached(self._listings, parent)
-        if listing is not None and h not in listing[1] and not strict:
-            return None  # the parent's fresh listing says no such child
-        key = self._s3.manifest_key(ns, parent, h)
-        try:
-            raw = self._s3.get(key, limit=manifest_limit(chunk_tokens))
-            rec = decode_manifest(
-                raw,
-                ns=ns,
-                h=h,
-                chunk_tokens=chunk_tokens,
-                max_object_bytes=self.max_object_bytes,
-            )
-            if rec.parent != parent:
-                raise RemoteCorrupt("manifest names another parent")
-            if rec.start != start:
-                raise RemoteCorrupt(f"manifest start {rec.start}, expected {start}")
-            if tokens is not None and not np.array_equal(rec.tokens, tokens):
-                raise RemoteCorrupt("manifest tokens differ from the prompt's")
-        except NotFound:
-            rec = None
-        except RemoteCorrupt as e:
-            if strict:
-                raise RemoteCorrupt(f"{key}: {e}") from None
-            self._report_corrupt(f"{key}: {e}")
-            rec = None
-        self._remember(self._manifests, h, rec)
-        return rec
-
-    def _report_corrupt(self, what: str) -> None:
-        self._counters.error("remote_corrupt", what)
-        log.warning("kvstore: remote object %s; treating it as a miss", what)
-
-    def _children(self, ns: bytes, parent: bytes) -> Set[bytes]:
-        """Hashes of ``parent``'s children on the remote (the first page of them)."""
-        hit = self._cached(self._listings, parent)
-        if hit is not None:
-            return hit[1]
-        prefix = self._s3.key(ns, "nodes", parent.hex()) + "/"
-        out = set()
-        for key in self._s3.list_keys(prefix, max_keys=LIST_PAGE):
-            m = CHILD_KEY.fullmatch(key[len(prefix) :])
-            if m:
-                out.add(bytes.fromhex(m.group(1)))
-        self._remember(self._listings, parent, out)
-        return out
 
     # -- fetch: following a prompt on the remote ---------------------------------------
 
@@ -386,7 +296,7 @@ class RemoteTier:
                 # Full chunks are addressed by hash: ask for a window of them at once.
                 jobs = [
                     self._io.submit(
-                        self._manifest,
+                        self._reader.manifest,
                         ns,
                         p,
                         h,
@@ -427,7 +337,7 @@ class RemoteTier:
         """The child of ``parent`` sharing the most tokens with ``arr[pos:]``."""
         store = self._store
         ns, C = store.namespace, store.chunk_tokens
-        children = self._children(ns, parent)
+        children = self._reader.children(ns, parent)
         if not children:
             return None
         rest = arr[pos : pos + C]
@@ -435,7 +345,7 @@ class RemoteTier:
         for n in range(len(rest), 0, -1):
             h = chain_hash(parent, rest[:n])
             if h in children:
-                rec = self._manifest(
+                rec = self._reader.manifest(
                     ns, parent, h, start=pos, chunk_tokens=C, tokens=rest[:n]
                 )
                 if rec is not None:
@@ -446,7 +356,7 @@ class RemoteTier:
             (
                 h,
                 self._io.submit(
-                    self._manifest, ns, parent, h, start=pos, chunk_tokens=C
+                    self._reader.manifest, ns, parent, h, start=pos, chunk_tokens=C
                 ),
             )
             for h in sorted(children)
@@ -540,8 +450,8 @@ class RemoteTier:
                 try:
                     nodes.append((rec.kind, _new_node(h, rec, job.result())))
                 except RemoteCorrupt as e:
-                    self._report_corrupt(str(e))
-                    self._remember(self._manifests, h, None)
+                    self._reader.report_corrupt(str(e))
+                    self._reader.mark_missing(h)
                     if problems is not None:
                         problems.append(str(e))
                     stop = chain_mode
