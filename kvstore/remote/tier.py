@@ -1,8 +1,8 @@
 """The shared remote tier: node files in an S3-compatible object store, behind the disk.
 
 ``RemoteTier`` is what ``KVStore`` calls: before a fetch it follows the prompt on the
-remote and downloads the nodes the disk lacks; after a commit it queues the new nodes for
-upload (see ``uploads``). Manifests are read through ``reader``, requests go through
+remote and downloads the nodes the disk lacks; after a commit it queues the new nodes
+for upload (see ``uploads``). Manifests are read through ``reader``, requests go through
 ``client``; ``kvstore push`` / ``pull`` are in ``sync``.
 """
 
@@ -234,9 +234,8 @@ class RemoteTier:
             return  # the local store has every restorable token: no remote needed
         parent = path[-1].h if path else store.root
         if self.circuit_open() or not self._lookup_slots.acquire(blocking=False):
-            self._counters.add(
-                remote_skipped=1
-            )  # dead remote, or two lookups in flight
+            # A dead remote, or two lookups in flight: not waited for.
+            self._counters.add(remote_skipped=1)
             return
         try:
             job = self._lookups.submit(self._fill_released, parent, pos, arr)
@@ -392,8 +391,8 @@ class RemoteTier:
             raise RemoteCorrupt(f"{self._s3.manifest_key(ns, rec.parent, h)}: {e}")
         if rec.has_state and not store.layout.has_state:
             raise RemoteCorrupt(
-                f"{self._s3.manifest_key(ns, rec.parent, h)}: a checkpoint for a layout "
-                f"without state layers"
+                f"{self._s3.manifest_key(ns, rec.parent, h)}: a checkpoint for a "
+                f"layout without state layers"
             )
         raw = {}
         for part, nbytes, checksum in node_parts(rec):
@@ -477,7 +476,7 @@ class RemoteTier:
                 )
         return len(added)
 
-    # -- uploading -----------------------------------------------------------------------
+    # -- uploading ---------------------------------------------------------------------
 
     def after_commit(self, added: Iterable[tuple]) -> None:
         """``KVStore`` hook, after a commit: queue the new nodes for upload."""
