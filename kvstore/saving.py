@@ -205,7 +205,7 @@ class _WritePath:
             self._release_failed_save(attempts, reservation)
             raise
         now = time.time()
-        evicted, unindexed, late = [], [], [0]
+        evicted, unindexed, late, skipped = [], [], [0], [0]
 
         def is_ours(h: bytes, published, part: str = "") -> bool:
             # Index only the very file we checked: one removed (or replaced) by another
@@ -233,6 +233,10 @@ class _WritePath:
                     ns, node.parent, txn
                 )
                 if not parent_ok or not is_ours(node.h, delta[1]):
+                    # Its parent was evicted, or its file replaced, meanwhile: this
+                    # node and the ones after it stay unsaved (counted, not raised).
+                    at = next(i for i, w in enumerate(written) if w[0] is node)
+                    skipped[0] = sum(1 for w in written[at:] if w[1] is not None)
                     break
                 rec = NodeRecord(
                     node.parent,
@@ -296,6 +300,7 @@ class _WritePath:
         with self._lock:
             self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
+            self._counters.nodes_skipped += skipped[0]
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
         if self.remote is not None and added:
             self.remote.after_commit(added)  # queues uploads; returns at once

@@ -62,6 +62,7 @@ class _Counters:
     nodes_written: int = 0
     bytes_written: int = 0
     nodes_evicted: int = 0
+    nodes_skipped: int = 0  # a commit found their parent gone (evicted meanwhile)
     writes_dropped: int = 0
     quarantined: List[str] = field(default_factory=list)
 
@@ -462,6 +463,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 "nodes_written": c.nodes_written,
                 "bytes_written": c.bytes_written,
                 "nodes_evicted": c.nodes_evicted,
+                "nodes_skipped": c.nodes_skipped,
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,

@@ -244,6 +244,7 @@ def test_files_of_nodes_the_commit_skips_are_removed(tmp_path, model, monkeypatc
         s.flush()
         monkeypatch.undo()
         assert s.stats()["nodes"] == 0 and s.stats()["writes_failed"] == 0
+        assert s.stats()["nodes_skipped"] == 2  # the two new chunks, counted
         assert listed(s) == []
     report = m.verify(path)
     assert report["clean"] and report["orphans"] == 0, report["problems"]
