@@ -342,9 +342,10 @@ class Blobs:
     ) -> Tuple[memoryview, Dict[str, TensorEntry], dict]:
         """Read and verify a whole file into ``staging`` (at least ``nbytes`` long).
 
-        One read and one hash call per file: both release the GIL, unlike the
-        hundreds of small per-piece calls a direct scatter needs. Returns a view of
-        the file's bytes in ``staging``, its tensors and metadata. With ``expected``
+        For a file that is not placed whole (a node cut short, a state file, the
+        RAM tier's copy); whole nodes go straight to their arrays with
+        :meth:`read_into`. Returns a view of the file's bytes in ``staging``, its
+        tensors and metadata. With ``expected``
         None the tensor table is only checked for consistency (the caller checks it).
         """
         if len(staging) < nbytes:

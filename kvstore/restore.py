@@ -198,12 +198,7 @@ class _ReadPath:
                 f"record holds {rec.ntokens} tokens, nodes hold at most "
                 f"{self.chunk_tokens}"
             )
-        data = self._data_bytes.get(rec.ntokens)
-        if data is None:
-            data = self._data_bytes[rec.ntokens] = sum(
-                math.prod(shape) * DTYPES[dtype][1]
-                for dtype, shape in self._expected(rec.ntokens).values()
-            )
+        _, data = self._node_file(rec.ntokens)
         if not data + 8 < rec.nbytes <= data + 8 + MAX_HEADER_BYTES:
             raise CorruptRecord(
                 f"record says the file has {rec.nbytes} bytes; a node of "
@@ -212,11 +207,19 @@ class _ReadPath:
 
     def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
         """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
-        expected = self._expected_by_size.get(ntokens)
-        if expected is None:
+        return self._node_file(ntokens)[0]
+
+    def _node_file(self, ntokens: int) -> Tuple[Dict[str, Tuple[str, Tuple]], int]:
+        """``(tensors, data bytes)`` of a node file of ``ntokens`` tokens, cached."""
+        known = self._node_files.get(ntokens)
+        if known is None:
             expected = self.layout.delta_tensors(ntokens)
-            self._expected_by_size[ntokens] = expected
-        return expected
+            data = sum(
+                math.prod(shape) * DTYPES[dtype][1]
+                for dtype, shape in expected.values()
+            )
+            known = self._node_files[ntokens] = (expected, data)
+        return known
 
     def _read_node(self, step: _Step, plan: AssemblyPlan, offset: int) -> None:
         """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.

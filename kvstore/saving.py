@@ -217,7 +217,7 @@ class _WritePath:
             if reservation is not None:
                 reservations.delete(self.index, txn, reservation)
             evicted[:] = self._make_room(txn, written)
-            for node, delta, state in written:
+            for at, (node, delta, state) in enumerate(written):
                 if state is not None and not is_ours(node.h, state[1], STATE_PART):
                     state = None
                 if delta is None:
@@ -235,7 +235,6 @@ class _WritePath:
                 if not parent_ok or not is_ours(node.h, delta[1]):
                     # Its parent was evicted, or its file replaced, meanwhile: this
                     # node and the ones after it stay unsaved (counted, not raised).
-                    at = next(i for i, w in enumerate(written) if w[0] is node)
                     skipped[0] = sum(1 for w in written[at:] if w[1] is not None)
                     break
                 rec = NodeRecord(

@@ -170,8 +170,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         self._lock = threading.Lock()
         self._touched: Dict[bytes, float] = {}
         self._broken: set = set()
-        self._expected_by_size: Dict[int, Dict[str, Tuple[str, Tuple]]] = {}
-        self._data_bytes: Dict[int, int] = {}  # a node file's data bytes, by tokens
+        self._node_files: Dict[int, Tuple[Dict, int]] = {}  # by tokens: _node_file
         self._staging = threading.local()  # per reader thread: one node file at a time
         self._closed = False
         self._preload_pinned()

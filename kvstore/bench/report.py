@@ -127,10 +127,11 @@ def _resident(case) -> str:
 
 def print_ttft(rows: List[Dict]) -> None:
     print(
-        "\nTime to first token (medians; ms). restore = lookup + read + assemble in wall "
-        "time;\nread* and assemble* are summed over the store's reader threads (a whole node "
-        "from disk\nis read straight into the cache arrays: read*). model = the model's work\nafter the restore (1 token, or the new suffix). resident = "
-        "store files in the page cache."
+        "\nTime to first token (medians; ms). restore = lookup + read + assemble in "
+        "wall time;\nread* and assemble* are summed over the store's reader threads "
+        "(a whole node from disk\nis read straight into the cache arrays: read*). "
+        "model = the model's work\nafter the restore (1 token, or the new suffix). "
+        "resident = store files in the page cache."
     )
     hdr = (
         f"{'tokens':>6}  {'case':<32} {'page cache':<10} {'TTFT':>9} {'x cold':>7} "
