@@ -18,6 +18,7 @@ being faulted in again.
 
 import io
 import json
+import math
 import struct
 from typing import Dict, List, Mapping, Sequence, Tuple
 
@@ -25,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .adapters import dtype_name
-from .blobs import DTYPES, TensorEntry
+from .blobs import DATA_ALIGN, DTYPES, TensorEntry
 
 STACK_BYTES = 30 << 20  # per allocation: see the module docstring
 
@@ -83,6 +84,24 @@ def empty_arrays(specs: Sequence[Tuple[Tuple[int, ...], mx.Dtype]]) -> List[mx.a
     return arrays
 
 
+def aligned_empty_arrays(
+    specs: Sequence[Tuple[Tuple[int, ...], mx.Dtype]],
+) -> List[mx.array]:
+    """:func:`empty_arrays` whose data starts at a multiple of ``DATA_ALIGN`` bytes.
+
+    Node files' data is aligned the same way, so reads into these arrays copy
+    between equally aligned addresses (see :data:`kvstore.blobs.DATA_ALIGN`).
+    """
+    sizes = [math.prod(shape) * dtype.size for shape, dtype in specs]
+    flats = empty_arrays([((n + DATA_ALIGN,), mx.uint8) for n in sizes])
+    out = []
+    for flat, n, (shape, dtype) in zip(flats, sizes, specs):
+        skip = -np.frombuffer(memoryview(flat), np.uint8).ctypes.data % DATA_ALIGN
+        out.append(flat[skip : skip + n].view(dtype).reshape(shape))  # views
+    mx.eval(out)
+    return out
+
+
 class AssemblyPlan:
     """The destination arrays of a restore of ``ntokens`` tokens, and where nodes land.
 
@@ -112,7 +131,8 @@ class AssemblyPlan:
                 specs.append(((len(group), heads, ntokens, width), dtype))
                 members.append(group)
         by_name = {}
-        for stack, group in zip(empty_arrays(specs) if specs else [], members):
+        stacks = aligned_empty_arrays(specs) if specs else []
+        for stack, group in zip(stacks, members):
             for j, name in enumerate(group):
                 by_name[name] = stack[j : j + 1]  # a view: no copy
         self.arrays = [by_name[name] for name in rows]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore.blobs import (
+    DATA_ALIGN,
     MAX_HEADER_BYTES,
     Blobs,
     CorruptBlob,
@@ -86,6 +87,22 @@ def test_serialize_parse_round_trip():
         assert entry.start >= data_start
         assert data[entry.start : entry.end] == arr.tobytes()
     check_layout(parsed, expected_of(tensors))
+
+
+@pytest.mark.parametrize("ntokens", range(1, 9))
+def test_serialized_data_starts_aligned_and_stays_safetensors(ntokens):
+    """Header padding aligns the data section; safetensors' own reader agrees."""
+    from safetensors.numpy import load
+
+    tensors = make_tensors(ntokens=ntokens)
+    del tensors["1.keys"]  # bfloat16: numpy has no such dtype
+    data = serialize_node(tensors, META)
+    data_start, parsed, meta = parse(data)
+    assert data_start % DATA_ALIGN == 0
+    assert meta == META
+    loaded = load(data)
+    np.testing.assert_array_equal(loaded["0.keys"], tensors["0.keys"][2])
+    np.testing.assert_array_equal(loaded["0.values"], tensors["0.values"][2])
 
 
 def test_write_read_all_round_trip(written):
