@@ -236,14 +236,19 @@ def bench_restore(model, dtype, n, repeats, tmp, rng, per_token, miss):
     }
     # As configured by default: MLX keeps few freed buffers, so every restore's arrays are
     # new memory (page faults) for kvstore and load_prompt_cache alike.
-    out["times_s"], out["faults"] = run_interleaved(cases, repeats)
+    runs = run_interleaved(cases, repeats)
+    out["times_s"], out["faults"] = runs.times, runs.faults
+    out["cpu_user_s"], out["cpu_system_s"] = runs.user, runs.system
 
     # Variant: MLX's buffer cache raised above the KV size, so freed arrays are recycled
     # and no case pays page faults; isolates the cost of the read path itself.
     prev = mx.set_cache_limit(4 * kv_bytes + (256 << 20))
     for case in cases.values():
         case()  # untimed: fills the buffer cache
-    out["recycled_times_s"], out["recycled_faults"] = run_interleaved(cases, repeats)
+    runs = run_interleaved(cases, repeats)
+    out["recycled_times_s"], out["recycled_faults"] = runs.times, runs.faults
+    out["recycled_cpu_user_s"] = runs.user
+    out["recycled_cpu_system_s"] = runs.system
     mx.set_cache_limit(prev)
     mx.clear_cache()
     view.release()
@@ -277,13 +282,11 @@ def bench_restore(model, dtype, n, repeats, tmp, rng, per_token, miss):
     )
     fill, _ = time_kvstore_fetch(ram, query, n)
     out["ram_fill_s"] = fill
-    times, faults = run_interleaved(
+    runs = run_interleaved(
         {"kvstore": lambda: time_kvstore_fetch(ram, query, n)[0]}, repeats
     )
-    out["ram_warm_times_s"], out["ram_warm_faults"] = (
-        times["kvstore"],
-        faults["kvstore"],
-    )
+    out["ram_warm_times_s"] = runs.times["kvstore"]
+    out["ram_warm_faults"] = runs.faults["kvstore"]
     out["ram_entries"] = ram.stats()["ram_entries"]
     ram.close()
     mx.clear_cache()
@@ -399,11 +402,13 @@ def print_report(res):
         "   load_prompt_cache: mlx-lm load_prompt_cache(one file) + mx.eval of every array\n"
         "   raw read: os.preadv of the same number of bytes from that one file into a "
         "preallocated bytearray\n"
-        "   faults: minor page faults per call (process-wide, median)"
+        "   faults: minor page faults per call (process-wide, median)\n"
+        "   user / sys: CPU ms per call in user space / in the kernel (process-wide, "
+        "all threads, median): the kernel's share is mostly the copy from the page cache"
     )
     hdr = (
         f"{'tokens':>7} {'KV MB':>7}  {'case':<44} {'median ms':>9} {'GB/s':>6} "
-        f"{'min ms':>9} {'max ms':>9} {'faults':>7}"
+        f"{'min ms':>9} {'max ms':>9} {'faults':>7} {'user':>6} {'sys':>6}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -415,9 +420,18 @@ def print_report(res):
             r["recycled_times_s"],
             r["recycled_faults"],
         )
+
+        def cpu(prefix, case):
+            return r[f"{prefix}cpu_user_s"][case], r[f"{prefix}cpu_system_s"][case]
+
         rows = [
             ("MLX defaults (new memory for every restore)", None, None),
-            ("kvstore fetch, steady state", t["kvstore"], f["kvstore"]),
+            (
+                "kvstore fetch, steady state",
+                t["kvstore"],
+                f["kvstore"],
+                cpu("", "kvstore"),
+            ),
             (
                 "kvstore fetch, first (fresh memory)",
                 [r["kvstore_first_s"]],
@@ -427,8 +441,9 @@ def print_report(res):
                 "mlx-lm load_prompt_cache, 1 file",
                 t["load_prompt_cache"],
                 f["load_prompt_cache"],
+                cpu("", "load_prompt_cache"),
             ),
-            ("raw preadv, 1 file", t["raw_read"], f["raw_read"]),
+            ("raw preadv, 1 file", t["raw_read"], f["raw_read"], cpu("", "raw_read")),
             (
                 "kvstore fetch, RAM tier warm",
                 r["ram_warm_times_s"],
@@ -436,24 +451,40 @@ def print_report(res):
             ),
             ("kvstore fetch, RAM tier filling (1 call)", [r["ram_fill_s"]], None),
             ("MLX buffer cache raised (memory recycled)", None, None),
-            ("kvstore fetch, steady state", rt["kvstore"], rf["kvstore"]),
+            (
+                "kvstore fetch, steady state",
+                rt["kvstore"],
+                rf["kvstore"],
+                cpu("recycled_", "kvstore"),
+            ),
             (
                 "mlx-lm load_prompt_cache, 1 file",
                 rt["load_prompt_cache"],
                 rf["load_prompt_cache"],
+                cpu("recycled_", "load_prompt_cache"),
             ),
-            ("raw preadv, 1 file", rt["raw_read"], rf["raw_read"]),
+            (
+                "raw preadv, 1 file",
+                rt["raw_read"],
+                rf["raw_read"],
+                cpu("recycled_", "raw_read"),
+            ),
         ]
         print(f"{n:>7} {kvb / MB:>7.1f}")
-        for name, ts, fs in rows:
+        for name, ts, fs, *cpu_s in rows:
             if ts is None:
                 print(f"{'':16}  {name}:")
                 continue
             m = med(ts)
             faults = f"{med(fs):>7.0f}" if fs else f"{'':>7}"
+            used = (
+                f" {med(cpu_s[0][0]) * 1e3:>6.1f} {med(cpu_s[0][1]) * 1e3:>6.1f}"
+                if cpu_s
+                else ""
+            )
             print(
                 f"{'':16}    {name:<42} {fmt_ms(m)} {gbps(kvb, m):>6.2f} "
-                f"{fmt_ms(min(ts))} {fmt_ms(max(ts))} {faults}"
+                f"{fmt_ms(min(ts))} {fmt_ms(max(ts))} {faults}{used}"
             )
         k, lp, raw = (med(t[c]) for c in ("kvstore", "load_prompt_cache", "raw_read"))
         rk, rlp, rraw = (

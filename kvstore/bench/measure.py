@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -48,17 +48,29 @@ def eval_cache(cache) -> None:
     mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])
 
 
-def run_interleaved(cases: Dict[str, Callable[[], float]], repeats: int):
-    """Run every case once per repeat, rotating the order; returns (times, faults)."""
+class Interleaved(NamedTuple):
+    """Per case, one entry per call: wall seconds, minor faults, CPU user and system
+    seconds (process-wide: MLX's and kvstore's threads included)."""
+
+    times: Dict[str, List[float]]
+    faults: Dict[str, List[int]]
+    user: Dict[str, List[float]]
+    system: Dict[str, List[float]]
+
+
+def run_interleaved(cases: Dict[str, Callable[[], float]], repeats: int) -> Interleaved:
+    """Run every case once per repeat, rotating the order."""
     names = list(cases)
-    times = {k: [] for k in names}
-    faults = {k: [] for k in names}
+    out = Interleaved(*({k: [] for k in names} for _ in range(4)))
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            f0 = minor_faults()
-            times[name].append(cases[name]())
-            faults[name].append(minor_faults() - f0)
-    return times, faults
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            out.times[name].append(cases[name]())
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            out.faults[name].append(r1.ru_minflt - r0.ru_minflt)
+            out.user[name].append(r1.ru_utime - r0.ru_utime)
+            out.system[name].append(r1.ru_stime - r0.ru_stime)
+    return out
 
 
 # -- files and the page cache -------------------------------------------------------
