@@ -85,7 +85,15 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     p.add_argument("--json", metavar="OUT", help="write every number to this JSON file")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=CHUNK_TOKENS,
+        help=f"the stores' chunk_tokens (default {CHUNK_TOKENS}, KVStore's default)",
+    )
     args = p.parse_args(argv)
+    if args.chunk_tokens < 1:
+        p.error("--chunk-tokens must be >= 1")
     if any(n < 2 for n in args.tokens):
         p.error("--tokens must be >= 2")
     if args.repeats < 1:
@@ -645,7 +653,9 @@ def targets(res):
 
 
 def main(argv=None):
+    global CHUNK_TOKENS  # read by every section
     args = parse_args(argv)
+    CHUNK_TOKENS = args.chunk_tokens
     dtype = getattr(mx, args.dtype)
     per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.size
     sizes = list(dict.fromkeys(args.tokens))
