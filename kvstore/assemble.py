@@ -105,17 +105,27 @@ def aligned_empty_arrays(
 class AssemblyPlan:
     """The destination arrays of a restore of ``ntokens`` tokens, and where nodes land.
 
-    Every delta tensor is a ``(1, heads, ntokens, width)`` row-major array: head
-    ``hd``'s rows for tokens ``[a, b)`` are one contiguous byte range.
+    Every delta tensor is a ``(1, heads, capacity, width)`` row-major array: head
+    ``hd``'s rows for tokens ``[a, b)`` are one contiguous byte range. Rows past
+    ``ntokens`` are room for the tokens the caller processes next: mlx-lm's caches
+    write them in place instead of copying every layer to grow it.
 
     Args:
         rows: ``name -> (dtype name, heads, width)`` of the delta tensors
             (:attr:`kvstore.adapters.Layout.rows`).
         ntokens: Tokens to restore.
+        capacity: Rows to allocate (at least ``ntokens``; default ``ntokens``).
     """
 
-    def __init__(self, rows: Mapping[str, Tuple[str, int, int]], ntokens: int):
+    def __init__(
+        self,
+        rows: Mapping[str, Tuple[str, int, int]],
+        ntokens: int,
+        *,
+        capacity: int = 0,
+    ):
         self.ntokens = ntokens
+        self.capacity = max(ntokens, capacity)
         self.rows = {}
         shapes: Dict[Tuple[str, int, int], List[str]] = {}  # names of one row shape
         for name, (dtype_str, heads, width) in rows.items():
@@ -124,11 +134,11 @@ class AssemblyPlan:
         specs, members = [], []
         for (dtype_str, heads, width), names in shapes.items():
             dtype = getattr(mx, dtype_str)
-            row_bytes = heads * ntokens * width * dtype.size
+            row_bytes = heads * self.capacity * width * dtype.size
             per = max(1, min(len(names), STACK_BYTES // max(1, row_bytes)))
             for i in range(0, len(names), per):
                 group = names[i : i + per]
-                specs.append(((len(group), heads, ntokens, width), dtype))
+                specs.append(((len(group), heads, self.capacity, width), dtype))
                 members.append(group)
         by_name = {}
         stacks = aligned_empty_arrays(specs) if specs else []
@@ -147,11 +157,11 @@ class AssemblyPlan:
 
     @property
     def grids(self) -> Dict[str, np.ndarray]:
-        """``(heads, ntokens, row bytes)`` byte views: a node's rows are one slice."""
+        """``(heads, capacity, row bytes)`` byte views: a node's rows are one slice."""
         if self._grids is None:
             self._grids = {
                 name: np.frombuffer(self.views[name], dtype=np.uint8).reshape(
-                    heads, self.ntokens, row
+                    heads, self.capacity, row
                 )
                 for name, (row, heads) in self.rows.items()
             }
@@ -171,7 +181,7 @@ class AssemblyPlan:
             pieces = []  # (destination view, start at row 0, length, row bytes)
             for name, _ in sorted(tensors.items(), key=lambda kv: kv[1].start):
                 row, heads = self.rows[name]
-                stride, span = self.ntokens * row, node_tokens * row
+                stride, span = self.capacity * row, node_tokens * row
                 pieces += [
                     (self.views[name], hd * stride, span, row) for hd in range(heads)
                 ]
@@ -199,9 +209,7 @@ class AssemblyPlan:
             block = block.reshape(heads, node_tokens, row)
             np.copyto(self.grids[name][:, offset : offset + take], block[:, :take])
 
-    def delta_arrays(self, ntokens: int) -> Dict[str, mx.array]:
-        """``name -> array``, cut to ``ntokens`` when a node failed."""
-        out = dict(zip(self.rows, self.arrays))
-        if ntokens < self.ntokens:
-            out = {name: a[:, :, :ntokens, :] for name, a in out.items()}
-        return out
+    def delta_arrays(self) -> Dict[str, mx.array]:
+        """``name -> array`` (``capacity`` rows: the cache's offset says how many hold
+        tokens, so a restore cut short by a broken node needs no other arrays)."""
+        return dict(zip(self.rows, self.arrays))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from .assemble import AssemblyPlan
 from .blobs import (
@@ -41,6 +42,19 @@ class _Step:
     take: int
 
 
+def _capacity(n: int, query: int, room: int) -> int:
+    """Rows to allocate for a restore of ``n`` tokens of a ``query``-token prompt.
+
+    Room for up to ``room`` more of the prompt's tokens and the first generated one,
+    in whole cache steps: the caller's next forward pass writes its keys and values in
+    place, where an exactly full cache would first copy every layer to grow.
+    """
+    if room == 0:
+        return n
+    want = min(query, n + room) + 1
+    return -(-want // KVCache.step) * KVCache.step
+
+
 def _state_key(h: bytes) -> bytes:
     """The RAM tier's key for node ``h``'s state file (``h`` is its delta file's)."""
     return h + STATE_PART.encode()
@@ -54,8 +68,11 @@ class _ReadPath:
         path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
         if not path:
             return self.new_cache(), 0
+        n = sum(step.take for step in path)
         with MLX_LOCK:
-            plan = AssemblyPlan(self.layout.rows, sum(step.take for step in path))
+            plan = AssemblyPlan(
+                self.layout.rows, n, capacity=_capacity(n, len(arr), self.restore_room)
+            )
         jobs, offset = [], 0  # (index of the node in path, future)
         if self.layout.rows:  # a layout of state layers only has nothing to copy
             for i, step in enumerate(path):
@@ -95,7 +112,7 @@ class _ReadPath:
             return self.new_cache(), 0
         self._touch(step.h for step in path)
         with MLX_LOCK:
-            return self.layout.build(plan.delta_arrays(n), state or {}, n), n
+            return self.layout.build(plan.delta_arrays(), state or {}, n), n
 
     def _walk(
         self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False

@@ -81,6 +81,10 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         disk_bytes: Budget of the chunk files on disk (None: unlimited).
         max_pending_bytes: Writes waiting for the disk beyond this are dropped.
         read_threads: Threads reading chunk files in parallel during a restore.
+        restore_room: Tokens past a restore that its arrays have room for (rounded
+            up to mlx-lm's cache step): the prompt's rest and the first generated
+            token are then written in place, where an exactly full cache would copy
+            every layer to grow on the first forward pass. 0: no room.
         kv_bits: Store and return ``QuantizedKVCache`` layers of this many bits in
             place of the model's ``KVCache`` layers (as mlx-lm's ``--kv-bits``).
         kv_group_size: Quantization group size with ``kv_bits``.
@@ -105,6 +109,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         disk_bytes: Optional[int] = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         read_threads: int = 2,
+        restore_room: int = 2048,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
         remote=None,
@@ -116,6 +121,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         check_int("ram_bytes", ram_bytes, minimum=0)
         check_int("max_pending_bytes", max_pending_bytes, minimum=0)
         check_int("read_threads", read_threads, minimum=1)
+        check_int("restore_room", restore_room, minimum=0)
         if disk_bytes is not None:
             check_int("disk_bytes", disk_bytes, minimum=0)
         if not isinstance(path, (str, os.PathLike)):
@@ -163,6 +169,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         )
         self.ram = RamTier(ram_bytes)
         self.writer = BackgroundWriter(max_pending_bytes=max_pending_bytes)
+        self.restore_room = restore_room
         self._readers = ThreadPoolExecutor(
             read_threads, thread_name_prefix="kvstore-read"
         )

@@ -161,7 +161,9 @@ def test_ram_tier_never_exceeds_its_budget_under_threads(tmp_path, model):
                         cache, n = store.fetch(prompts[i] + [1])
                         if n:
                             want = compute_cache(model, prompts[i][:n])
-                            same = mx.array_equal(cache[0].keys, want[0].keys[:, :, :n])
+                            same = mx.array_equal(
+                                cache[0].keys[:, :, :n], want[0].keys[:, :, :n]
+                            )
                             assert same.item()
             except Exception as e:  # reported below: a thread's assert is not enough
                 failures.append(e)

@@ -268,6 +268,26 @@ def test_quantized_store_refuses_plain_cache(tmp_path):
         assert all(type(c) is QuantizedKVCache for c in cache)
 
 
+def test_quantized_restore_has_room_and_writes_in_place(tmp_path):
+    """Like KVCache: the packed parts, scales and biases get room past the restore."""
+    model = tiny_llama(0, hidden=128)
+    with KVStore(
+        tmp_path / "s", model, chunk_tokens=C, kv_bits=4, kv_group_size=32
+    ) as store:
+        store.prefill(PROMPT)
+        store.flush()
+        prompt = PROMPT + FRESH[:20]
+        cache, n = store.fetch(prompt)
+        assert n == len(PROMPT)
+        parts = [(*c.keys, *c.values) for c in cache]
+        for c in cache:
+            assert all(a.shape[2] > len(prompt) for a in (*c.keys, *c.values))
+        model(mx.array(prompt[n:])[None], cache=cache)
+        for c, before in zip(cache, parts):
+            assert c.offset == len(prompt)
+            assert all(a is b for a, b in zip((*c.keys, *c.values), before))
+
+
 @pytest.mark.parametrize("name", ["gemma3_text", "qwen3_next"])
 def test_stream_generate_on_state_layouts(tmp_path, tokenizer, name):
     """kvstore.stream_generate gives mlx-lm's tokens; the second call restores the

@@ -65,10 +65,14 @@ def _reader(path: str, seed: int, seconds: float, out) -> None:
             if n:
                 ref = compute_cache(model, tokens[:n])
                 for got, want in zip(cache, ref):
-                    same = mx.array_equal(got.keys, want.keys[:, :, :n]).item()
+                    same = mx.array_equal(
+                        got.keys[:, :, :n], want.keys[:, :, :n]
+                    ).item()
                     same = (
                         same
-                        and mx.array_equal(got.values, want.values[:, :, :n]).item()
+                        and mx.array_equal(
+                            got.values[:, :, :n], want.values[:, :, :n]
+                        ).item()
                     )
                     wrong += not same
         stats = store.stats()

@@ -183,8 +183,10 @@ def fetch_checked(model, store, tokens):
     wrong = False
     if n:
         for got, want in zip(cache, compute_cache(model, tokens[:n])):
-            wrong |= not mx.array_equal(got.keys, want.keys[:, :, :n]).item()
-            wrong |= not mx.array_equal(got.values, want.values[:, :, :n]).item()
+            wrong |= not mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n]).item()
+            wrong |= not mx.array_equal(
+                got.values[:, :, :n], want.values[:, :, :n]
+            ).item()
     return n, wrong
 
 

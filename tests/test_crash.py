@@ -88,8 +88,10 @@ def _check_store(path: str, model) -> int:
             hits += 1
             ref = compute_cache(model, tokens[:n])
             for got, want in zip(cache, ref):
-                assert mx.array_equal(got.keys, want.keys[:, :, :n]).item()
-                assert mx.array_equal(got.values, want.values[:, :, :n]).item()
+                assert mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n]).item()
+                assert mx.array_equal(
+                    got.values[:, :, :n], want.values[:, :, :n]
+                ).item()
         assert store.stats()["corrupt"] == 0
     return hits
 

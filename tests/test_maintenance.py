@@ -68,8 +68,8 @@ def assert_restores(model, path, tokens, expect_n):
         assert n == expect_n
         ref = compute_cache(model, tokens)
         for got, want in zip(cache, ref):
-            assert mx.array_equal(got.keys, want.keys[:, :, :n]).item()
-            assert mx.array_equal(got.values, want.values[:, :, :n]).item()
+            assert mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n]).item()
+            assert mx.array_equal(got.values[:, :, :n], want.values[:, :, :n]).item()
         assert s.stats()["corrupt"] == 0
 
 

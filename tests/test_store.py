@@ -55,6 +55,50 @@ def test_restore_equals_cold(model, store, prompt, expect_n):
     assert_same_as_cold(model, store, prompt, expect_n)
 
 
+@pytest.mark.parametrize(
+    "prompt, expect_n",
+    [
+        pytest.param(STORED, len(STORED) - 1, id="exact-fit"),
+        pytest.param(STORED + FRESH[:50], len(STORED), id="longer"),
+        pytest.param(STORED[:128] + FRESH[:30], 128, id="diverge-on-boundary"),
+    ],
+)
+def test_restored_cache_has_room_for_the_rest_of_the_prompt(
+    model, store, prompt, expect_n
+):
+    """The next forward pass writes in place: no layer is copied to grow."""
+    cache, n = store.fetch(prompt)
+    assert n == expect_n
+    step = KVCache.step
+    for c in cache:
+        assert c.offset == n
+        assert c.keys.shape[2] % step == 0 and c.keys.shape[2] > len(prompt)
+        assert c.keys.shape[2] - len(prompt) <= step
+    buffers = [(c.keys, c.values) for c in cache]
+    next_logits(model, cache, prompt[n:])
+    for c, (keys, values) in zip(cache, buffers):
+        assert c.offset == len(prompt)
+        assert c.keys is keys and c.values is values  # grown caches get new arrays
+
+
+@pytest.mark.parametrize("room", [0, 64, 2048])
+def test_room_after_a_restore_is_bounded(tmp_path, model, room):
+    """A long prompt sharing a short prefix gets ``restore_room`` rows of room, not
+    the whole prompt's; 0 restores exactly full arrays (and the results stay exact)."""
+    long_prompt = STORED[:100] + random_tokens(3000, seed=9)
+    with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
+        store.save(STORED, compute_cache(model, STORED))
+        store.flush()
+        cache, n = store.fetch(long_prompt)
+        assert n == 100
+        rows = cache[0].keys.shape[2]
+        if room:
+            assert n + room < rows <= n + room + KVCache.step
+        else:
+            assert rows == n
+        assert_same_as_cold(model, store, STORED[:100] + FRESH[:30], 100, steps=5)
+
+
 def test_prompt_shorter_than_one_chunk(tmp_path, model):
     short = STORED[:40]
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
@@ -78,8 +122,8 @@ def test_half_precision_kv(tmp_path, dtype):
         ref = compute_cache(model, STORED)
         for got, want in zip(cache, ref):
             assert got.keys.dtype == dtype
-            assert mx.array_equal(got.keys, want.keys[:, :, :n]).item()
-            assert mx.array_equal(got.values, want.values[:, :, :n]).item()
+            assert mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n]).item()
+            assert mx.array_equal(got.values[:, :, :n], want.values[:, :, :n]).item()
         assert greedy(model, cache, FRESH[:5], 10) == greedy(
             model, compute_cache(model, []), STORED + FRESH[:5], 10
         )
@@ -89,8 +133,8 @@ def test_restored_kv_is_bit_identical(model, store):
     cache, n = store.fetch(STORED + [1])
     ref = compute_cache(model, STORED)
     for got, want in zip(cache, ref):
-        assert mx.array_equal(got.keys, want.keys[:, :, :n]).item()
-        assert mx.array_equal(got.values, want.values[:, :, :n]).item()
+        assert mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n]).item()
+        assert mx.array_equal(got.values[:, :, :n], want.values[:, :, :n]).item()
 
 
 def test_ram_and_disk_paths_agree(tmp_path, model):
@@ -105,7 +149,7 @@ def test_ram_and_disk_paths_agree(tmp_path, model):
         assert s.stats()["ram_entries"] == 0
     assert n == m == len(STORED)
     for a, b in zip(from_ram, from_disk):
-        assert mx.array_equal(a.keys, b.keys).item()
+        assert mx.array_equal(a.keys[:, :, :n], b.keys[:, :, :n]).item()
 
 
 def test_save_captures_the_cache_at_call_time(tmp_path, model):
@@ -121,7 +165,7 @@ def test_save_captures_the_cache_at_call_time(tmp_path, model):
         restored, n = s.fetch(STORED + [1])
     ref = compute_cache(model, STORED)
     for got, want in zip(restored, ref):
-        assert mx.array_equal(got.keys, want.keys[:, :, :n]).item()
+        assert mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n]).item()
 
 
 def test_prefix_sharing_stores_the_prefix_once(tmp_path, model):
@@ -432,7 +476,7 @@ def test_threads_fetch_while_saving(tmp_path, model):
                         if n:
                             for got, want in zip(cache, refs[i]):
                                 assert np.array_equal(
-                                    np.asarray(got.keys), want[:, :, :n]
+                                    np.asarray(got.keys[:, :, :n]), want[:, :, :n]
                                 )
             except Exception as e:  # pragma: no cover - reported below
                 errors.append(e)

@@ -62,6 +62,8 @@ CONSTRUCTOR = [
     ({"max_pending_bytes": -5}, ValueError, "max_pending_bytes must be >= 0"),
     ({"max_pending_bytes": None}, TypeError, "max_pending_bytes must be an int"),
     ({"read_threads": 0}, ValueError, "read_threads must be >= 1"),
+    ({"restore_room": -1}, ValueError, "restore_room must be >= 0"),
+    ({"restore_room": 1.5}, TypeError, "restore_room"),
 ]
 
 

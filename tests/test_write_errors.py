@@ -92,8 +92,8 @@ def assert_restores(model, store, tokens):
     cache, n = store.fetch(tokens + [1])
     assert n == len(tokens)
     for got, want in zip(cache, compute_cache(model, tokens)):
-        assert mx.array_equal(got.keys, want.keys[:, :, :n]).item()
-        assert mx.array_equal(got.values, want.values[:, :, :n]).item()
+        assert mx.array_equal(got.keys[:, :, :n], want.keys[:, :, :n]).item()
+        assert mx.array_equal(got.values[:, :, :n], want.values[:, :, :n]).item()
 
 
 CASES = [
