@@ -124,7 +124,6 @@ class AssemblyPlan:
         *,
         capacity: int = 0,
     ):
-        self.ntokens = ntokens
         self.capacity = max(ntokens, capacity)
         self.rows = {}
         shapes: Dict[Tuple[str, int, int], List[str]] = {}  # names of one row shape

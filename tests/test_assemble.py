@@ -54,9 +54,13 @@ def test_plan_arrays_start_aligned(monkeypatch, stack_bytes):
     assert all(address % DATA_ALIGN == 0 for address in first.values())
 
 
-def test_node_targets_put_each_head_at_the_node_offset():
-    """A node file's data, read into the targets in file order, lands at its rows."""
-    plan = AssemblyPlan(ROWS, 10)
+@pytest.mark.parametrize("capacity", [0, 10, 300])
+def test_node_targets_put_each_head_at_the_node_offset(capacity):
+    """A node file's data, read into the targets in file order, lands at its rows
+    (with or without room past the restored tokens)."""
+    plan = AssemblyPlan(ROWS, 10, capacity=capacity)
+    for a, (dtype, heads, width) in zip(plan.arrays, ROWS.values()):
+        assert a.shape == (1, heads, max(10, capacity), width)
     node_tokens, offset = 4, 3
     # File order differs from the plan's order (safetensors sorts names).
     tensors, pos = {}, 100
@@ -81,3 +85,6 @@ def test_node_targets_put_each_head_at_the_node_offset():
         want = want.reshape(heads, node_tokens, -1)
         got = plan.grids[name][:, offset : offset + node_tokens]
         np.testing.assert_array_equal(got, want)
+        array = dict(zip(ROWS, plan.arrays))[name]  # the same bytes, seen by mlx
+        got = np.array(array.view(mx.uint8))[0, :, offset : offset + node_tokens]
+        np.testing.assert_array_equal(got.reshape(want.shape), want)
