@@ -157,15 +157,10 @@ def main(argv=None) -> int:
 
         model, name = tiny_llama(0), "tiny random llama (tests/conftest.py)"
     else:
-        from mlx_lm import load
+        from kvstore.bench.models import load
 
-        path = args.model
-        if path == "default":
-            from kvstore.default_model import ensure_default_model
-
-            path = ensure_default_model()
-        model, tokenizer = load(path)
-        name = path
+        model, tokenizer = load(None if args.model == "default" else args.model)
+        name = args.model
 
     proc = None
     url = args.remote

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kvstore import KVStore  # noqa: E402
 from kvstore.bench.measure import synthetic_cache  # noqa: E402
+from kvstore.bench.models import load  # noqa: E402
 
 
 def first_token(store, model, query):
@@ -72,15 +73,10 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    from mlx_lm import load
-
-    path = args.model
-    if path == "default":
-        from kvstore.default_model import ensure_default_model
-
-        path = ensure_default_model()
-    model, tokenizer = load(path)
-    print(f"model {path}; medians of {args.repeats}; page cache warm, RAM tier off")
+    model, tokenizer = load(None if args.model == "default" else args.model)
+    print(
+        f"model {args.model}; medians of {args.repeats}; page cache warm, RAM tier off"
+    )
     print(
         f"{'tokens':>7}  {'restore_room':>12}  {'restore ms':>10}  "
         f"{'first pass ms':>13}  {'TTFT ms':>8}  {'TTFT ratio':>10}"
