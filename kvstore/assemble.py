@@ -19,6 +19,7 @@ being faulted in again.
 import io
 import json
 import math
+import operator
 import struct
 from typing import Dict, List, Mapping, Sequence, Tuple
 
@@ -151,7 +152,7 @@ class AssemblyPlan:
         }
         self.nbytes = sum(a.nbytes for a in self.arrays)
         self._grids = None
-        self._pieces: Dict[Tuple[int, int], list] = {}
+        self._pieces: Dict[Tuple[int, int], tuple] = {}
         self._keep: list = []
 
     @property
@@ -175,21 +176,30 @@ class AssemblyPlan:
         ``[offset, offset + node_tokens)`` (``tensors`` are validated against the
         layout, so every name is one of the plan's).
         """
-        pieces = self._pieces.get((id(tensors), node_tokens))
-        if pieces is None:
-            pieces = []  # (destination view, start at row 0, length, row bytes)
+        key = (id(tensors), node_tokens)
+        known = self._pieces.get(key)
+        if known is None:
+            # Per (tensor, head) in file order: a view of all its rows. Nodes of one
+            # size share a parsed header (Blobs caches it): built once per plan.
+            heads_views, rows = [], []
             for name, _ in sorted(tensors.items(), key=lambda kv: kv[1].start):
                 row, heads = self.rows[name]
-                stride, span = self.capacity * row, node_tokens * row
-                pieces += [
-                    (self.views[name], hd * stride, span, row) for hd in range(heads)
+                stride = self.capacity * row
+                view = self.views[name]
+                heads_views += [
+                    view[hd * stride : (hd + 1) * stride] for hd in range(heads)
                 ]
-            # Nodes of one size share a parsed header (Blobs caches it): build once.
-            self._pieces[(id(tensors), node_tokens)] = pieces
+                rows += [row] * heads
+            one_row = rows[0] if len(set(rows)) == 1 else None
+            known = self._pieces[key] = (heads_views, rows, one_row)
             self._keep.append(tensors)  # keeps the id unique while the plan lives
+        heads_views, rows, row = known
+        if row is not None:  # one row size, as in every KVCache: slice in a C loop
+            cut = operator.itemgetter(slice(offset * row, (offset + node_tokens) * row))
+            return list(map(cut, heads_views))
         return [
-            view[start + offset * row : start + offset * row + span]
-            for view, start, span, row in pieces
+            view[offset * r : (offset + node_tokens) * r]
+            for view, r in zip(heads_views, rows)
         ]
 
     def copy_node(

@@ -6,7 +6,9 @@ It knows nothing about LMDB or eviction policy.
 """
 
 import bisect
+import collections
 import errno
+import functools
 import itertools
 import json
 import math
@@ -413,12 +415,14 @@ class Blobs:
             pos = len(head)
             # Hash each batch right after reading it, while it is still in the CPU
             # cache: a second pass over the whole node would cost memory bandwidth.
-            for batch, want in _batches(targets(tensors), HASH_BATCH_BYTES):
+            buffers = targets(tensors)
+            update = digest.update
+            for i, j, want in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
+                batch = buffers[i:j]
                 if os.preadv(fd, batch, pos) != want:
                     raise CorruptBlob("file shrank while being read")
                 pos += want
-                for b in batch:
-                    digest.update(b)
+                collections.deque(map(update, batch), 0)  # a loop in C
         finally:
             os.close(fd)
         if pos != nbytes:
@@ -516,18 +520,19 @@ class Blobs:
         return ns, h
 
 
-def _batches(
-    buffers: List[memoryview], nbytes: int
-) -> Iterator[Tuple[List[memoryview], int]]:
-    """``(run, its bytes)``: ``buffers`` in runs of about ``nbytes`` (at least one
-    buffer, at most IOV_MAX). Bisects running totals: a node has hundreds of buffers."""
-    ends = list(itertools.accumulate(map(len, buffers)))
-    i, done = 0, 0
-    while i < len(buffers):
-        hi = min(len(buffers), i + _IOV_MAX)
+@functools.lru_cache(maxsize=64)
+def _batches(lengths: Tuple[int, ...], nbytes: int) -> Tuple[Tuple[int, int, int], ...]:
+    """``(i, j, bytes)``: buffers ``[i, j)`` of the given lengths in runs of about
+    ``nbytes`` (at least one buffer, at most IOV_MAX). Cached: nodes of one size are
+    cut the same way, and a node has hundreds of buffers."""
+    ends = list(itertools.accumulate(lengths))
+    out, i, done = [], 0, 0
+    while i < len(lengths):
+        hi = min(len(lengths), i + _IOV_MAX)
         j = max(i + 1, bisect.bisect_right(ends, done + nbytes, i, hi))
-        yield buffers[i:j], ends[j - 1] - done
+        out.append((i, j, ends[j - 1] - done))
         i, done = j, ends[j - 1]
+    return tuple(out)
 
 
 def file_checksum(data: bytes) -> int:

@@ -5,8 +5,10 @@ store's index, chunk files, RAM tier and layout, and report broken nodes.
 """
 
 import functools
+import itertools
 import logging
 import math
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -42,6 +44,20 @@ class _Step:
     take: int
 
 
+class _Failures:
+    """Errors of one restore's node reads, by index in its path; thread-safe."""
+
+    def __init__(self, nodes: int):
+        self.errors: Dict[int, BaseException] = {}
+        self.first = nodes  # the lowest failed index; ``nodes`` while none failed
+        self._lock = threading.Lock()
+
+    def add(self, index: int, error: BaseException) -> None:
+        with self._lock:
+            self.errors.setdefault(index, error)
+            self.first = min(self.first, index)
+
+
 def _capacity(n: int, query: int, room: int) -> int:
     """Rows to allocate for a restore of ``n`` tokens of a ``query``-token prompt.
 
@@ -73,27 +89,31 @@ class _ReadPath:
             plan = AssemblyPlan(
                 self.layout.rows, n, capacity=_capacity(n, len(arr), self.restore_room)
             )
-        jobs, offset = [], 0  # (index of the node in path, future)
-        if self.layout.rows:  # a layout of state layers only has nothing to copy
-            for i, step in enumerate(path):
-                jobs.append(
-                    (i, self._readers.submit(self._read_node, step, plan, offset))
-                )
-                offset += step.take
-        state = None
-        if self.layout.has_state:
-            last = len(path) - 1
+        failures = _Failures(len(path))
+        state, last = None, len(path) - 1
+        jobs = []  # (the path index its crash is charged to, future)
+        if self.layout.has_state:  # first: it runs beside the node readers
             jobs.append((last, self._readers.submit(self._read_state, path[last])))
-        failed = len(path)
+        if self.layout.rows:  # a layout of state layers only has nothing to copy
+            offsets = list(itertools.accumulate((s.take for s in path), initial=0))
+            pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+            for i in range(len(path)):
+                pending.put(i)
+            # A few long jobs pulling nodes, not one job per node: submitting hundreds
+            # of futures while the first ones run costs the GIL ~10 ms at 32K tokens.
+            read = functools.partial(
+                self._read_nodes, path, plan, offsets, pending, failures
+            )
+            for _ in range(min(self.read_threads, len(path))):
+                jobs.append((0, self._readers.submit(read)))
         for at, job in jobs:
-            error = job.exception()
-            if error is None:
-                continue
-            if at >= failed:
-                continue  # only the first broken node counts: the rest is cut anyway
-            failed = at
+            if job.exception() is not None:  # node readers' own errors are in failures
+                failures.add(at, job.exception())
+        failed = failures.first
+        if failed < len(path):  # only the first broken node counts: the rest is cut
+            error = failures.errors[failed]
             if isinstance(error, (CorruptBlob, CorruptRecord, OSError)):
-                self._report_broken(path[at].h, str(error))
+                self._report_broken(path[failed].h, str(error))
             else:
                 log.error("kvstore: reading node failed", exc_info=error)
                 with self._lock:
@@ -105,7 +125,7 @@ class _ReadPath:
                 return (
                     self._fetch(arr, retries - 1) if retries else (self.new_cache(), 0)
                 )
-            state = jobs[-1][1].result()
+            state = jobs[0][1].result()
         path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
@@ -237,6 +257,31 @@ class _ReadPath:
             )
             known = self._node_files[ntokens] = (expected, data)
         return known
+
+    def _read_nodes(
+        self,
+        path: List[_Step],
+        plan: AssemblyPlan,
+        offsets: List[int],
+        pending: "queue.SimpleQueue[int]",
+        failures: "_Failures",
+    ) -> None:
+        """Read nodes of ``path`` taken from ``pending`` until it is empty.
+
+        A node's exception goes to ``failures``; nodes after a broken one are
+        skipped, as the restore is cut there anyway.
+        """
+        while True:
+            try:
+                i = pending.get_nowait()
+            except queue.Empty:
+                return
+            if i > failures.first:
+                continue
+            try:
+                self._read_node(path[i], plan, offsets[i])
+            except Exception as e:  # the fetch reports the first broken node only
+                failures.add(i, e)
 
     def _read_node(self, step: _Step, plan: AssemblyPlan, offset: int) -> None:
         """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.

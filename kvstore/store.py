@@ -170,6 +170,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         self.ram = RamTier(ram_bytes)
         self.writer = BackgroundWriter(max_pending_bytes=max_pending_bytes)
         self.restore_room = restore_room
+        self.read_threads = read_threads
         self._readers = ThreadPoolExecutor(
             read_threads, thread_name_prefix="kvstore-read"
         )
