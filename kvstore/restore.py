@@ -104,8 +104,9 @@ class _ReadPath:
             read = functools.partial(
                 self._read_nodes, path, plan, offsets, pending, failures
             )
-            for _ in range(min(self.read_threads, len(path))):
+            for _ in range(min(self.read_threads, len(path)) - 1):
                 jobs.append((0, self._readers.submit(read)))
+            read()  # this thread reads too: no wake-up to wait for, one less switch
         for at, job in jobs:
             if job.exception() is not None:  # node readers' own errors are in failures
                 failures.add(at, job.exception())

@@ -80,7 +80,8 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         ram_bytes: Budget of the in-memory tier (0 disables it).
         disk_bytes: Budget of the chunk files on disk (None: unlimited).
         max_pending_bytes: Writes waiting for the disk beyond this are dropped.
-        read_threads: Threads reading chunk files in parallel during a restore.
+        read_threads: Threads reading chunk files in parallel during a restore
+            (the calling thread is one of them).
         restore_room: Tokens past a restore that its arrays have room for (rounded
             up to mlx-lm's cache step): the prompt's rest and the first generated
             token are then written in place, where an exactly full cache would copy

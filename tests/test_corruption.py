@@ -223,6 +223,39 @@ def test_hostile_file(stored, model, damage, record):
     assert_miss_from(model, stored, VICTIM)
 
 
+def test_two_broken_nodes_cut_at_the_first(stored, model):
+    """Readers run nodes out of order: the restore still ends at the first broken one,
+    which is the one reported (the later one is cut off anyway)."""
+    with KVStore(stored, model, chunk_tokens=C, ram_bytes=0) as s:
+        for start in (VICTIM, TAIL):
+            rewrite_header(s.blobs.path(s.namespace, node_at(s, start)), _int_dtype)
+    assert_miss_from(model, stored, VICTIM)
+
+
+@pytest.mark.parametrize("read_threads", [1, 3])
+def test_crash_in_a_node_read_is_a_miss_and_an_error(
+    stored, model, monkeypatch, read_threads
+):
+    """Not a broken file but a bug or a resource error while reading one node: the
+    fetch restores the nodes before it, counts an error, and does not raise."""
+    with KVStore(stored, model, chunk_tokens=C, ram_bytes=0) as s:
+        victim = node_at(s, VICTIM)
+    real = kvstore.blobs.Blobs.read_into
+
+    def read_into(self, ns, h, **kwargs):
+        if h == victim:
+            raise RuntimeError("test: reader crashed")
+        return real(self, ns, h, **kwargs)
+
+    monkeypatch.setattr(kvstore.blobs.Blobs, "read_into", read_into)
+    with KVStore(
+        stored, model, chunk_tokens=C, ram_bytes=0, read_threads=read_threads
+    ) as s:
+        assert fetch_checked(model, s, STORED + [1]) == (VICTIM, False)
+        stats = s.stats()
+        assert stats["errors"] == 1 and stats["corrupt"] == 0, stats
+
+
 @pytest.mark.parametrize("record", ["file-only", "record-matches-file"])
 def test_file_of_another_model_copied_over(stored, model, other_model, record):
     """Same tokens, same shapes, same size: only the namespace tells them apart."""
