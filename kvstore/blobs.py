@@ -90,6 +90,29 @@ class TensorEntry:
     end: int
 
 
+@dataclass
+class OpenFile:
+    """A chunk file open for reading, its header validated (see
+    :meth:`Blobs.open_checked`). Closing is idempotent."""
+
+    fd: int
+    nbytes: int
+    head: bytes  # the header's bytes, as read (they are hashed too)
+    tensors: Dict[str, TensorEntry]
+    metadata: dict
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "OpenFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def serialize_node(
     tensors: Mapping[str, Tuple[str, Sequence[int], np.ndarray]],
     metadata: Dict[str, str],
@@ -381,23 +404,44 @@ class Blobs:
             raise CorruptBlob("checksum mismatch")
         return view, tensors, metadata
 
-    def read_into(
+    def open_checked(
         self,
         ns: bytes,
         h: bytes,
         *,
         nbytes: int,
-        checksum: int,
         expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+    ) -> "OpenFile":
+        """Open node ``h``'s file and validate its header (against ``expected``)
+        before any data is read. The caller closes the result (or reads it with
+        :meth:`read_into`, which does).
+
+        Raises:
+            CorruptBlob: missing, wrong size or bad header.
+        """
+        fd = self._open(ns, h, nbytes, DELTA_PART)
+        try:
+            head, tensors, metadata = self.read_header(fd, nbytes, expected)
+        except BaseException:
+            os.close(fd)
+            raise
+        return OpenFile(fd, nbytes, head, tensors, metadata)
+
+    def read_into(
+        self,
+        opened: "OpenFile",
+        *,
+        checksum: int,
         targets: Callable[[Mapping[str, TensorEntry]], List[memoryview]],
     ) -> dict:
-        """Read a file's data straight into caller buffers, then verify its checksum.
+        """Read an opened file's data straight into caller buffers, then verify its
+        checksum; closes the file.
 
         One copy, from the page cache to the destination: no staging buffer. The
-        header is validated (and checked against ``expected``) before any data is
-        read, and the checksum is computed over the buffers in file order.
+        checksum is computed over the header and the buffers in file order.
 
         Args:
+            opened: From :meth:`open_checked` (its header is already validated).
             targets: Called with the file's validated tensors; returns writable
                 buffers that tile the data section exactly, in file order.
 
@@ -405,31 +449,27 @@ class Blobs:
             The file's metadata.
 
         Raises:
-            CorruptBlob: missing, wrong size, bad header, short read or checksum
-                mismatch. The buffers may then hold partial data.
+            CorruptBlob: short read or checksum mismatch. The buffers may then hold
+                partial data.
         """
-        fd = self._open(ns, h, nbytes, DELTA_PART)
-        try:
-            head, tensors, metadata = self.read_header(fd, nbytes, expected)
-            digest = xxhash.xxh3_64(head)
-            pos = len(head)
+        with opened:
+            digest = xxhash.xxh3_64(opened.head)
+            pos = len(opened.head)
+            buffers = targets(opened.tensors)
+            update = digest.update
             # Hash each batch right after reading it, while it is still in the CPU
             # cache: a second pass over the whole node would cost memory bandwidth.
-            buffers = targets(tensors)
-            update = digest.update
             for i, j, want in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
                 batch = buffers[i:j]
-                if os.preadv(fd, batch, pos) != want:
+                if os.preadv(opened.fd, batch, pos) != want:
                     raise CorruptBlob("file shrank while being read")
                 pos += want
                 collections.deque(map(update, batch), 0)  # a loop in C
-        finally:
-            os.close(fd)
-        if pos != nbytes:
-            raise ValueError(f"targets cover {pos} of {nbytes} bytes")
+        if pos != opened.nbytes:
+            raise ValueError(f"targets cover {pos} of {opened.nbytes} bytes")
         if digest.intdigest() != checksum:
             raise CorruptBlob("checksum mismatch")
-        return metadata
+        return opened.metadata
 
     def read_all(
         self,

@@ -10,8 +10,9 @@ import logging
 import math
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 from mlx_lm.models.cache import KVCache
@@ -22,6 +23,7 @@ from .blobs import (
     MAX_HEADER_BYTES,
     STATE_PART,
     CorruptBlob,
+    OpenFile,
     metadata_matches,
 )
 from .chunking import chain_hash
@@ -33,6 +35,11 @@ log = logging.getLogger("kvstore")
 # kvstore's own MLX graph work (allocating, slicing) is serialized across threads:
 # a server may fetch from HTTP threads while its generation thread saves.
 MLX_LOCK = threading.RLock()
+# Node files opened (header checked) while a restore's arrays are allocated: about as
+# many as that allocation takes to hide, and a bound on the descriptors a fetch holds.
+OPEN_AHEAD = 64
+
+_Opened = Union[OpenFile, BaseException, None]  # a node's file, opened ahead or not
 
 
 @dataclass
@@ -85,31 +92,7 @@ class _ReadPath:
         if not path:
             return self.new_cache(), 0
         n = sum(step.take for step in path)
-        with MLX_LOCK:
-            plan = AssemblyPlan(
-                self.layout.rows, n, capacity=_capacity(n, len(arr), self.restore_room)
-            )
-        failures = _Failures(len(path))
-        state, last = None, len(path) - 1
-        jobs = []  # (the path index its crash is charged to, future)
-        if self.layout.has_state:  # first: it runs beside the node readers
-            jobs.append((last, self._readers.submit(self._read_state, path[last])))
-        if self.layout.rows:  # a layout of state layers only has nothing to copy
-            offsets = list(itertools.accumulate((s.take for s in path), initial=0))
-            pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
-            for i in range(len(path)):
-                pending.put(i)
-            # A few long jobs pulling nodes, not one job per node: submitting hundreds
-            # of futures while the first ones run costs the GIL ~10 ms at 32K tokens.
-            read = functools.partial(
-                self._read_nodes, path, plan, offsets, pending, failures
-            )
-            for _ in range(min(self.read_threads, len(path)) - 1):
-                jobs.append((0, self._readers.submit(read)))
-            read()  # this thread reads too: no wake-up to wait for, one less switch
-        for at, job in jobs:
-            if job.exception() is not None:  # node readers' own errors are in failures
-                failures.add(at, job.exception())
+        failures, state_job, plan = self._read_path(path, len(arr))
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
             error = failures.errors[failed]
@@ -119,14 +102,15 @@ class _ReadPath:
                 log.error("kvstore: reading node failed", exc_info=error)
                 with self._lock:
                     self._counters.errors += 1
-        if self.layout.has_state:
+        state = None
+        if state_job is not None:
             if failed < len(path):
                 # The checkpoint's path is broken: look again (broken nodes are skipped
                 # now) for the next best checkpoint.
                 return (
                     self._fetch(arr, retries - 1) if retries else (self.new_cache(), 0)
                 )
-            state = jobs[0][1].result()
+            state = state_job.result()
         path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
@@ -134,6 +118,52 @@ class _ReadPath:
         self._touch(step.h for step in path)
         with MLX_LOCK:
             return self.layout.build(plan.delta_arrays(), state or {}, n), n
+
+    def _read_path(
+        self, path: List[_Step], query: int
+    ) -> Tuple["_Failures", Optional[Future], AssemblyPlan]:
+        """Allocate the restore of ``path`` and read its nodes (and the last node's
+        state file, if the layout has state) on the reader threads and this one.
+
+        Returns ``(failures, state job or None, plan)``; every job is done.
+        """
+        n = sum(step.take for step in path)
+        failures = _Failures(len(path))
+        jobs = []  # (the path index its crash is charged to, future)
+        state_job = None
+        if self.layout.has_state:  # first: it runs beside the node readers
+            state_job = self._readers.submit(self._read_state, path[-1])
+            jobs.append((len(path) - 1, state_job))
+        opened: Dict[int, _Opened] = {}  # by index in path
+        ahead = self._readers.submit(self._open_ahead, path, opened)
+        try:
+            with MLX_LOCK:
+                plan = AssemblyPlan(
+                    self.layout.rows, n, capacity=_capacity(n, query, self.restore_room)
+                )
+            ahead.result()
+            if self.layout.rows:  # a layout of state layers only has nothing to copy
+                offsets = list(itertools.accumulate((s.take for s in path), initial=0))
+                pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+                for i in range(len(path)):
+                    pending.put(i)
+                # A few long jobs pulling nodes, not one job per node: submitting
+                # hundreds of futures while the first run costs ~10 ms of GIL at 32K.
+                read = functools.partial(
+                    self._read_nodes, path, plan, offsets, pending, failures, opened
+                )
+                for _ in range(min(self.read_threads, len(path)) - 1):
+                    jobs.append((0, self._readers.submit(read)))
+                read()  # this thread reads too: no wake-up to wait for
+            for at, job in jobs:
+                if job.exception() is not None:  # readers' own errors are in failures
+                    failures.add(at, job.exception())
+        finally:
+            ahead.exception()  # wait for it (the allocation may have raised)
+            for f in list(opened.values()):  # nodes cut off or found in the RAM tier
+                if isinstance(f, OpenFile):
+                    f.close()
+        return failures, state_job, plan
 
     def _walk(
         self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
@@ -259,6 +289,28 @@ class _ReadPath:
             known = self._node_files[ntokens] = (expected, data)
         return known
 
+    def _open_node(self, step: _Step) -> OpenFile:
+        """Open a whole node's file, its record and header checked."""
+        self._check_sizes(step.rec)
+        return self.blobs.open_checked(
+            self.namespace,
+            step.h,
+            nbytes=step.rec.nbytes,
+            expected=self._expected(step.rec.ntokens),
+        )
+
+    def _open_ahead(self, path: List[_Step], opened: Dict[int, _Opened]) -> None:
+        """Open the first :data:`OPEN_AHEAD` whole nodes' files into ``opened``: runs
+        while the fetch allocates the restore's arrays, which is otherwise idle time
+        for the readers. A failure is kept for the node's reader to raise."""
+        for i, step in enumerate(path[:OPEN_AHEAD]):
+            if step.take != step.rec.ntokens or step.h in self.ram:
+                continue
+            try:
+                opened[i] = self._open_node(step)
+            except Exception as e:
+                opened[i] = e
+
     def _read_nodes(
         self,
         path: List[_Step],
@@ -266,11 +318,13 @@ class _ReadPath:
         offsets: List[int],
         pending: "queue.SimpleQueue[int]",
         failures: "_Failures",
+        opened: Dict[int, _Opened],
     ) -> None:
         """Read nodes of ``path`` taken from ``pending`` until it is empty.
 
         A node's exception goes to ``failures``; nodes after a broken one are
-        skipped, as the restore is cut there anyway.
+        skipped, as the restore is cut there anyway. Files in ``opened`` (by index)
+        are used, and taken out: the fetch closes whatever is left.
         """
         while True:
             try:
@@ -280,12 +334,16 @@ class _ReadPath:
             if i > failures.first:
                 continue
             try:
-                self._read_node(path[i], plan, offsets[i])
+                self._read_node(path[i], plan, offsets[i], opened.pop(i, None))
             except Exception as e:  # the fetch reports the first broken node only
                 failures.add(i, e)
 
-    def _read_node(self, step: _Step, plan: AssemblyPlan, offset: int) -> None:
+    def _read_node(
+        self, step: _Step, plan: AssemblyPlan, offset: int, opened: _Opened = None
+    ) -> None:
         """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.
+
+        ``opened`` is the node's file as :meth:`_open_ahead` left it, if it did.
 
         Raises CorruptBlob or OSError when the node's file is broken.
         """
@@ -295,13 +353,13 @@ class _ReadPath:
             data, tensors = memoryview(entry.data), entry.tensors
         elif step.take == rec.ntokens:
             # The whole node: read straight into the plan's arrays (one copy).
-            self._check_sizes(rec)
+            if isinstance(opened, BaseException):
+                raise opened
+            if opened is None:
+                opened = self._open_node(step)
             meta = self.blobs.read_into(
-                self.namespace,
-                key,
-                nbytes=rec.nbytes,
+                opened,
                 checksum=rec.checksum,
-                expected=self._expected(rec.ntokens),
                 targets=functools.partial(
                     plan.node_targets, offset=offset, node_tokens=rec.ntokens
                 ),

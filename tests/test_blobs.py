@@ -182,15 +182,23 @@ def test_read_into_fills_the_targets(written, monkeypatch, split):
 
 def test_read_into_refuses_targets_that_do_not_tile(written):
     blobs, tensors, data, checksum, _ = written
+    opened = blobs.open_checked(NS, H, nbytes=len(data), expected=expected_of(tensors))
     with pytest.raises(ValueError, match="targets cover"):
         blobs.read_into(
-            NS,
-            H,
-            nbytes=len(data),
-            checksum=checksum,
-            expected=expected_of(tensors),
-            targets=lambda parsed: [bytearray(4)],
+            opened, checksum=checksum, targets=lambda parsed: [bytearray(4)]
         )
+    assert opened.fd == -1  # closed by read_into, also when it raises
+
+
+def test_open_checked_closes_the_file_when_the_header_is_bad(written, monkeypatch):
+    blobs, tensors, data, checksum, _ = written
+    closed = []
+    real_close = os.close
+    monkeypatch.setattr(os, "close", lambda fd: (closed.append(fd), real_close(fd)))
+    wrong = dict(expected_of(tensors), **{"0.keys": ("float32", (2, 6, 4))})
+    with pytest.raises(CorruptBlob):
+        blobs.open_checked(NS, H, nbytes=len(data), expected=wrong)
+    assert len(closed) == 1
 
 
 def test_read_staged_with_large_header(blobs):
@@ -601,14 +609,9 @@ def _read_into(blobs, tensors, data_len, checksum, *, split=1):
             out += [view[i : i + step] for i in range(0, len(view), step)]
         return out
 
-    meta = blobs.read_into(
-        NS,
-        H,
-        nbytes=data_len,
-        checksum=checksum,
-        expected=expected_of(tensors),
-        targets=targets,
-    )
+    opened = blobs.open_checked(NS, H, nbytes=data_len, expected=expected_of(tensors))
+    meta = blobs.read_into(opened, checksum=checksum, targets=targets)
+    assert opened.fd == -1
     return {name: bytes(b) for name, b in got.items()}, meta
 
 

@@ -233,27 +233,58 @@ def test_two_broken_nodes_cut_at_the_first(stored, model):
 
 
 @pytest.mark.parametrize("read_threads", [1, 3])
+@pytest.mark.parametrize("stage", ["open", "read"])
 def test_crash_in_a_node_read_is_a_miss_and_an_error(
-    stored, model, monkeypatch, read_threads
+    stored, model, monkeypatch, read_threads, stage
 ):
-    """Not a broken file but a bug or a resource error while reading one node: the
-    fetch restores the nodes before it, counts an error, and does not raise."""
+    """Not a broken file but a bug or a resource error while opening (ahead, on
+    another thread) or reading one node: the fetch restores the nodes before it,
+    counts an error, and does not raise."""
     with KVStore(stored, model, chunk_tokens=C, ram_bytes=0) as s:
         victim = node_at(s, VICTIM)
-    real = kvstore.blobs.Blobs.read_into
+    Blobs = kvstore.blobs.Blobs
+    real_open, real_read = Blobs.open_checked, Blobs.read_into
+    victim_fds = set()
 
-    def read_into(self, ns, h, **kwargs):
+    def open_checked(self, ns, h, **kwargs):
+        if h == victim and stage == "open":
+            raise RuntimeError("test: open crashed")
+        opened = real_open(self, ns, h, **kwargs)
         if h == victim:
-            raise RuntimeError("test: reader crashed")
-        return real(self, ns, h, **kwargs)
+            victim_fds.add(opened.fd)
+        return opened
 
-    monkeypatch.setattr(kvstore.blobs.Blobs, "read_into", read_into)
+    def read_into(self, opened, **kwargs):
+        if opened.fd in victim_fds:
+            opened.close()
+            raise RuntimeError("test: read crashed")
+        return real_read(self, opened, **kwargs)
+
+    monkeypatch.setattr(Blobs, "open_checked", open_checked)
+    monkeypatch.setattr(Blobs, "read_into", read_into)
     with KVStore(
         stored, model, chunk_tokens=C, ram_bytes=0, read_threads=read_threads
     ) as s:
         assert fetch_checked(model, s, STORED + [1]) == (VICTIM, False)
         stats = s.stats()
         assert stats["errors"] == 1 and stats["corrupt"] == 0, stats
+
+
+def test_a_fetch_leaves_no_file_open(stored, model, monkeypatch):
+    """Files opened ahead are closed, also for nodes cut off by a broken one."""
+    Blobs = kvstore.blobs.Blobs
+    real_open = Blobs.open_checked
+    opened = []
+    monkeypatch.setattr(
+        Blobs,
+        "open_checked",
+        lambda self, *a, **k: opened.append(real_open(self, *a, **k)) or opened[-1],
+    )
+    with KVStore(stored, model, chunk_tokens=C, ram_bytes=0) as s:
+        assert fetch_checked(model, s, STORED + [1]) == (len(STORED), False)
+        rewrite_header(s.blobs.path(s.namespace, node_at(s, 0)), _int_dtype)
+        assert s.fetch(STORED + [1])[1] == 0
+    assert len(opened) >= 5 and all(f.fd == -1 for f in opened)
 
 
 @pytest.mark.parametrize("record", ["file-only", "record-matches-file"])
