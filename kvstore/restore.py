@@ -135,14 +135,16 @@ class _ReadPath:
             state_job = self._readers.submit(self._read_state, path[-1])
             jobs.append((len(path) - 1, state_job))
         opened: Dict[int, _Opened] = {}  # by index in path
-        ahead = self._readers.submit(self._open_ahead, path, opened)
+        ahead = None  # a layout of state layers only has no node files to read
+        if self.layout.rows:
+            ahead = self._readers.submit(self._open_ahead, path, opened)
         try:
             with MLX_LOCK:
                 plan = AssemblyPlan(
                     self.layout.rows, n, capacity=_capacity(n, query, self.restore_room)
                 )
-            ahead.result()
-            if self.layout.rows:  # a layout of state layers only has nothing to copy
+            if self.layout.rows:
+                ahead.result()
                 offsets = list(itertools.accumulate((s.take for s in path), initial=0))
                 pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
                 for i in range(len(path)):
@@ -159,7 +161,8 @@ class _ReadPath:
                 if job.exception() is not None:  # readers' own errors are in failures
                     failures.add(at, job.exception())
         finally:
-            ahead.exception()  # wait for it (the allocation may have raised)
+            if ahead is not None:
+                ahead.exception()  # wait for it (the allocation may have raised)
             for f in list(opened.values()):  # nodes cut off or found in the RAM tier
                 if isinstance(f, OpenFile):
                     f.close()
