@@ -52,6 +52,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 # -- model and store ---------------------------------------------------------
 
 
@@ -77,12 +87,14 @@ def load_model(name: Optional[str]):
 
 def open_store(path: str, model, tokenizer, args, *, remote=None):
     """The store for ``args``' --chunk-tokens, --kv-bits / --kv-group-size and (where
-    the command has them) --disk-bytes / --ram-bytes."""
+    the command has them) --disk-bytes / --ram-bytes / --restore-room."""
     from . import KVStore, StoreError, UnsupportedCacheError
 
     sizes = {}
     if getattr(args, "ram_bytes", None) is not None:
         sizes["ram_bytes"] = args.ram_bytes
+    if getattr(args, "restore_room", None) is not None:
+        sizes["restore_room"] = args.restore_room
     if hasattr(args, "disk_bytes"):
         sizes["disk_bytes"] = store_disk_budget(path, args.disk_bytes)
     try:
@@ -116,7 +128,8 @@ def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
 
 
 def add_size_options(p: argparse.ArgumentParser) -> None:
-    """``--disk-bytes`` and ``--ram-bytes`` (shared by prefill and serve)."""
+    """``--disk-bytes``, ``--ram-bytes`` and ``--restore-room`` (shared by prefill
+    and serve)."""
     p.add_argument(
         "--disk-bytes",
         type=_size,
@@ -131,6 +144,15 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="budget of the in-memory tier, e.g. 2G (default: 512M)",
+    )
+    p.add_argument(
+        "--restore-room",
+        type=_non_negative,
+        default=None,
+        metavar="TOKENS",
+        help="room left in a restored cache for the prompt's rest, so the next "
+        "forward pass writes in place instead of copying every layer (default: "
+        "2048; 0 allocates exactly the restored tokens)",
     )
 
 

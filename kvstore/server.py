@@ -449,6 +449,8 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         store_kwargs["disk_bytes"] = store_disk_budget(store_dir, args.disk_bytes)
         if args.ram_bytes is not None:
             store_kwargs["ram_bytes"] = args.ram_bytes
+        if args.restore_room is not None:
+            store_kwargs["restore_room"] = args.restore_room
         if getattr(cli_args, "kv_bits", None) is not None:
             # mlx-lm quantizes long prompts' KV (--kv-bits): store those caches.
             store_kwargs.update(

@@ -386,3 +386,29 @@ def test_prefill_disk_budget_is_kept_by_later_runs(tmp_path, tiny_model_dir):
     proc = prefill(tiny_model_dir, third, store, "--disk-bytes", "lots")
     assert proc.returncode == 2 and "--disk-bytes" in proc.stderr
     assert "not a size" in proc.stderr
+
+
+def test_restore_room_option(tmp_path, model, tiny_model_dir):
+    """--restore-room reaches the store that prefill and serve open; a negative or
+    non-integer value is a clear error naming the option."""
+    from kvstore.cli import build_parser, open_store
+    from kvstore.server import build_parser as serve_parser
+
+    args = build_parser().parse_args(
+        ["prefill", "p.jsonl", "--restore-room", "0", "--chunk-tokens", "64"]
+    )
+    with open_store(str(tmp_path / "s"), model, None, args) as store:
+        assert store.restore_room == 0
+    args = build_parser().parse_args(["prefill", "p.jsonl"])
+    with open_store(str(tmp_path / "s"), model, None, args) as store:
+        assert store.restore_room == 2048  # KVStore's default
+    assert (
+        serve_parser().parse_known_args(["--restore-room", "64"])[0].restore_room == 64
+    )
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", GOOD[:1])
+    for bad in ("-1", "lots"):
+        proc = prefill(tiny_model_dir, prompts, tmp_path / "s", "--restore-room", bad)
+        assert proc.returncode == 2 and "--restore-room" in proc.stderr, proc.stderr
+    proc = kvstore("serve", "--restore-room", "-1")
+    assert proc.returncode == 2 and "--restore-room" in proc.stderr, proc.stderr
