@@ -390,19 +390,18 @@ class Blobs:
             raise ValueError(
                 f"staging buffer of {len(staging)} bytes for a {nbytes}-byte file"
             )
-        fd = self._open(ns, h, nbytes, part)
-        try:
-            head, tensors, metadata = self.read_header(fd, nbytes, expected)
+        with self.open_checked(
+            ns, h, nbytes=nbytes, expected=expected, part=part
+        ) as opened:
+            head = opened.head
             view = memoryview(staging)[:nbytes]
             view[: len(head)] = head
             rest = view[len(head) :]
-            if os.preadv(fd, [rest], len(head)) != len(rest):
+            if os.preadv(opened.fd, [rest], len(head)) != len(rest):
                 raise CorruptBlob("file shrank while being read")
-        finally:
-            os.close(fd)
         if xxhash.xxh3_64_intdigest(view) != checksum:
             raise CorruptBlob("checksum mismatch")
-        return view, tensors, metadata
+        return view, opened.tensors, opened.metadata
 
     def open_checked(
         self,
@@ -410,16 +409,17 @@ class Blobs:
         h: bytes,
         *,
         nbytes: int,
-        expected: Mapping[str, Tuple[str, Tuple[int, ...]]],
+        expected: Optional[Mapping[str, Tuple[str, Tuple[int, ...]]]],
+        part: str = DELTA_PART,
     ) -> "OpenFile":
-        """Open node ``h``'s file and validate its header (against ``expected``)
-        before any data is read. The caller closes the result (or reads it with
-        :meth:`read_into`, which does).
+        """Open node ``h``'s file (delta or state ``part``) and validate its header
+        (against ``expected``, unless None) before any data is read. The caller
+        closes the result (or reads it with :meth:`read_into`, which does).
 
         Raises:
             CorruptBlob: missing, wrong size or bad header.
         """
-        fd = self._open(ns, h, nbytes, DELTA_PART)
+        fd = self._open(ns, h, nbytes, part)
         try:
             head, tensors, metadata = self.read_header(fd, nbytes, expected)
         except BaseException:

@@ -91,7 +91,6 @@ class _ReadPath:
         path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
         if not path:
             return self.new_cache(), 0
-        n = sum(step.take for step in path)
         failures, state_job, plan = self._read_path(path, len(arr))
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
