@@ -57,6 +57,17 @@ def _int_at_least(minimum: int):
     return parse
 
 
+def _salt(text: str) -> str:
+    """An argparse type: a cache salt (non-empty, at most 256 bytes)."""
+    from .salts import check_salt
+
+    try:
+        check_salt(text, what="the salt")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 _positive = _int_at_least(1)
 _non_negative = _int_at_least(0)
 
@@ -210,6 +221,7 @@ def cmd_prefill(args) -> int:
                     tokenizer,
                     default_kind=args.kind,
                     default_pin=args.pin,
+                    default_salt=args.salt,
                     vocab_size=vocab,
                 )
                 if limit is not None and len(line.tokens) > limit:
@@ -270,12 +282,16 @@ def _prefill_line(store, line) -> int:
     computed = 0
     if 0 < line.system_end < len(line.tokens):
         done = store.prefill(
-            line.tokens[: line.system_end], kind="system", pin=line.pin
+            line.tokens[: line.system_end], kind="system", pin=line.pin, salt=line.salt
         )
         computed += done["computed"]
         store.flush()
     done = store.prefill(
-        line.tokens, kind=line.kind, pin=line.pin, boundaries=line.boundaries
+        line.tokens,
+        kind=line.kind,
+        pin=line.pin,
+        boundaries=line.boundaries,
+        salt=line.salt,
     )
     store.flush()
     return computed + done["computed"]
@@ -353,7 +369,18 @@ def cmd_stats(args) -> int:
             f"prompts {ns['prompts']:>5}  tokens {ns['tokens']:>8}  {_human(ns['bytes']):>10}  "
             f"pinned {_human(ns['pinned_bytes'])}"
         )
+        trees = ns.get("salted_trees") or []
+        for tree in trees[:_SHOWN_TREES]:  # by root hash: the store has no salt
+            print(
+                f"    salted tree {tree['root'][:12]}  nodes {tree['nodes']:>6}  "
+                f"tokens {tree['tokens']:>8}  {_human(tree['bytes']):>10}"
+            )
+        if len(trees) > _SHOWN_TREES:
+            print(f"    ... {len(trees) - _SHOWN_TREES} more salted trees (--json)")
     return EXIT_OK
+
+
+_SHOWN_TREES = 20
 
 
 def cmd_ls(args) -> int:
@@ -643,6 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pin", action="store_true", help="pin every prompt (default: per line)"
+    )
+    p.add_argument(
+        "--salt",
+        type=_salt,
+        default=None,
+        help="store in this cache salt's tree, as a server request's cache_salt "
+        '(default: per line\'s "salt", else unsalted)',
     )
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")

@@ -87,8 +87,12 @@ class _ReadPath:
     """Restores of :class:`kvstore.store.KVStore`: the trie walk, the parallel node
     reads into an :class:`~kvstore.assemble.AssemblyPlan`, and broken-node reports."""
 
-    def _fetch(self, arr: np.ndarray, retries: int = 2) -> Tuple[List[Any], int]:
-        path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
+    def _fetch(
+        self, arr: np.ndarray, retries: int = 2, *, root: Optional[bytes] = None
+    ) -> Tuple[List[Any], int]:
+        path = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
+        )
         if not path:
             return self.new_cache(), 0
         failures, state_job, plan = self._read_path(path, len(arr))
@@ -107,7 +111,9 @@ class _ReadPath:
                 # The checkpoint's path is broken: look again (broken nodes are skipped
                 # now) for the next best checkpoint.
                 return (
-                    self._fetch(arr, retries - 1) if retries else (self.new_cache(), 0)
+                    self._fetch(arr, retries - 1, root=root)
+                    if retries
+                    else (self.new_cache(), 0)
                 )
             state = state_job.result()
         path = path[:failed]  # a broken node: keep only what precedes it
@@ -168,20 +174,27 @@ class _ReadPath:
         return failures, state_job, plan
 
     def _walk(
-        self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
+        self,
+        txn,
+        arr: np.ndarray,
+        *,
+        limit: int,
+        full_only: bool = False,
+        root: Optional[bytes] = None,
     ) -> List[_Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
 
         With ``full_only`` the walk stops before a node that is not wholly used. A
         layout with state layers restores only at a node holding a checkpoint: its
-        fetch walk returns the longest such path.
+        fetch walk returns the longest such path. ``root``: the tree's root (a
+        salted one), else the namespace's.
         """
         checkpoints = self.layout.has_state and not full_only
         full_only = full_only or checkpoints
         path: List[_Step] = []
         best: List[_Step] = []  # the longest path ending at a checkpoint
         best_end = 0
-        parent, pos, C = self.root, 0, self.chunk_tokens
+        parent, pos, C = self.root if root is None else root, 0, self.chunk_tokens
         while pos < limit:
             usable = [
                 step

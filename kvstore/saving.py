@@ -47,12 +47,15 @@ class _WritePath:
     """Saves of :class:`kvstore.store.KVStore`: :meth:`_save` captures the nodes and
     queues :meth:`_write_nodes` on the background writer."""
 
-    def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
+    def _save(self, arr, cache, *, kind, pin, boundaries, root=None) -> int:
+        root = (
+            self.root if root is None else root
+        )  # a salted tree's, or the namespace's
         path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True, root=root)
         )
         pos = sum(step.take for step in path)
-        parent = path[-1].h if path else self.root
+        parent = path[-1].h if path else root
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
         hashes = chain_hashes(parent, arr, spans)
         nodes, nbytes = [], 0
@@ -83,7 +86,9 @@ class _WritePath:
         self._touch(existing)
 
         def job():
-            self._write_nodes(nodes, kind=kind, pin=pin, existing=existing)
+            self._write_nodes(
+                nodes, kind=kind, pin=pin, existing=existing, upload=root == self.root
+            )
 
         if (nodes or pin) and not self.writer.submit(job, nbytes):
             with self._lock:
@@ -185,11 +190,18 @@ class _WritePath:
             reservations.forget(key)
 
     def _write_nodes(
-        self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
+        self,
+        nodes: List[_NewNode],
+        *,
+        kind: str,
+        pin: bool,
+        existing: List[bytes],
+        upload: bool = True,
     ):
         """Writer thread: serialize the files, reserve their bytes under the disk budget
         (:meth:`_reserve`), write them, then commit their nodes in one transaction that
         also drops the reservation. A file is reserved until it is indexed or unlinked.
+        ``upload=False`` keeps the nodes from the remote tier (a salted tree's).
         """
         ns = self.namespace
         files = [self._serialize(node) for node in nodes]
@@ -229,9 +241,8 @@ class _WritePath:
                     self.index.replace_node(txn, ns, node.h, rec)
                     added.append((node.h, rec, None, state[0]))
                     continue
-                parent_ok = node.parent == self.root or self.index.get_node(
-                    ns, node.parent, txn
-                )
+                # A first node hangs from a root (the namespace's or a salted one).
+                parent_ok = node.start == 0 or self.index.get_node(ns, node.parent, txn)
                 if not parent_ok or not is_ours(node.h, delta[1]):
                     # Its parent was evicted, or its file replaced, meanwhile: this
                     # node and the ones after it stay unsaved (counted, not raised).
@@ -301,7 +312,7 @@ class _WritePath:
             self._counters.nodes_written += len(added)
             self._counters.nodes_skipped += skipped[0]
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
-        if self.remote is not None and added:
+        if self.remote is not None and added and upload:
             self.remote.after_commit(added)  # queues uploads; returns at once
         self._enforce_disk_budget()
 

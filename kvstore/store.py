@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, maintenance, reservations
+from . import adapters, maintenance, reservations, salts
 from .blobs import Blobs
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
@@ -181,6 +181,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         self._broken: set = set()
         self._node_files: Dict[int, Tuple[Dict, int]] = {}  # by tokens: _node_file
         self._staging = threading.local()  # per reader thread: one node file at a time
+        self._secret: Optional[bytes] = None  # the salt secret, read at first use
         self._closed = False
         self._preload_pinned()
         if self.remote is not None:
@@ -220,8 +221,13 @@ class KVStore(_ReadPath, _WritePath, _Removal):
 
     # -- fetch -------------------------------------------------------------
 
-    def fetch(self, tokens) -> Tuple[List[Any], int]:
+    def fetch(self, tokens, *, salt: Optional[str] = None) -> Tuple[List[Any], int]:
         """Restore the longest stored prefix of ``tokens``.
+
+        Args:
+            tokens: The prompt's token ids.
+            salt: Reuse only KV saved with this salt (a tenant's tree; see
+                :mod:`kvstore.salts`); None: the unsalted tree.
 
         Returns:
             ``(cache, n)``: fresh cache objects (owned by the caller) holding the KV
@@ -229,15 +235,18 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             stored file turns out to be broken, an empty cache and ``n == 0``.
 
         Raises:
-            TypeError, ValueError: ``tokens`` is not a list of token ids.
+            TypeError, ValueError: ``tokens`` is not a list of token ids, or ``salt``
+                not a non-empty string of at most 256 bytes.
         """
         self._check_open()
         arr = as_token_array(tokens)
+        raw_salt = salts.check_salt(salt)
         tic = time.perf_counter()
-        if self.remote is not None:
+        if self.remote is not None and raw_salt is None:
+            # Salted trees stay local: another machine's store has another secret.
             self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
-            cache, n = self._fetch(arr)
+            cache, n = self._fetch(arr, root=self._root_of(raw_salt))
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             with self._lock:
@@ -262,6 +271,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         kind: str = "user",
         pin: bool = False,
         boundaries: Sequence[int] = (),
+        salt: Optional[str] = None,
     ) -> int:
         """Store the KV of ``tokens`` held by ``cache``, sharing stored prefixes.
 
@@ -275,16 +285,26 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             kind: "system", "user" or "assistant" (eviction order in RAM).
             pin: Never evict these nodes; load them into RAM at open.
             boundaries: Token positions that must end a node (message ends).
+            salt: Save into this salt's tree (see :meth:`fetch`); None: unsalted.
 
         Returns:
             The number of new nodes queued for writing.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
+        root = self._root_of(salts.check_salt(salt))
         self.layout.check_cache(cache, len(arr))
-        return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
+        return self._save(
+            arr, cache, kind=kind, pin=pin, boundaries=boundaries, root=root
+        )
 
     def save_prefix(
-        self, tokens, cache: Sequence[Any], *, kind: str = "user", pin: bool = False
+        self,
+        tokens,
+        cache: Sequence[Any],
+        *,
+        kind: str = "user",
+        pin: bool = False,
+        salt: Optional[str] = None,
     ) -> int:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
         (a generate loop's cache after the first new token): only the prefix is stored.
@@ -292,8 +312,9 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save", pin=pin)
+        root = self._root_of(salts.check_salt(salt))
         self.layout.check_cache(cache, len(arr), exact=False)
-        return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+        return self._save(arr, cache, kind=kind, pin=pin, boundaries=(), root=root)
 
     def _checked(
         self, tokens, kind: str, what: str, *, pin=False, boundaries=()
@@ -332,6 +353,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         pin: bool = False,
         boundaries: Sequence[int] = (),
         step_tokens: int = 512,
+        salt: Optional[str] = None,
     ) -> Dict[str, int]:
         """Compute what is missing of ``tokens`` (after the longest stored prefix) and save it.
 
@@ -343,6 +365,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         """
         arr = self._checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
         check_int("step_tokens", step_tokens, minimum=1)
+        root = self._root_of(salts.check_salt(salt))
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         if isinstance(vocab, int) and arr.max() >= vocab:
             bad = int(np.flatnonzero(arr >= vocab)[0])
@@ -350,7 +373,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 f"tokens[{bad}] = {arr[bad]} is not below the model's vocab_size {vocab}"
             )
         stored = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True, root=root)
         )
         complete = sum(step.take for step in stored) == len(arr)
         if complete and (not self.layout.has_state or stored[-1].rec.has_state):
@@ -362,7 +385,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                     )
                 )
             return {"tokens": len(arr), "computed": 0, "reused": len(arr)}
-        cache, n = self.fetch(arr)
+        cache, n = self.fetch(arr, salt=salt)
         stops = sorted({b for b in boundaries if n < b < len(arr)} | {len(arr)})
         if not self.layout.has_state:
             stops = [len(arr)]  # deltas can be cut anywhere: one save at the end
@@ -371,7 +394,9 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             self.extend(cache, arr, pos, stop, step_tokens=step_tokens)
             pos = stop
             bounds = [b for b in boundaries if b < stop]
-            self._save(arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds)
+            self._save(
+                arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds, root=root
+            )
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
 
     def extend(
@@ -387,6 +412,27 @@ class KVStore(_ReadPath, _WritePath, _Removal):
     def new_cache(self) -> List[Any]:
         """An empty cache of the layout this store holds (what ``fetch`` returns on a miss)."""
         return self.layout.make_cache()
+
+    def lookup(self, tokens, *, salt: Optional[str] = None) -> int:
+        """How many tokens :meth:`fetch` would restore now (index only, no file is
+        read): a caller holding a prefix elsewhere (a RAM cache) can skip a restore
+        that would not be longer. A broken file found later makes the fetch shorter.
+        """
+        self._check_open()
+        arr = as_token_array(tokens)
+        root = self._root_of(salts.check_salt(salt))
+        path = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
+        )
+        return sum(step.take for step in path)
+
+    def _root_of(self, raw_salt: Optional[bytes]) -> bytes:
+        """The root hash of the salt's tree (bytes from ``salts.check_salt``)."""
+        if raw_salt is None:
+            return self.root
+        if self._secret is None:
+            self._secret = salts.store_secret(self.index)
+        return salts.salted_root(self.root, self._secret, raw_salt)
 
     def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
         """Tokens ``cache`` holds, as far as its layers tell (None: only recurrent

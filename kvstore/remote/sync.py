@@ -5,7 +5,9 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, Optional
 
 from ..blobs import CorruptBlob
+from ..chunking import root_hash
 from ..index import CorruptRecord, NodeRecord
+from ..salts import tree_roots
 from .client import S3Client
 from .errors import RemoteCorrupt
 from .manifest import CHILD_KEY, HEX32
@@ -99,7 +101,8 @@ def push(
     """Upload the nodes of the store at ``path`` that the remote lacks (no model needed).
 
     Every file is checked against its record and its namespace's layout before it is
-    sent. Remote failures raise RemoteError; local problems are reported.
+    sent; salted trees (:mod:`kvstore.salts`) are not. Remote failures raise
+    RemoteError; local problems are reported.
 
     Args:
         path: The store directory.
@@ -129,6 +132,9 @@ def push(
         selected = list(namespaces) if namespaces is not None else sorted(descs)
         for ns in selected:
             recs = index.read(lambda txn: records(txn, ns))
+            # Salted trees stay on this machine: their roots need this store's secret.
+            roots = tree_roots({h: (rec.parent, rec.start) for h, rec in recs})
+            recs = [(h, rec) for h, rec in recs if roots.get(h) == root_hash(ns)]
             if not recs:
                 continue
             try:
