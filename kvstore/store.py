@@ -521,6 +521,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
+                "pending_write_jobs": self.writer.depth,
                 **remote,
             }
 
