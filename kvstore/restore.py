@@ -27,7 +27,7 @@ from .blobs import (
     metadata_matches,
 )
 from .chunking import chain_hash
-from .index import CorruptRecord, NodeRecord
+from .index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
 from .ram import RamEntry
 
 log = logging.getLogger("kvstore")
@@ -205,6 +205,8 @@ class _ReadPath:
             ]
             for step in usable:
                 step.take = min(step.take, limit - pos)
+            # On a tie, a node used whole first: the walk can go on below it.
+            usable.sort(key=lambda step: (-step.take, step.take < step.rec.ntokens))
             if full_only:
                 usable = [step for step in usable if step.take == step.rec.ntokens]
             if checkpoints:
@@ -246,6 +248,16 @@ class _ReadPath:
         ]
         if checkpoints:
             out += self._shorter_children(txn, parent, query)
+        elif out:
+            # The best match is a sibling that goes on past the query: a child holding
+            # exactly those tokens (a system prompt's end, with the rest of this prompt
+            # below it) may sit away from the query in key order. Racing saves leave
+            # such siblings.
+            best = max(step.take for step in out)
+            if best < CHILD_KEY_TOKENS and all(
+                step.take < step.rec.ntokens for step in out if step.take == best
+            ):
+                out += self._shorter_children(txn, parent, query[: best + 1])
         unique = {step.h: step for step in reversed(out)}  # keep the first of each
         return sorted(unique.values(), key=lambda step: -step.take)
 

@@ -126,6 +126,20 @@ def trees(store):
     return out, nodes
 
 
+def settled_stats(port, timeout=30):
+    """``/kvstore/stats`` once the store's writer has nothing left to do. (The last
+    save of a request is queued after its answer is sent.)"""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        stats = request(port, "/kvstore/stats")
+        idle = not any(s["pending_write_jobs"] for s in stats["stores"])
+        if idle and last is not None and last["saves"] == stats["saves"]:
+            return stats
+        last = stats if idle else None
+        assert time.monotonic() < deadline, "writes never finished"
+        time.sleep(0.1)
+
+
 def stop_killed(server):
     server.proc.wait()
     server.log.close()
@@ -170,7 +184,7 @@ def test_batch_path_clients_across_restart(tmp_path, tiny_model_dir):
         again = all_at_once(s2, bodies)
         # New salts and the unsalted pool find nothing of alice's or bob's.
         others = all_at_once(s2, [body(USERS[0], "carol"), body(USERS[0])])
-        stats = request(s2.port, "/kvstore/stats")
+        stats = settled_stats(s2.port)
         m = metrics(s2.port)
     finally:
         assert s2.stop() == 0, s2.output()
@@ -298,10 +312,7 @@ def test_sigkill_mid_batch_leaves_a_clean_store(tmp_path, tiny_model_dir):
     s1 = Server(kv, tmp_path / "run1.log")
     try:
         (done,) = all_at_once(s1, [committed])
-        deadline = time.monotonic() + 30
-        while request(s1.port, "/kvstore/stats")["stores"][0]["pending_write_jobs"]:
-            assert time.monotonic() < deadline, "writes never finished"
-            time.sleep(0.05)
+        settled_stats(s1.port)
         # 8 long generations at once; SIGKILL when every one has streamed tokens
         # (the batch is decoding and its segments are being saved).
         started = threading.Semaphore(0)
