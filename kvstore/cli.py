@@ -105,6 +105,8 @@ def open_store(path: str, model, tokenizer, args, *, remote=None):
         sizes["ram_bytes"] = args.ram_bytes
     if getattr(args, "restore_room", None) is not None:
         sizes["restore_room"] = args.restore_room
+    if getattr(args, "salt_disk_bytes", None) is not None:
+        sizes["salt_disk_bytes"] = args.salt_disk_bytes
     if hasattr(args, "disk_bytes"):
         sizes["disk_bytes"] = store_disk_budget(path, args.disk_bytes)
     try:
@@ -138,8 +140,8 @@ def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
 
 
 def add_size_options(p: argparse.ArgumentParser) -> None:
-    """``--disk-bytes``, ``--ram-bytes`` and ``--restore-room`` (shared by prefill
-    and serve)."""
+    """``--disk-bytes``, ``--ram-bytes``, ``--salt-disk-bytes`` and ``--restore-room``
+    (shared by prefill and serve)."""
     p.add_argument(
         "--disk-bytes",
         type=_size,
@@ -154,6 +156,14 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="budget of the in-memory tier, e.g. 2G (default: 512M)",
+    )
+    p.add_argument(
+        "--salt-disk-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="quota of each cache salt's tree, e.g. 2G: a salted save evicts that "
+        "tree's least recently used prefixes, never another tenant's (default: none)",
     )
     p.add_argument(
         "--restore-room",

@@ -17,9 +17,10 @@ whatever root they hang from.
 
 import hashlib
 import secrets
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from .index import Index, StoreError
+from .index import CorruptRecord, Index, StoreError
+from .policy import DiskNode, disk_victims
 
 MAX_SALT_BYTES = 256  # as vLLM's server: a longer cache_salt is refused
 SECRET_KEY = b"salt_secret"  # in the meta DB
@@ -115,6 +116,60 @@ def tree_roots(nodes: Mapping[bytes, Tuple[bytes, int]]) -> Dict[bytes, bytes]:
         if root is not None:
             out.update(dict.fromkeys(chain, root))
     return out
+
+
+def make_tree_room(
+    index: Index,
+    txn,
+    ns: bytes,
+    root: bytes,
+    max_bytes: int,
+    incoming: int,
+    *,
+    keep=frozenset(),
+) -> List[Tuple[Tuple[bytes, bytes], object]]:
+    """Inside a write transaction: delete least recently used unpinned leaves of the
+    tree hanging from ``root`` (never another tree's) until its node files and
+    ``incoming`` bytes fit ``max_bytes``: a per-salt disk quota.
+
+    Args:
+        index: The store's index.
+        txn: The write transaction (of the commit adding ``incoming`` bytes).
+        ns: The namespace.
+        root: The salted tree's root hash.
+        max_bytes: The tree's quota.
+        incoming: Bytes the transaction is about to add to the tree.
+        keep: ``(ns, hash)`` of nodes that must stay (the new nodes' parents); their
+            ancestors stay too.
+
+    Returns:
+        ``((ns, hash), record)`` of the deleted nodes, children before parents: their
+        files are unlinked after the commit.
+    """
+    nodes: Dict[Tuple[bytes, bytes], DiskNode] = {}
+    todo = [root]
+    while todo:
+        parent = todo.pop()
+        for h in index.children(ns, parent, txn):
+            try:
+                rec = index.get_node(ns, h, txn)
+            except CorruptRecord:
+                continue  # a fetch or verify reports it
+            if rec is None or (ns, h) in nodes:
+                continue
+            pinned = rec.pinned or (ns, h) in keep
+            nodes[ns, h] = DiskNode(
+                index.atime(txn, ns, h), rec.total_bytes, (ns, rec.parent), pinned
+            )
+            todo.append(h)
+    excess = sum(n.nbytes for n in nodes.values()) + incoming - max_bytes
+    if excess <= 0:
+        return []
+    gone = []
+    for key in disk_victims(nodes, excess):  # children before their parents
+        if not index.has_children(txn, *key):
+            gone.append((key, index.delete_node(txn, *key)))
+    return gone
 
 
 def _type(value) -> str:

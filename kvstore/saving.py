@@ -86,9 +86,7 @@ class _WritePath:
         self._touch(existing)
 
         def job():
-            self._write_nodes(
-                nodes, kind=kind, pin=pin, existing=existing, upload=root == self.root
-            )
+            self._write_nodes(nodes, kind=kind, pin=pin, existing=existing, root=root)
 
         if (nodes or pin) and not self.writer.submit(job, nbytes):
             with self._lock:
@@ -196,12 +194,13 @@ class _WritePath:
         kind: str,
         pin: bool,
         existing: List[bytes],
-        upload: bool = True,
+        root: Optional[bytes] = None,
     ):
         """Writer thread: serialize the files, reserve their bytes under the disk budget
         (:meth:`_reserve`), write them, then commit their nodes in one transaction that
         also drops the reservation. A file is reserved until it is indexed or unlinked.
-        ``upload=False`` keeps the nodes from the remote tier (a salted tree's).
+        ``root``: a salted tree's (its nodes stay off the remote tier and count
+        against ``salt_disk_bytes``); None: the namespace's.
         """
         ns = self.namespace
         files = [self._serialize(node) for node in nodes]
@@ -228,7 +227,7 @@ class _WritePath:
             added, superseded = [], []
             if reservation is not None:
                 reservations.delete(self.index, txn, reservation)
-            evicted[:] = self._make_room(txn, written)
+            evicted[:] = self._make_room(txn, written, root)
             for at, (node, delta, state) in enumerate(written):
                 if state is not None and not is_ours(node.h, state[1], STATE_PART):
                     state = None
@@ -312,7 +311,8 @@ class _WritePath:
             self._counters.nodes_written += len(added)
             self._counters.nodes_skipped += skipped[0]
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
-        if self.remote is not None and added and upload:
+        salted = root not in (None, self.root)
+        if self.remote is not None and added and not salted:
             self.remote.after_commit(added)  # queues uploads; returns at once
         self._enforce_disk_budget()
 

@@ -613,6 +613,8 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
             store_kwargs["ram_bytes"] = args.ram_bytes
         if args.restore_room is not None:
             store_kwargs["restore_room"] = args.restore_room
+        if args.salt_disk_bytes is not None:
+            store_kwargs["salt_disk_bytes"] = args.salt_disk_bytes
         if getattr(cli_args, "kv_bits", None) is not None:
             # mlx-lm quantizes long prompts' KV (--kv-bits): store those caches.
             store_kwargs.update(

@@ -79,6 +79,9 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         chunk_tokens: Tokens per trie node.
         ram_bytes: Budget of the in-memory tier (0 disables it).
         disk_bytes: Budget of the chunk files on disk (None: unlimited).
+        salt_disk_bytes: Quota of each salted tree's chunk files (None: none): a
+            save under a salt evicts that tree's least recently used prefixes, never
+            another tenant's, so one tenant cannot push all others out.
         max_pending_bytes: Writes waiting for the disk beyond this are dropped.
         read_threads: Threads reading chunk files in parallel during a restore
             (the calling thread is one of them).
@@ -108,6 +111,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         chunk_tokens: int = 256,
         ram_bytes: int = DEFAULT_RAM_BYTES,
         disk_bytes: Optional[int] = None,
+        salt_disk_bytes: Optional[int] = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         read_threads: int = 2,
         restore_room: int = 2048,
@@ -125,6 +129,8 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         check_int("restore_room", restore_room, minimum=0)
         if disk_bytes is not None:
             check_int("disk_bytes", disk_bytes, minimum=0)
+        if salt_disk_bytes is not None:
+            check_int("salt_disk_bytes", salt_disk_bytes, minimum=0)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
                 f"path must be a str or os.PathLike, got {type(path).__name__}"
@@ -149,6 +155,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         self.tokenizer = tokenizer
         self.chunk_tokens = chunk_tokens
         self.disk_bytes = disk_bytes
+        self.salt_disk_bytes = salt_disk_bytes
         self.layout = adapters.probe_layout(
             model, _cache_maker(model, kv_bits, kv_group_size)
         )
@@ -503,6 +510,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 "pinned_bytes": pinned,
                 "store_bytes_on_disk": total,
                 "disk_budget": self.disk_bytes,
+                "salt_disk_budget": self.salt_disk_bytes,
                 "ram_bytes": self.ram.nbytes,
                 "ram_entries": len(self.ram),
                 "ram_budget": self.ram.max_bytes,

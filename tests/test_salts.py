@@ -305,3 +305,36 @@ def test_cli_prefill_salt_and_stats(tmp_path, tiny_model_dir, capsys):
             main(["prefill", str(prompts), "--salt", bad, *common])
         assert e.value.code == 2
         assert "--salt" in capsys.readouterr().err
+
+
+def test_salt_quota_evicts_only_that_tenants_tree(tmp_path, model, tokenizer):
+    prompts = [[10 + i] + random_tokens(99, seed=50 + i) for i in range(6)]
+    caches = [compute_cache(model, p) for p in prompts]
+    with kvstore.KVStore(tmp_path / "probe", model, tokenizer) as probe:
+        probe.save(prompts[0], caches[0])
+        probe.flush()
+        node_bytes = probe.stats()["bytes_on_disk"]
+    quota = 2 * node_bytes + node_bytes // 2  # room for two such prompts
+    with kvstore.KVStore(
+        tmp_path / "s", model, tokenizer, salt_disk_bytes=quota
+    ) as store:
+        store.save(prompts[0], caches[0])  # unsalted: no quota
+        store.save(prompts[1], caches[1], salt="quiet")
+        store.save(prompts[5], caches[5], salt="noisy", pin=True)  # never evicted
+        store.flush()
+        for i in (2, 3, 4):  # the noisy tenant goes on saving
+            store.save(prompts[i], caches[i], salt="noisy")
+            store.flush()
+            trees = maintenance.store_stats(store.path)["namespaces"][0]
+            noisy = [t for t in trees["salted_trees"] if t["nodes"] > 1]
+            assert all(t["bytes"] <= quota for t in trees["salted_trees"])
+        assert store.fetch(prompts[0] + [1])[1] == 100  # others untouched
+        assert store.fetch(prompts[1] + [1], salt="quiet")[1] == 100
+        assert store.fetch(prompts[5] + [1], salt="noisy")[1] == 100  # pinned
+        assert store.fetch(prompts[4] + [1], salt="noisy")[1] == 100  # newest
+        assert store.fetch(prompts[2] + [1], salt="noisy")[1] == 0  # evicted
+        assert store.stats()["nodes_evicted"] == 2
+        assert len(noisy) == 1 and noisy[0]["nodes"] == 2
+    assert maintenance.verify(tmp_path / "s")["clean"]
+    with pytest.raises(ValueError, match="salt_disk_bytes"):
+        kvstore.KVStore(tmp_path / "s", model, tokenizer, salt_disk_bytes=-1)

@@ -353,7 +353,8 @@ def test_bad_salts_are_400s_and_store_nothing(tmp_path, tiny_model_dir):
     store = str(tmp_path / "store")
     kv = ["kvstore.server", "--model", tiny_model_dir, "--store", store]
     s = Server(
-        kv + ["--salt-header", "X-Tenant", "--require-salt"], tmp_path / "run.log"
+        kv + ["--salt-header", "X-Tenant", "--require-salt", "--salt-disk-bytes", "1G"],
+        tmp_path / "run.log",
     )
     chat, text_path = "/v1/chat/completions", "/v1/completions"
     tenant = {"X-Tenant": "acme"}
@@ -409,6 +410,10 @@ def test_bad_salts_are_400s_and_store_nothing(tmp_path, tiny_model_dir):
             outs.append(cached(out))
         assert outs[0] == 0 and outs[1] > 250 and outs[2] == 0
         assert metrics(s.port)[("kvstore_rejected_requests_total", ())] == len(bad) + 1
+        assert (
+            request(s.port, "/kvstore/stats")["stores"][0]["salt_disk_budget"]
+            == 1 << 30
+        )
     finally:
         assert s.stop() == 0, s.output()
     assert maintenance.verify(store)["clean"]

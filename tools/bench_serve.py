@@ -105,6 +105,29 @@ def words(rng: random.Random, n: int, vocab: int) -> str:
     return " ".join(f"w{rng.randrange(8, vocab)}" for _ in range(n))
 
 
+class Texts:
+    """Random texts of a given token count for a model's tokenizer: one word per
+    token with the built model's word-level tokenizer, else cut to length."""
+
+    def __init__(self, model_dir: str, vocab: Optional[int]):
+        self.vocab = vocab
+        self.eos = 2
+        self.tokenizer = None
+        if vocab is None:
+            from pathlib import Path
+
+            from mlx_lm.utils import load_tokenizer
+
+            self.tokenizer = load_tokenizer(Path(model_dir))
+            self.eos = self.tokenizer.eos_token_id
+
+    def make(self, rng: random.Random, n: int) -> str:
+        if self.tokenizer is None:
+            return words(rng, n, self.vocab)
+        ids = self.tokenizer.encode(words(rng, n, 10000), add_special_tokens=False)
+        return self.tokenizer.decode(ids[:n])
+
+
 # -- servers -------------------------------------------------------------------------
 
 
@@ -179,7 +202,7 @@ class Server:
 # -- requests -------------------------------------------------------------------------
 
 
-def chat(system: str, user: str, max_tokens: int) -> dict:
+def chat(system: str, user: str, max_tokens: int, eos: int = 2) -> dict:
     return {
         "model": "default_model",
         "messages": [
@@ -190,7 +213,7 @@ def chat(system: str, user: str, max_tokens: int) -> dict:
         "stream_options": {"include_usage": True},
         "temperature": 0,
         "max_tokens": max_tokens,
-        "logit_bias": {"2": -1000.0},  # no end of sequence: fixed lengths
+        "logit_bias": {str(eos): -1000.0},  # no end of sequence: fixed lengths
     }
 
 
@@ -329,13 +352,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _run(args, work: str) -> int:
     model = args.model or build_model(os.path.join(work, "model"), args)
-    vocab = args.vocab
-    if args.model:
-        with open(os.path.join(args.model, "config.json")) as f:
-            vocab = json.load(f).get("vocab_size", vocab)
-    rng = random.Random(0)
-    # The chat template adds 2 tokens of its own to the system message.
-    system = words(rng, args.system_tokens - 4, vocab)
+    text = Texts(model, None if args.model else args.vocab)
+    # The chat template adds a few tokens of its own to the system message.
+    system = text.make(random.Random(0), args.system_tokens - 4)
     extra = args.server_args.split()
     plain_cmd = ["mlx_lm", "server", "--model", model, *extra]
     store = os.path.join(work, "store")
@@ -343,10 +362,10 @@ def _run(args, work: str) -> int:
     kv_cmd += args.kvstore_args.split()
     describe = f"model {'random llama' if not args.model else args.model}: " + (
         f"{args.layers} layers, hidden {args.heads * 64}, {args.heads} heads / "
-        f"{args.kv_heads} KV heads x 64, MLP {args.intermediate}, vocab {vocab}, "
-        "float16 (random weights, word-level tokenizer)"
+        f"{args.kv_heads} KV heads x 64, MLP {args.intermediate}, vocab "
+        f"{args.vocab}, float16 (random weights, word-level tokenizer)"
         if not args.model
-        else ""
+        else "its own weights and tokenizer"
     )
     machine = (
         f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, "
@@ -369,8 +388,8 @@ def _run(args, work: str) -> int:
     }
 
     def body(tag) -> dict:
-        r = random.Random(repr(tag))
-        return chat(system, words(r, args.user_tokens, vocab), args.max_tokens)
+        user = text.make(random.Random(repr(tag)), args.user_tokens)
+        return chat(system, user, args.max_tokens, text.eos)
 
     # -- warm throughput ----------------------------------------------------------
     servers = {
