@@ -24,6 +24,8 @@ import numpy as np
 import xxhash
 from safetensors import TensorSpec, serialize
 
+from . import fsutil
+
 MAX_HEADER_BYTES = 1 << 20
 # Buffers per preadv call (the kernel refuses more: EINVAL).
 _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
@@ -281,7 +283,7 @@ class Blobs:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            fsutil.fsync(fd)
             inode = os.fstat(fd).st_ino  # the final name's too, once linked
         except BaseException:
             os.close(fd)
@@ -297,7 +299,7 @@ class Blobs:
                         adopted = self._adopt(final)
                     except FileNotFoundError:
                         continue  # removed (evicted) since: publish ours after all
-                    _fsync_dir(directory)
+                    fsutil.fsync_dir(directory)
                     return adopted
                 except OSError as e:  # no hard links (e.g. some network or FAT mounts)
                     if e.errno not in _NO_LINKS:
@@ -308,12 +310,16 @@ class Blobs:
                 raise OSError(errno.EAGAIN, f"{final} keeps appearing and vanishing")
         finally:
             _unlink(tmp)
-        _fsync_dir(directory)
+        fsutil.fsync_dir(directory)
         return Published(len(data), file_checksum(data), inode, True)
 
     def _adopt(self, final: str) -> "Published":
         """Size, checksum and inode of a complete file another writer published."""
-        with open(final, "rb") as f:
+        try:
+            f = os.fdopen(fsutil.open_regular(final), "rb")
+        except fsutil.NotRegularFile as e:  # planted there: never adopt it
+            raise OSError(errno.EEXIST, f"{final} {e.strerror}") from None
+        with f:
             existing = f.read()
             inode = os.fstat(f.fileno()).st_ino
         parse_header(existing, len(existing))
@@ -332,9 +338,11 @@ class Blobs:
 
     def _open(self, ns: bytes, h: bytes, nbytes: int, part: str) -> int:
         try:
-            fd = os.open(self.path(ns, h, part), os.O_RDONLY)
+            fd = fsutil.open_regular(self.path(ns, h, part))
         except FileNotFoundError:
             raise CorruptBlob("file is missing") from None
+        except fsutil.NotRegularFile as e:
+            raise CorruptBlob(f"file {e.strerror}") from None
         size = os.fstat(fd).st_size
         if size != nbytes:
             os.close(fd)
@@ -397,7 +405,8 @@ class Blobs:
             view = memoryview(staging)[:nbytes]
             view[: len(head)] = head
             rest = view[len(head) :]
-            if os.preadv(opened.fd, [rest], len(head)) != len(rest):
+            got = fsutil.preadv(opened.fd, [rest], len(head), nbytes=len(rest))
+            if got != len(rest):
                 raise CorruptBlob("file shrank while being read")
         if xxhash.xxh3_64_intdigest(view) != checksum:
             raise CorruptBlob("checksum mismatch")
@@ -461,7 +470,7 @@ class Blobs:
             # cache: a second pass over the whole node would cost memory bandwidth.
             for i, j, want in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
                 batch = buffers[i:j]
-                if os.preadv(opened.fd, batch, pos) != want:
+                if fsutil.preadv(opened.fd, batch, pos, nbytes=want) != want:
                     raise CorruptBlob("file shrank while being read")
                 pos += want
                 collections.deque(map(update, batch), 0)  # a loop in C
@@ -584,17 +593,3 @@ def _unlink(path: str):
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(path: str):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)

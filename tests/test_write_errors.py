@@ -19,6 +19,7 @@ import pytest
 from conftest import compute_cache, random_tokens
 
 import kvstore.blobs
+import kvstore.fsutil
 from kvstore import KVStore
 
 C = 32
@@ -125,6 +126,7 @@ def test_write_error(tmp_path, model, monkeypatch, caplog, op, err, at_node, how
         before = snapshot(store)
         fake, state = failing_os(op, err, at_node)
         monkeypatch.setattr(kvstore.blobs, "os", fake)
+        monkeypatch.setattr(kvstore.fsutil, "os", fake)  # fsyncs go through fsutil
 
         if how == "save":
             assert store.save(NEW, compute_cache(model, NEW)) == 5
