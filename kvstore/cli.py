@@ -137,6 +137,15 @@ def open_store(path: str, model, tokenizer, args, *, remote=None):
         raise CLIError(f"cannot use --kv-bits/--kv-group-size here: {e}") from None
 
 
+def check_store(path: str) -> None:
+    """What opening the store will check, before a model is loaded for it (an
+    existing store only: a new one is created with the model's namespace)."""
+    if os.path.lexists(path):
+        from .store import check_store as check
+
+        check(path)
+
+
 def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
     """``--disk-bytes`` if given, else the budget the store recorded when one was last
     given (a store keeps its budget across runs, as ``kvstore gc`` does)."""
@@ -212,6 +221,7 @@ def cmd_prefill(args) -> int:
     lines = _read_prompts(args.prompts)
     name = "<stdin>" if args.prompts == "-" else args.prompts
     remote = remote_tier(args.remote)  # a bad URL fails before the model loads
+    check_store(args.store)  # so does a store that is not one, or read-only
     model, tokenizer = load_model(args.model)
     limit = _context_length(model)
     if args.max_tokens_per_prompt:
@@ -254,7 +264,8 @@ def cmd_prefill(args) -> int:
             if store.stats()["writes_failed"] > failed_writes:
                 summary["failed"] += 1  # computed, but not stored: say so
                 bar.write(
-                    f"{where}: not stored: writing to the store failed (see the log)"
+                    f"{where}: not stored: writing to the store failed (see the log)",
+                    file=sys.stderr,
                 )
                 bar.update(1)
                 if args.strict:
@@ -517,6 +528,7 @@ def cmd_pin(args, pinned: bool = True) -> int:
             raise CLIError(f"--namespace/--node: {e}") from None
         print(f"{'pinned' if pinned else 'unpinned'} {n} nodes")
         return EXIT_OK
+    check_store(args.store)
     model, tokenizer = load_model(args.model)
     if args.file:
         texts = [(f"{args.file}:{no}", t) for no, t in _read_prompts(args.file)]
