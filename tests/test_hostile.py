@@ -553,7 +553,9 @@ def test_dangling_store_symlink_says_so(tmp_path, capsys, tiny_model_dir):
 # -- bug 9: kvstore serve start-up -----------------------------------------------------------
 
 
-def test_serve_refuses_bad_stores_before_the_model_loads(stored, tmp_path, capsys):
+def test_serve_refuses_bad_stores_before_the_model_loads(
+    stored, tmp_path, capsys, monkeypatch
+):
     foreign_lmdb(tmp_path / "theirs" / "index")
     other = tmp_path / "other"
     shutil.copytree(stored, other)
@@ -561,12 +563,17 @@ def test_serve_refuses_bad_stores_before_the_model_loads(stored, tmp_path, capsy
     truncated = tmp_path / "truncated"
     shutil.copytree(stored, truncated)
     os.truncate(truncated / "index" / "data.mdb", 16384)
+    import mlx_lm.server
+
+    def serve():  # where the model would load and the server run (for ever)
+        raise AssertionError("kvstore serve got past its store checks")
+
+    monkeypatch.setattr(mlx_lm.server, "main", serve)
     for store, message in (
         (tmp_path / "theirs", "not a kvstore store"),
         (other, "format version 1.5"),
         (truncated, "data.mdb is truncated"),
     ):
-        # No --model: it would be loaded (converted) only after the store checks.
         status = server.main(["--store", str(store)], hard_exit=False)
         err = capsys.readouterr().err
         assert status == 2, err
