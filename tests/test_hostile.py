@@ -578,3 +578,12 @@ def test_serve_refuses_bad_stores_before_the_model_loads(
         err = capsys.readouterr().err
         assert status == 2, err
         one_line(err, str(store), message)
+
+
+def test_a_disk_budget_of_0_is_refused(stored, model):
+    """It made a store that keeps nothing, shown as "no disk budget"."""
+    with pytest.raises(ValueError, match="nbytes must be >= 1"):
+        maintenance.set_disk_budget(stored, 0)
+    with pytest.raises(ValueError, match="disk_bytes must be >= 1"):
+        KVStore(stored, model, chunk_tokens=C, disk_bytes=0)
+    assert maintenance.disk_budget(stored) is None

@@ -102,7 +102,8 @@ def set_disk_budget(path, nbytes: Optional[int]) -> None:
     Raises:
         StoreError: ``path`` is not a kvstore directory.
     """
-    _check_optional_int("nbytes", nbytes)
+    if nbytes is not None:  # 0 would keep nothing: None is "no budget"
+        check_int("nbytes", nbytes, minimum=1)
     with _opened(path) as (index, _):
         write_disk_budget(index, nbytes)
 
