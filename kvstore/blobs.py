@@ -24,6 +24,8 @@ import numpy as np
 import xxhash
 from safetensors import TensorSpec, serialize
 
+from . import fsutil
+
 MAX_HEADER_BYTES = 1 << 20
 # Buffers per preadv call (the kernel refuses more: EINVAL).
 _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
@@ -236,22 +238,48 @@ class Blobs:
     A node may also have a state file, ``<h>.state.safetensors``: the checkpoint of
     the layers whose state does not concatenate (see :mod:`kvstore.adapters`).
 
+    No symlink below ``root`` is followed: files are read through
+    :func:`fsutil.open_regular_beneath`; a node whose directories are not real ones
+    has no files as far as writing, removing and quarantining go.
+
     Args:
         root: The blobs directory.
         quarantine: Where broken files are moved for inspection.
+        create: Create ``root`` when missing (a read-only open does not).
     """
 
     SUFFIX = ".safetensors"
 
-    def __init__(self, root: str, quarantine: str):
+    def __init__(self, root: str, quarantine: str, *, create: bool = True):
         self.root = root
         self.quarantine_dir = quarantine
         self._headers: Dict[tuple, tuple] = {}  # validated headers, by their bytes
-        os.makedirs(root, exist_ok=True)
+        if create:
+            fsutil.makedirs(root)
+
+    def _parts(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> List[str]:
+        hx = h.hex()
+        return [ns.hex(), hx[:2], hx + part + self.SUFFIX]
 
     def path(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> str:
-        hx = h.hex()
-        return os.path.join(self.root, ns.hex(), hx[:2], hx + part + self.SUFFIX)
+        return os.path.join(self.root, *self._parts(ns, h, part))
+
+    def _real_dirs(self, ns: bytes, h: bytes) -> bool:
+        """Whether node ``h``'s directories are real ones (or missing), not links."""
+        try:
+            fsutil.check_real_dirs(self.root, self._parts(ns, h)[:2])
+        except fsutil.NotRegularFile:
+            return False
+        return True
+
+    def open_file(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> int:
+        """Open node ``h``'s file (delta or state ``part``) to read: a descriptor.
+
+        Raises:
+            FileNotFoundError: no file.
+            fsutil.NotRegularFile: a symlink, FIFO... in its place or on its path.
+        """
+        return fsutil.open_regular_beneath(self.root, self._parts(ns, h, part))
 
     # -- writing -----------------------------------------------------------
 
@@ -272,7 +300,12 @@ class Blobs:
         """
         final = self.path(ns, h, part)
         directory = os.path.dirname(final)
-        os.makedirs(directory, exist_ok=True)
+        if not os.path.isdir(self.root):  # the store was deleted: do not remake it
+            raise FileNotFoundError(
+                errno.ENOENT, "the blobs directory is gone", self.root
+            )
+        fsutil.check_real_dirs(self.root, self._parts(ns, h)[:2])  # never write out
+        fsutil.makedirs(directory)
         tmp = os.path.join(
             directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         )
@@ -281,7 +314,7 @@ class Blobs:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            fsutil.fsync(fd)
             inode = os.fstat(fd).st_ino  # the final name's too, once linked
         except BaseException:
             os.close(fd)
@@ -297,7 +330,7 @@ class Blobs:
                         adopted = self._adopt(final)
                     except FileNotFoundError:
                         continue  # removed (evicted) since: publish ours after all
-                    _fsync_dir(directory)
+                    fsutil.fsync_dir(directory)
                     return adopted
                 except OSError as e:  # no hard links (e.g. some network or FAT mounts)
                     if e.errno not in _NO_LINKS:
@@ -308,12 +341,16 @@ class Blobs:
                 raise OSError(errno.EAGAIN, f"{final} keeps appearing and vanishing")
         finally:
             _unlink(tmp)
-        _fsync_dir(directory)
+        fsutil.fsync_dir(directory)
         return Published(len(data), file_checksum(data), inode, True)
 
     def _adopt(self, final: str) -> "Published":
         """Size, checksum and inode of a complete file another writer published."""
-        with open(final, "rb") as f:
+        try:
+            f = os.fdopen(fsutil.open_regular(final), "rb")
+        except fsutil.NotRegularFile as e:  # planted there: never adopt it
+            raise OSError(errno.EEXIST, f"{final} {e.strerror}") from None
+        with f:
             existing = f.read()
             inode = os.fstat(f.fileno()).st_ino
         parse_header(existing, len(existing))
@@ -324,7 +361,7 @@ class Blobs:
     ) -> Optional[int]:
         """The inode now at node ``h``'s path, None when there is no file."""
         try:
-            return os.stat(self.path(ns, h, part)).st_ino
+            return os.lstat(self.path(ns, h, part)).st_ino
         except FileNotFoundError:
             return None
 
@@ -332,9 +369,11 @@ class Blobs:
 
     def _open(self, ns: bytes, h: bytes, nbytes: int, part: str) -> int:
         try:
-            fd = os.open(self.path(ns, h, part), os.O_RDONLY)
+            fd = self.open_file(ns, h, part)
         except FileNotFoundError:
             raise CorruptBlob("file is missing") from None
+        except fsutil.NotRegularFile as e:
+            raise CorruptBlob(f"file {e.strerror}") from None
         size = os.fstat(fd).st_size
         if size != nbytes:
             os.close(fd)
@@ -397,7 +436,8 @@ class Blobs:
             view = memoryview(staging)[:nbytes]
             view[: len(head)] = head
             rest = view[len(head) :]
-            if os.preadv(opened.fd, [rest], len(head)) != len(rest):
+            got = fsutil.preadv(opened.fd, [rest], len(head), nbytes=len(rest))
+            if got != len(rest):
                 raise CorruptBlob("file shrank while being read")
         if xxhash.xxh3_64_intdigest(view) != checksum:
             raise CorruptBlob("checksum mismatch")
@@ -461,7 +501,7 @@ class Blobs:
             # cache: a second pass over the whole node would cost memory bandwidth.
             for i, j, want in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
                 batch = buffers[i:j]
-                if os.preadv(opened.fd, batch, pos) != want:
+                if fsutil.preadv(opened.fd, batch, pos, nbytes=want) != want:
                     raise CorruptBlob("file shrank while being read")
                 pos += want
                 collections.deque(map(update, batch), 0)  # a loop in C
@@ -499,21 +539,27 @@ class Blobs:
     def size(self, ns: bytes, h: bytes) -> Optional[int]:
         """Bytes of node ``h``'s files (delta and state), None when it has none."""
         sizes = []
+        if not self._real_dirs(ns, h):
+            return None
         for part in (DELTA_PART, STATE_PART):
             try:
-                sizes.append(os.stat(self.path(ns, h, part)).st_size)
+                sizes.append(os.lstat(self.path(ns, h, part)).st_size)
             except FileNotFoundError:
                 pass
         return sum(sizes) if sizes else None
 
     def remove(self, ns: bytes, h: bytes) -> None:
         """Unlink node ``h``'s files (both parts)."""
+        if not self._real_dirs(ns, h):
+            return
         for part in (DELTA_PART, STATE_PART):
             _unlink(self.path(ns, h, part))
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
         """Move a broken node's files aside (with a note saying why); None if gone."""
-        os.makedirs(self.quarantine_dir, exist_ok=True)
+        if not self._real_dirs(ns, h):
+            return None
+        fsutil.makedirs(self.quarantine_dir)
         moved = None
         for part in (DELTA_PART, STATE_PART):
             dst = os.path.join(
@@ -524,7 +570,8 @@ class Blobs:
                 shutil.move(self.path(ns, h, part), dst)
             except FileNotFoundError:
                 continue
-            with open(dst + ".reason", "w") as f:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+            with os.fdopen(os.open(dst + ".reason", flags, 0o644), "w") as f:
                 f.write(reason + "\n")
             moved = moved or dst
         return moved
@@ -584,17 +631,3 @@ def _unlink(path: str):
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(path: str):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import struct
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -441,3 +442,33 @@ def test_fuzz_records_through_the_store(stored, model, tmp_path):
         f"{wrong} wrong restores"
     )
     assert wrong == 0 and tried > rounds // 2
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink-outside", "directory"])
+def test_planted_non_file_is_a_quick_miss(stored, model, tmp_path, planted):
+    """A FIFO would block a plain open for ever; a symlink leads out of the store."""
+    with KVStore(stored, model, chunk_tokens=C, ram_bytes=0) as s:
+        path = s.blobs.path(s.namespace, node_at(s, VICTIM))
+    outside = tmp_path / "outside"
+    outside.write_bytes(open(path, "rb").read())  # even a byte-identical copy
+    os.unlink(path)
+    if planted == "fifo":
+        os.mkfifo(path)
+    elif planted == "symlink-outside":
+        os.symlink(outside, path)
+    else:
+        os.mkdir(path)
+    errors = []
+
+    def check():
+        try:
+            assert_miss_from(model, stored, VICTIM)
+        except BaseException as e:  # reported by the test's thread below
+            errors.append(e)
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), f"a fetch over a planted {planted} hangs"
+    if errors:
+        raise errors[0]

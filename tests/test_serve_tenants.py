@@ -249,7 +249,7 @@ def test_sequential_path_clients_across_restart(tmp_path, llama4_dir):
     s1 = Server(kv, tmp_path / "run1.log")
     try:
         got_first = all_at_once(s1, first)
-        stats = request(s1.port, "/kvstore/stats")
+        stats = settled_stats(s1.port)
     finally:
         assert s1.stop() == 0, s1.output()
     assert_same_answers(got_first, want_first)

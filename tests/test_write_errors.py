@@ -19,6 +19,7 @@ import pytest
 from conftest import compute_cache, random_tokens
 
 import kvstore.blobs
+import kvstore.fsutil
 from kvstore import KVStore
 
 C = 32
@@ -47,10 +48,10 @@ def failing_os(op: str, err: int, at_node: int):
         state["failed"] += 1
         raise OSError(err, os.strerror(err))
 
-    def open_(path, flags, *a):
+    def open_(path, flags, *a, **kw):
         if flags & real.O_EXCL:  # a new temp file: the next node's write begins
             state["node"] += 1
-        return real.open(path, flags, *a)
+        return real.open(path, flags, *a, **kw)
 
     def now() -> bool:
         return state["node"] == at_node
@@ -125,6 +126,7 @@ def test_write_error(tmp_path, model, monkeypatch, caplog, op, err, at_node, how
         before = snapshot(store)
         fake, state = failing_os(op, err, at_node)
         monkeypatch.setattr(kvstore.blobs, "os", fake)
+        monkeypatch.setattr(kvstore.fsutil, "os", fake)  # fsyncs go through fsutil
 
         if how == "save":
             assert store.save(NEW, compute_cache(model, NEW)) == 5
