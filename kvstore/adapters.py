@@ -462,7 +462,8 @@ class Layout:
     def node_slices(
         self, cache: Sequence[Any], start: int, end: int
     ) -> Dict[str, mx.array]:
-        """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints."""
+        """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints
+        (evaluated, they share the cache's buffers)."""
         out = {}
         for (name, layer), leaf in zip(_leaves(cache), self.leaves):
             if leaf.mode != DELTA:

@@ -9,11 +9,17 @@ of work instead of one per file:
 1. every file is written to its temp file, and the kernel is told to start writing
    it to the device at once (:func:`kvstore.fsutil.start_writeback`), so the disk
    works while the next file is written;
-2. every temp file is fsynced (the oldest ones while later ones are written, to keep
-   at most ``OPEN_FILES`` descriptors; on macOS the drive's cache is flushed once,
-   by the last one, see :func:`kvstore.fsutil.fsync`);
+2. every temp file is fsynced, by ``SYNC_THREADS`` threads at once (the oldest ones
+   while later ones are written, to keep at most ``OPEN_FILES`` descriptors);
 3. only then is every file linked to its final name, and
-4. every directory touched (each once) is fsynced.
+4. every directory touched (each once) is fsynced, again by several threads.
+
+Each ``fsync`` also flushes the drive's cache: one after the other, a save's 128
+files and 100 directories cost 228 flushes, and while other processes write, each
+waits for their writes too (measured: 0.5-0.9 s of a 32K-token save). Issued
+concurrently, the file system joins them into shared journal commits and the block
+layer merges their flushes. On macOS the drive's cache is flushed once per step
+instead, by the last ``fsync`` (``F_FULLFSYNC``; see :func:`kvstore.fsutil.fsync`).
 
 Why this order is as safe as one file at a time: a file gets its final name only
 after its bytes are durable (2 before 3), and the caller commits the index only
@@ -28,8 +34,10 @@ import collections
 import errno
 import os
 import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import xxhash
 
@@ -44,10 +52,12 @@ from .blobs import (
     _unlink,
 )
 
-# Temp files kept open while a save writes more: older ones are fsynced (their
+# Temp files open at once (written, or being fsynced): older ones are fsynced (their
 # writeback started when written) and closed. Bounds descriptors (macOS allows a
 # process 256 by default) without waiting early for a file still being written.
 OPEN_FILES = 32
+# Threads issuing a save's fsyncs at once (the GIL is released while they wait).
+SYNC_THREADS = 4
 _LINK_ATTEMPTS = 5  # publishing races with other processes' evictions of that file
 _NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV)
 
@@ -79,6 +89,7 @@ class WriteBatch:
         self.blobs = blobs
         self.staged: List[Staged] = []
         self._open: "collections.deque[Staged]" = collections.deque()
+        self._syncing: "collections.deque[Future]" = collections.deque()
         self._dirs: Dict[str, None] = {}  # to fsync, in order, once each
 
     def add(self, ns: bytes, h: bytes, data: NodeFile, part: str = DELTA_PART):
@@ -105,8 +116,12 @@ class WriteBatch:
         fsutil.start_writeback(fd)
         staged.inode = os.fstat(fd).st_ino  # the final name's too, once linked
         staged.checksum = digest.intdigest()
-        while len(self._open) > OPEN_FILES:
-            self._sync(self._open.popleft(), device=False)
+        # Half the descriptors for files still being written back, half for fsyncs
+        # in flight; a full window waits for the oldest fsync.
+        while len(self._open) > max(1, OPEN_FILES // 2):
+            self._sync_later(self._open.popleft())
+        while len(self._open) + len(self._syncing) > max(2, OPEN_FILES):
+            self._syncing.popleft().result()  # raises the fsync's error
         return staged
 
     def publish(self) -> List[Published]:
@@ -117,21 +132,33 @@ class WriteBatch:
         caller removes the final names whose ``link_tried`` is set and that still
         hold this batch's inode (:meth:`kvstore.store.KVStore._remove_written`).
         """
-        # The last file flushes the drive's cache for all of them (macOS; see
-        # fsutil.fsync): every file is durable before any is linked.
+        last = self._open.pop() if self._open else None
         while self._open:
-            last = len(self._open) == 1
-            self._sync(self._open.popleft(), device=last)
+            self._sync_later(self._open.popleft())
+        self._wait()
+        # Every other file is synced: the last one's flushes the drive's cache for
+        # all of them (macOS; see fsutil.fsync). All are durable before any is linked.
+        if last is not None:
+            fd, last.fd = last.fd, -1
+            _sync_file(fd, device=True)
         out = [self._link(s) for s in self.staged]
         for s in self.staged:
             _unlink(s.tmp)
         dirs = list(self._dirs)
-        for i, d in enumerate(dirs):
-            fsutil.fsync_dir(d, device=i == len(dirs) - 1)
+        for d in dirs[:-1]:
+            self._syncing.append(_pool().submit(fsutil.fsync_dir, d, device=False))
+        self._wait()
+        if dirs:
+            fsutil.fsync_dir(dirs[-1])
         return out
 
     def close(self) -> None:
-        """Close what is open and unlink every temp file left (idempotent)."""
+        """Wait for fsyncs in flight, close what is open and unlink every temp file
+        left (idempotent)."""
+        try:
+            self._wait()
+        except Exception:
+            pass  # publish() raised it, or the save fails anyway
         for s in self.staged:
             if s.fd >= 0:
                 fd, s.fd = s.fd, -1
@@ -162,12 +189,21 @@ class WriteBatch:
         os.makedirs(directory, exist_ok=True)
         self._dirs[parent] = None
 
-    def _sync(self, s: Staged, *, device: bool) -> None:
+    def _sync_later(self, s: Staged) -> None:
+        """fsync and close ``s`` on a pool thread (the job owns its descriptor)."""
         fd, s.fd = s.fd, -1
-        try:
-            fsutil.fsync(fd, device=device)
-        finally:
-            os.close(fd)
+        self._syncing.append(_pool().submit(_sync_file, fd, device=False))
+
+    def _wait(self) -> None:
+        """Wait for every fsync in flight; raise the first error (after all ended)."""
+        error = None
+        while self._syncing:
+            try:
+                self._syncing.popleft().result()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def _link(self, s: Staged) -> Published:
         """Give ``s`` its final name; a file already there is adopted, not replaced.
@@ -192,6 +228,29 @@ class WriteBatch:
                 os.replace(s.tmp, s.final)
             return Published(s.nbytes, s.checksum, s.inode, True)
         raise OSError(errno.EAGAIN, f"{s.final} keeps appearing and vanishing")
+
+
+def _sync_file(fd: int, *, device: bool) -> None:
+    try:
+        fsutil.fsync(fd, device=device)
+    finally:
+        os.close(fd)
+
+
+_POOL: Tuple[int, Optional[ThreadPoolExecutor]] = (0, None)
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's fsync threads (a new pool in a forked child: threads do not
+    survive fork)."""
+    global _POOL
+    with _POOL_LOCK:
+        pid, pool = _POOL
+        if pool is None or pid != os.getpid():
+            pool = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="kvstore-sync")
+            _POOL = (os.getpid(), pool)
+        return pool
 
 
 def write_one(blobs: Blobs, ns: bytes, h: bytes, data, part: str) -> Published:

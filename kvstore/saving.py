@@ -32,7 +32,7 @@ class _NewNode:
     parent: bytes
     start: int
     tokens: np.ndarray
-    slices: Optional[Dict[str, mx.array]]
+    slices: Optional[Dict[str, np.ndarray]]  # views of the cache's buffers
     state: Optional[Dict[str, Tuple[str, mx.array]]] = None
     raw: Optional[Dict[str, bytes]] = None  # files by part, validated (remote tier)
 
@@ -62,30 +62,38 @@ class _WritePath:
         parent = path[-1].h if path else self.root
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
         hashes = chain_hashes(parent, arr, spans)
-        nodes, nbytes = [], 0
+        nodes, nbytes, state = [], 0, None
         with MLX_LOCK:
-            for (s, e), h in zip(spans, hashes):
-                slices = self.layout.node_slices(cache, s, e)
-                nbytes += sum(x.nbytes for x in slices.values())
-                nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
-                parent = h
-            if self.layout.has_state and (nodes or not path[-1].rec.has_state):
-                # The checkpoint of the state layers at the end of ``arr``.
-                if not nodes:
-                    last = path[-1]
-                    nodes.append(
-                        _NewNode(
-                            last.h,
-                            last.rec.parent,
-                            last.rec.start,
-                            last.rec.tokens,
-                            None,
-                        )
+            # One view per delta tensor over all the new tokens (a node's slice of it
+            # is taken in numpy below: a few MLX ops per save, not per node), and the
+            # checkpoint of the state layers at the end of ``arr``.
+            views = (
+                self.layout.node_slices(cache, spans[0][0], spans[-1][1])
+                if spans
+                else {}
+            )
+            if self.layout.has_state and (spans or not path[-1].rec.has_state):
+                state = self.layout.state_arrays(cache)
+            # Views of the cache's buffers: no copy, and immune to the caller's
+            # updates (these arrays share the buffers, so MLX never updates them in place).
+            mx.eval(views, state)
+            held = {name: np.asarray(v) for name, v in views.items()}
+        for (s, e), h in zip(spans, hashes):
+            a, b = s - spans[0][0], e - spans[0][0]
+            slices = {name: x[:, :, a:b] for name, x in held.items()}
+            nbytes += sum(x.nbytes for x in slices.values())
+            nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
+            parent = h
+        if state is not None:
+            if not nodes:  # a checkpoint for the stored node ``arr`` ends at
+                last = path[-1]
+                nodes.append(
+                    _NewNode(
+                        last.h, last.rec.parent, last.rec.start, last.rec.tokens, None
                     )
-                nodes[-1].state = self.layout.state_arrays(cache)
-                nbytes += sum(a.nbytes for _, a in nodes[-1].state.values())
-            # Views of the cache's buffers: no copy, and immune to the caller's updates.
-            mx.eval([(n.slices, n.state) for n in nodes])
+                )
+            nodes[-1].state = state
+            nbytes += sum(a.nbytes for _, a in state.values())
         existing = [step.h for step in path]
         self._touch(existing)
 
