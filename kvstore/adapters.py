@@ -341,8 +341,8 @@ class Layout:
         return {"leaves": [leaf.to_json() for leaf in self.leaves], "tree": self.tree}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "Layout":
-        return cls([Leaf.from_json(x) for x in obj["leaves"]], obj["tree"])
+    def from_json(cls, obj: Mapping[str, Any], make_cache=None) -> "Layout":
+        return cls([Leaf.from_json(x) for x in obj["leaves"]], obj["tree"], make_cache)
 
     # -- files ----------------------------------------------------------------------
 

@@ -159,8 +159,9 @@ class Index:
         map_size: Initial map size; the map doubles when it fills up.
     """
 
-    # "reservations" (bytes of saves in flight, :mod:`kvstore.reservations`) came
-    # later: opening a store made before creates it.
+    # "reservations" (bytes of saves in flight, :mod:`kvstore.reservations`) and
+    # "models" (model key -> namespace, :mod:`kvstore.namespace`) came later: opening a
+    # store made before creates them.
     _DBS = (
         "meta",
         "nodes",
@@ -170,6 +171,7 @@ class Index:
         "namespaces",
         "counters",
         "reservations",
+        "models",
     )
 
     def __init__(self, path: str, *, create: bool = True, map_size: int = 64 << 20):
@@ -272,13 +274,42 @@ class Index:
 
     # -- namespaces and counters ---------------------------------------------
 
-    def register_namespace(self, ns: bytes, description: dict):
+    def register_namespace(
+        self, ns: bytes, description: dict, *, model_key: Optional[bytes] = None
+    ):
+        """Record namespace ``ns`` and, with ``model_key``, that the model of that key
+        has it (:func:`kvstore.namespace.model_key`). ``ns`` is the digest of the
+        description's canonical JSON, so a record already there holds these very
+        bytes, or is broken and is replaced."""
         blob = json.dumps(description, sort_keys=True).encode()
 
         def put(txn):
-            txn.put(ns, blob, db=self.db["namespaces"], overwrite=False)
+            if txn.get(ns, db=self.db["namespaces"]) != blob:
+                txn.put(ns, blob, db=self.db["namespaces"])
+            if model_key is not None:
+                txn.put(model_key, ns, db=self.db["models"])
 
         self.write(put)
+
+    def namespace_for_model(self, model_key: bytes) -> Optional[Tuple[bytes, dict]]:
+        """``(namespace, description)`` registered for ``model_key``, or None (never
+        seen, its namespace dropped since, or an undecodable record)."""
+
+        def get(txn):
+            ns = txn.get(model_key, db=self.db["models"])
+            if ns is None or len(ns) != HASH_BYTES:
+                return None
+            raw = txn.get(bytes(ns), db=self.db["namespaces"])
+            return None if raw is None else (bytes(ns), bytes(raw))
+
+        found = self.read(get)
+        if found is None:
+            return None
+        try:
+            description = json.loads(found[1])
+        except ValueError:
+            return None
+        return (found[0], description) if isinstance(description, dict) else None
 
     def namespaces(self) -> Dict[bytes, dict]:
         def get(txn):

@@ -210,6 +210,10 @@ def _delete_namespace(
             txn.delete(key, db=index.db[name])
     txn.delete(ns, db=index.db["counters"])
     txn.delete(ns, db=index.db["namespaces"])
+    # Model keys naming it (kvstore.namespace.model_key): few, one per model setup.
+    for key, value in list(txn.cursor(db=index.db["models"])):
+        if bytes(value) == ns:
+            txn.delete(bytes(key), db=index.db["models"])
     return gone
 
 
