@@ -216,7 +216,9 @@ class Index:
                 return FORMAT_VERSION
             return int(version)
 
-        version = self.write(check)
+        # Read first: a store's format is written once, by its first opener.
+        version = self.read(lambda txn: txn.get(b"format_version", db=self.db["meta"]))
+        version = self.write(check) if version is None else int(version)
         if version != FORMAT_VERSION:
             raise StoreError(
                 f"{self.path}: store format version {version}, this kvstore reads "
@@ -275,17 +277,24 @@ class Index:
     # -- namespaces and counters ---------------------------------------------
 
     def register_namespace(
-        self, ns: bytes, description: dict, *, model_key: Optional[bytes] = None
+        self,
+        ns: bytes,
+        description: dict,
+        *,
+        model_key: Optional[bytes] = None,
+        replace: bool = False,
     ):
-        """Record namespace ``ns`` and, with ``model_key``, that the model of that key
-        has it (:func:`kvstore.namespace.model_key`). ``ns`` is the digest of the
-        description's canonical JSON, so a record already there holds these very
-        bytes, or is broken and is replaced."""
+        """Record namespace ``ns`` (a record already there is kept, unless
+        ``replace``: the caller knows the record must hold these very bytes) and,
+        with ``model_key``, that the model of that key has it
+        (:func:`kvstore.namespace.model_key`)."""
         blob = json.dumps(description, sort_keys=True).encode()
 
         def put(txn):
-            if txn.get(ns, db=self.db["namespaces"]) != blob:
+            if replace and txn.get(ns, db=self.db["namespaces"]) != blob:
                 txn.put(ns, blob, db=self.db["namespaces"])
+            else:
+                txn.put(ns, blob, db=self.db["namespaces"], overwrite=False)
             if model_key is not None:
                 txn.put(model_key, ns, db=self.db["models"])
 

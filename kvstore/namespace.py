@@ -301,7 +301,8 @@ def open_namespace(
     ns, description = fingerprint(
         model, tokenizer, layout, chunk_tokens=chunk_tokens, weights=weights
     )
-    index.register_namespace(ns, description, model_key=key)
+    # ``ns`` is the digest of ``description``: a record there that differs is broken.
+    index.register_namespace(ns, description, model_key=key, replace=True)
     return Opened(ns, description, layout, True)
 
 
