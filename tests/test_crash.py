@@ -38,7 +38,7 @@ def _child(path: str, start: int, fault: str, forever: bool = True) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     if fault == "mid-file-write":
-        real_write, real_writev = os.write, os.writev
+        real_write = os.write
 
         def half_write(fd, data):  # write half of the first chunk file, then die
             real_write(fd, bytes(data)[: len(data) // 2])

@@ -14,7 +14,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens
-from mlx_lm.models.cache import KVCache
 from safetensors.numpy import load
 
 import kvstore.fsutil as fsutil

@@ -10,7 +10,6 @@ import errno
 import glob
 import logging
 import os
-import stat
 from types import SimpleNamespace
 
 import lmdb
