@@ -99,6 +99,10 @@ class WriteBatch:
             data = NodeFile.from_bytes(data)
         final = self.blobs.path(ns, h, part)
         directory = os.path.dirname(final)
+        root = self.blobs.root
+        if not os.path.isdir(root):  # the store was deleted: do not remake it
+            raise FileNotFoundError(errno.ENOENT, "the blobs directory is gone", root)
+        fsutil.check_real_dirs(root, self.blobs._parts(ns, h)[:2])  # never write out
         self._make_dir(directory)
         tmp = os.path.join(
             directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -186,7 +190,7 @@ class WriteBatch:
         parent = os.path.dirname(directory)
         if not os.path.isdir(parent):
             self._dirs[os.path.dirname(parent)] = None
-        os.makedirs(directory, exist_ok=True)
+        fsutil.makedirs(directory)
         self._dirs[parent] = None
 
     def _sync_later(self, s: Staged) -> None:

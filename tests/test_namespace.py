@@ -20,7 +20,7 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 
 import kvstore.namespace as namespace
 from kvstore import KVStore, adapters, maintenance
-from kvstore.index import FORMAT_VERSION
+from kvstore.index import FORMAT_VERSION, MODEL_KEY_PREFIX
 
 C = 16
 
@@ -388,7 +388,7 @@ def test_a_broken_record_means_probing_again(tmp_path, model, probes, caplog, da
             elif damage == "not-json":
                 txn.put(ns, b"{nope", db=db["namespaces"])
             elif damage == "other-namespace":
-                txn.put(key, b"\x01" * 16, db=db["models"])
+                txn.put(MODEL_KEY_PREFIX + key, b"\x01" * 16, db=db["meta"])
             else:
                 txn.delete(ns, db=db["namespaces"])
 
@@ -412,6 +412,10 @@ def test_dropping_a_namespace_drops_its_model_keys(tmp_path, model, other_model)
     maintenance.gc(str(tmp_path / "s"), drop_namespaces=[ns.hex()])
     with open_store(tmp_path / "s", other_model) as s:
         models = s.index.read(
-            lambda txn: [bytes(v) for _, v in txn.cursor(db=s.index.db["models"])]
+            lambda txn: [
+                bytes(v)
+                for k, v in txn.cursor(db=s.index.db["meta"])
+                if bytes(k).startswith(MODEL_KEY_PREFIX)
+            ]
         )
     assert models == [keep]
