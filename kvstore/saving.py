@@ -75,7 +75,7 @@ class _WritePath:
             if self.layout.has_state and (spans or not path[-1].rec.has_state):
                 state = self.layout.state_arrays(cache)
             # Views of the cache's buffers: no copy, and immune to the caller's
-            # updates (these arrays share the buffers, so MLX never updates them in place).
+            # updates (while these arrays hold a buffer, MLX copies it to update it).
             mx.eval(views, state)
             held = {name: np.asarray(v) for name, v in views.items()}
         for (s, e), h in zip(spans, hashes):
