@@ -45,6 +45,7 @@ DTYPES: Dict[str, Tuple[str, int]] = {
     "bfloat16": ("BF16", 2),
     "uint32": ("U32", 4),
     "int32": ("I32", 4),
+    "int64": ("I64", 8),  # an n-gram model's token context (ArraysCache)
     "uint8": ("U8", 1),
     "int8": ("I8", 1),
 }

@@ -38,9 +38,10 @@ class VersionRange:
 
 
 # Keep in step with pyproject.toml's dependency (tests/test_compat.py checks it) and
-# with the ends tools/mlx_lm_range.py tests. 0.31.2 is the first release whose
-# LRUPromptCache lives in mlx_lm.models.cache.
-SUPPORTED_RANGE = VersionRange("0.31.2", "0.33", ("0.31.2", "0.32.2"))
+# with the ends tools/mlx_lm_range.py tests. Before 0.32.0, ChunkedKVCache kept its
+# positions outside ``state`` and trimmed by buffer length (Llama 4 restores broke)
+# and ModelProvider had no ``_load`` (docs/mlx-lm-range.md).
+SUPPORTED_RANGE = VersionRange("0.32.0", "0.33", ("0.32.0", "0.32.2"))
 
 
 def _numeric(version: str) -> Optional[Tuple[int, ...]]:

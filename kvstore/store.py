@@ -64,6 +64,7 @@ class _Counters:
     nodes_evicted: int = 0
     nodes_skipped: int = 0  # a commit found their parent gone (evicted meanwhile)
     writes_dropped: int = 0
+    saves_refused: int = 0  # the cache's layout differed from the one probed at open
     quarantined: List[str] = field(default_factory=list)
 
 
@@ -280,7 +281,8 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             The number of new nodes queued for writing.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
-        self.layout.check_cache(cache, len(arr))
+        if not self._storable(cache, len(arr), exact=True):
+            return 0
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
     def save_prefix(
@@ -292,8 +294,22 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save", pin=pin)
-        self.layout.check_cache(cache, len(arr), exact=False)
+        if not self._storable(cache, len(arr), exact=False):
+            return 0
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+
+    def _storable(self, cache: Sequence[Any], ntokens: int, *, exact: bool) -> bool:
+        """Check ``cache`` against the layout. A wrong call (token count, layer count)
+        raises; a cache whose layers differ from the layout probed at open is logged,
+        counted (``saves_refused``) and not saved."""
+        try:
+            self.layout.check_cache(cache, ntokens, exact=exact)
+        except adapters.LayoutMismatch as e:
+            log.warning("kvstore: not saved: %s", e)
+            with self._lock:
+                self._counters.saves_refused += 1
+            return False
+        return True
 
     def _checked(
         self, tokens, kind: str, what: str, *, pin=False, boundaries=()
@@ -473,6 +489,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 "nodes_evicted": c.nodes_evicted,
                 "nodes_skipped": c.nodes_skipped,
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
+                "saves_refused": c.saves_refused,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
                 **remote,

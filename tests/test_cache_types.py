@@ -15,7 +15,7 @@ from families import WINDOW, build
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache
 
 from kvstore import KVStore
-from kvstore.adapters import STATE
+from kvstore.adapters import STATE, Layout
 
 C = 32  # chunk tokens
 SYSTEM = 40  # a message boundary: the "system prompt" ends here
@@ -37,6 +37,7 @@ FAMILIES = {
     "mamba2": (lambda: build("mamba2"), {}),
     "llama4": (lambda: build("llama4"), {}),
     "falcon-h1": (lambda: build("falcon_h1"), {}),
+    "longcat-ngram": (lambda: build("longcat_flash_ngram"), {}),
 }
 
 
@@ -102,10 +103,14 @@ def test_layout_and_namespace_record_the_cache_types(family):
         "mamba2": {"ArraysCache"},
         "llama4": {"ChunkedKVCache", "KVCache"},
         "falcon-h1": {"ArraysCache", "KVCache"},
+        "longcat-ngram": {"ArraysCache", "KVCache"},
     }[name]
     assert classes == expected
     described = store.description["layout"]["leaves"]
     assert {leaf["cls"] for leaf in described} == expected
+    if name == "longcat-ngram":  # the last token ids: a length that grows to n - 1
+        assert described[0]["tensors"] == [["0", "int64", [1, -1]]]
+        assert Layout.from_json(store.layout.to_json()).leaves == store.layout.leaves
     if name.startswith("llama-q"):
         assert {leaf["params"]["bits"] for leaf in described} == {int(name[-1])}
     if name == "gemma3":
@@ -237,13 +242,19 @@ def test_cache_list_nesting_is_rebuilt(tmp_path):
         assert [leaf.mode for leaf in store.layout.leaves][0] == STATE
 
 
-def test_wrong_cache_for_the_layout_is_refused(tmp_path):
+def test_wrong_cache_for_the_layout_is_refused(tmp_path, caplog):
+    """A cache of other classes than the layout's is not saved, and not an exception
+    in the caller's loop: logged and counted. Wrong calls (token counts) raise."""
     model = build("gemma3_text")
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
         plain = [KVCache() for _ in model.layers]
         model(mx.array(PROMPT)[None], cache=plain)
-        with pytest.raises(ValueError, match="expected RotatingKVCache"):
-            store.save(PROMPT, plain)
+        assert store.save(PROMPT, plain) == 0
+        assert store.save_prefix(PROMPT, plain) == 0
+        assert "expected RotatingKVCache" in caplog.text
+        store.flush()
+        assert store.stats()["saves_refused"] == 2
+        assert store.stats()["nodes"] == 0
         cache = store.new_cache()
         model(mx.array(PROMPT)[None], cache=cache)
         with pytest.raises(ValueError, match="holds 100 tokens but 90"):
@@ -262,8 +273,8 @@ def test_quantized_store_refuses_plain_cache(tmp_path):
     ) as store:
         cache = [KVCache() for _ in model.layers]
         model(mx.array(PROMPT)[None], cache=cache)
-        with pytest.raises(ValueError, match="expected QuantizedKVCache"):
-            store.save(PROMPT, cache)
+        assert store.save(PROMPT, cache) == 0  # logged and counted, not raised
+        assert store.stats()["saves_refused"] == 1
         cache, _ = store.fetch(PROMPT)
         assert all(type(c) is QuantizedKVCache for c in cache)
 

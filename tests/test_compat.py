@@ -37,8 +37,8 @@ def test_pyproject_declares_the_range():
 @pytest.mark.parametrize(
     "version, inside",
     [
-        ("0.31.1", False),
-        ("0.31.2", True),
+        ("0.31.3", False),
+        ("0.32.0", True),
         ("0.32.9", True),
         ("0.33.0", False),
         ("1.0", False),

@@ -4,12 +4,12 @@ supported mlx-lm range, each in a virtualenv of its own.
 
 Usage::
 
-    python tools/mlx_lm_range.py [--versions 0.31.2 0.32.2] [--venvs DIR]
+    python tools/mlx_lm_range.py [--versions 0.32.0 0.32.2] [--venvs DIR]
                                  [--tests tests/test_store.py ...] [--json OUT]
 
 For each mlx-lm version: a virtualenv under ``--venvs`` (kept between runs; made on
-first use), ``pip install -e ".[test]" mlx-lm==VERSION`` (this checkout, so the
-version must satisfy ``pyproject.toml``'s range), then ``python -m pytest`` of the
+first use), ``pip install -e ".[test]" mlx-lm==VERSION`` (this checkout; a version
+outside ``pyproject.toml``'s range is forced in afterwards, to see what breaks), then ``python -m pytest`` of the
 suites below with ``-m "not model"`` (the real model's tests do not depend on the
 mlx-lm version more than the tiny models' do, and take minutes), and ``kvstore
 serve``'s start-up check (:mod:`kvstore.compat`) run in that venv. Prints one row per
@@ -64,12 +64,16 @@ def make_venv(path: str, version: str, log) -> str:
         p = run([sys.executable, "-m", "venv", path], log=log)
         if p.returncode:
             raise RuntimeError(f"venv {path}: {p.stderr.strip()}")
-    p = run(
-        [python, "-m", "pip", "install", "-q", "-e", ".[test]", f"mlx-lm=={version}"],
-        log=log,
-    )
-    if p.returncode:
-        raise RuntimeError(f"pip install mlx-lm=={version} failed (see the log)")
+    from kvstore.compat import SUPPORTED_RANGE
+
+    pip = [python, "-m", "pip", "install", "-q"]
+    if SUPPORTED_RANGE.contains(version):
+        steps = [pip + ["-e", ".[test]", f"mlx-lm=={version}"]]
+    else:  # outside the declared range: install, then force the version in
+        steps = [pip + ["-e", ".[test]"], pip + [f"mlx-lm=={version}"]]
+    for cmd in steps:
+        if run(cmd, log=log).returncode:
+            raise RuntimeError(f"{' '.join(cmd[3:])} failed (see the log)")
     return python
 
 
