@@ -28,9 +28,8 @@ from . import fsutil
 
 MAX_HEADER_BYTES = 1 << 20
 # Buffers per preadv call (the kernel refuses more: EINVAL).
-_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+_IOV_MAX = fsutil.iov_max()
 _LINK_ATTEMPTS = 5  # publishing races with other processes' evictions of that file
-_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV)
 # Read, then hashed while still in the CPU cache (measured best of 256 KiB-8 MiB).
 HASH_BATCH_BYTES = 1 << 20
 # Node files' data starts at a multiple of this: the kernel copies into a restore's
@@ -265,7 +264,8 @@ class Blobs:
 
         The bytes go to a uniquely named temp file (created exclusively) in the same
         directory and are fsynced; the temp file is then hard-linked to the final name
-        (which never replaces a file) and the directory is fsynced. A crash leaves
+        (which never replaces a file; :func:`fsutil.link_noreplace` says what is
+        done without hard links) and the directory is fsynced. A crash leaves
         either no file or the whole file, never a torn one.
 
         Two processes may compute the same node with KV differing in the last bits
@@ -294,7 +294,7 @@ class Blobs:
         try:
             for _ in range(_LINK_ATTEMPTS):
                 try:
-                    os.link(tmp, final)
+                    fsutil.link_noreplace(tmp, final)
                 except FileExistsError:
                     try:
                         adopted = self._adopt(final)
@@ -302,10 +302,6 @@ class Blobs:
                         continue  # removed (evicted) since: publish ours after all
                     fsutil.fsync_dir(directory)
                     return adopted
-                except OSError as e:  # no hard links (e.g. some network or FAT mounts)
-                    if e.errno not in _NO_LINKS:
-                        raise
-                    os.replace(tmp, final)
                 break
             else:
                 raise OSError(errno.EAGAIN, f"{final} keeps appearing and vanishing")

@@ -127,6 +127,13 @@ def test_write_error(tmp_path, model, monkeypatch, caplog, op, err, at_node, how
         fake, state = failing_os(op, err, at_node)
         monkeypatch.setattr(kvstore.blobs, "os", fake)
         monkeypatch.setattr(kvstore.fsutil, "os", fake)  # fsyncs go through fsutil
+        full = getattr(kvstore.fsutil.fcntl, "F_FULLFSYNC", None)
+        if full is not None:  # macOS (or the tests' macOS mode): fsync is this fcntl
+            monkeypatch.setattr(
+                kvstore.fsutil,
+                "fcntl",
+                SimpleNamespace(F_FULLFSYNC=full, fcntl=lambda fd, cmd: fake.fsync(fd)),
+            )
 
         if how == "save":
             assert store.save(NEW, compute_cache(model, NEW)) == 5
