@@ -8,6 +8,7 @@ checkpoint (a node end where the state was saved), falling back to the longest o
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import greedy, next_logits, random_tokens, tiny_llama
@@ -404,3 +405,63 @@ def _all_files(path):
         for d, _, fs in os.walk(os.path.join(path, "blobs"))
         for f in fs
     ]
+
+
+class _StateModel(nn.Module):
+    """A stand-in model with one ArraysCache layer whose entry ``state(seen)`` gives."""
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+        self.w = mx.zeros((2,))
+
+    def make_cache(self):
+        return [ArraysCache(1)]
+
+    def __call__(self, x, cache):
+        c = cache[0]
+        seen = x.shape[1] + (0 if c[0] is None else int(c[0].reshape(-1)[0].item()))
+        c[0] = self._state(seen)
+        return mx.zeros((1, x.shape[1], 8))
+
+
+@pytest.mark.parametrize(
+    "state, why",
+    [
+        (
+            lambda n: mx.full((1,) * min(n, 3), n),
+            r"int32\[1\] after one token but int32\[1, 1, 1\]",
+        ),
+        (
+            lambda n: mx.full((1, 2), n, mx.int32 if n == 1 else mx.float32),
+            "dtype or rank depends on the tokens",
+        ),
+        (
+            lambda n: mx.full((1, 2), n, mx.float64),
+            "tensor 0 is float64; kvstore stores",
+        ),
+    ],
+    ids=["rank-grows", "dtype-changes", "dtype-unstorable"],
+)
+def test_state_that_cannot_be_described_is_refused_at_open(tmp_path, state, why):
+    from kvstore import UnsupportedCacheError
+
+    with pytest.raises(
+        UnsupportedCacheError, match=r"layer 0 \(ArraysCache\): .*" + why
+    ):
+        KVStore(tmp_path / "s", _StateModel(state), chunk_tokens=C)
+
+
+def test_state_whose_length_grows_round_trips(tmp_path):
+    """An entry of shape (1, min(seen, 3)) is stored with -1 on its last axis."""
+    model = _StateModel(lambda n: mx.full((1, min(n, 3)), n, mx.int64))
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        assert store.layout.leaves[0].tensors == (("0", "int64", (1, -1)),)
+        for n in (1, 2, 40):
+            cache = store.new_cache()
+            model(mx.zeros((1, n), mx.int32), cache)
+            store.save(list(range(n)), cache)
+        store.flush()
+        assert store.stats()["saves_refused"] == 0
+        cache, n = store.fetch(list(range(40)) + [7])
+    assert n == 40 and cache[0][0].tolist() == [[40, 40, 40]]
