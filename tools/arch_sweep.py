@@ -159,13 +159,22 @@ def configs_from(path: str) -> Tuple[List[Tuple[str, Dict[str, Any]]], int]:
 
 
 SMALL_PARAMS = 20_000_000
-MAX_PARAMS = 200_000_000  # a "tiny" configuration that is not: a real model's sizes
+MAX_PARAMS = 200_000_000
+
+
+def _module(model_type: str):
+    """The mlx-lm module of ``model_type``, remapped as ``mlx_lm.load`` does."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return importlib.import_module(
+        f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}"
+    )  # a "tiny" configuration that is not: a real model's sizes
 
 
 def build(config: Dict[str, Any], max_params: int = None):
     from mlx.utils import tree_flatten
 
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    arch = _module(config["model_type"])
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     # Parameters are lazy until evaluated: count them before any memory is used.
@@ -199,7 +208,7 @@ _SHRINK = {  # the usual names, and those of GPT-J and OpenELM
 
 def shrunk(config: Dict[str, Any]) -> Dict[str, Any]:
     """``config`` with its sizes cut to a tiny model's, defaults included."""
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    arch = _module(config["model_type"])
     args = arch.ModelArgs.from_dict(config)
     out = dict(config)
     for key, most in _SHRINK.items():
