@@ -278,7 +278,12 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             boundaries: Token positions that must end a node (message ends).
 
         Returns:
-            The number of new nodes queued for writing.
+            The number of new nodes queued for writing; 0 too when ``cache``'s layers
+            differ from the layout probed at open (logged, ``stats()["saves_refused"]``).
+
+        Raises:
+            TypeError, ValueError: bad arguments, or ``cache`` does not hold
+                ``len(tokens)`` tokens or has another number of layers.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
         if not self._storable(cache, len(arr), exact=True):

@@ -169,6 +169,7 @@ def test_without_start_times_a_reused_pid_counts_until_stale(monkeypatch):
     """The weaker guarantee where no start time is known: a dead writer's reservation
     whose pid now belongs to another live process counts until STALE_SECONDS."""
     monkeypatch.setattr(reservations, "process_start_time", lambda pid: None)
+    monkeypatch.setattr(reservations, "_identity", {})  # this process's, cached
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         now = time.time()
