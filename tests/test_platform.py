@@ -198,6 +198,7 @@ def test_macos_mode_hides_linux_calls_here_and_in_children(tmp_path, model):
         open("/proc/self/stat")
     assert reservations.process_start_time(os.getpid()) is None
     assert fcntl.F_FULLFSYNC == 51
+    assert fsutil.sync_file_range is None  # Linux's libc call, bound through ctypes
     before = macos_shim.FULLFSYNC_CALLS[0]
     tokens = random_tokens(40, 4)
     with KVStore(str(tmp_path / "s"), model, chunk_tokens=16, ram_bytes=0) as s:
@@ -209,11 +210,12 @@ def test_macos_mode_hides_linux_calls_here_and_in_children(tmp_path, model):
         [
             sys.executable,
             "-c",
-            "import os, fcntl; "
-            "print(hasattr(os, 'preadv'), os.path.exists('/proc/self'), fcntl.F_FULLFSYNC)",
+            "import os, fcntl; from kvstore import fsutil; "
+            "print(hasattr(os, 'preadv'), os.path.exists('/proc/self'), "
+            "fcntl.F_FULLFSYNC, fsutil.sync_file_range)",
         ],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert child.stdout.split() == ["False", "False", "51"]
+    assert child.stdout.split() == ["False", "False", "51", "None"]

@@ -9,6 +9,8 @@ takes where Linux-only calls are missing (see docs/macos.md):
   library's ``shutil`` binds at its import);
 * ``/proc`` does not exist: opening anything under it fails with
   ``FileNotFoundError``, as on macOS;
+* libc calls kvstore binds through ctypes on Linux only (``sync_file_range``) are
+  set to None in :mod:`kvstore.fsutil` as soon as it is imported;
 * ``fcntl.F_FULLFSYNC`` exists (macOS's value, 51) and is carried out as an
   ``fsync``; :data:`FULLFSYNC_CALLS` counts the calls.
 
@@ -20,8 +22,10 @@ reaches through ctypes on macOS (``sysctl``, ``renamex_np``) are not made here.
 """
 
 import builtins
+import importlib.abc
 import io
 import os
+import sys
 
 ENV = "KVSTORE_TEST_PLATFORM"
 F_FULLFSYNC = 51
@@ -75,11 +79,49 @@ def _no_proc(real):
     return call
 
 
+# Module attributes holding Linux-only libc calls, set to None as on macOS.
+LINUX_LIBC_CALLS = {"kvstore.fsutil": ("sync_file_range",)}
+
+
+class _HideLibcCalls(importlib.abc.MetaPathFinder):
+    """Set a module's Linux-only libc bindings to None right after it is imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in LINUX_LIBC_CALLS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_hide(module):
+            exec_module(module)
+            for attr in LINUX_LIBC_CALLS[name]:
+                setattr(module, attr, None)
+
+        spec.loader.exec_module = exec_and_hide
+        return spec
+
+
+def _hide_libc_calls() -> None:
+    for name, attrs in LINUX_LIBC_CALLS.items():
+        if name in sys.modules:
+            for attr in attrs:
+                setattr(sys.modules[name], attr, None)
+    sys.meta_path.insert(0, _HideLibcCalls())
+
+
 def apply() -> None:
     """Hide the Linux-only calls and fake ``F_FULLFSYNC`` (once per process)."""
     if getattr(os, "_kvstore_macos_shim", False):
         return
     os._kvstore_macos_shim = True
+    _hide_libc_calls()
     for name in HIDDEN_OS:
         if hasattr(os, name):
             delattr(os, name)
