@@ -82,7 +82,7 @@ class CorruptBlob(Exception):
 
 @dataclass(frozen=True)
 class Published:
-    """The file at a node's path after :meth:`Blobs.write`."""
+    """The file at a node's path after a publish (:mod:`kvstore.publish`)."""
 
     nbytes: int
     checksum: int
@@ -390,17 +390,6 @@ class Blobs:
 
     # -- writing -----------------------------------------------------------
 
-    def write(self, ns: bytes, h: bytes, data, part: str = DELTA_PART) -> "Published":
-        """Publish ``data`` (bytes or a :class:`NodeFile`) as the file of node ``h``,
-        atomically and durably: a batch of one file (see :mod:`kvstore.publish`).
-
-        A crash leaves either no file or the whole file, never a torn one; a file
-        another writer published there first is adopted, never replaced.
-        """
-        from .publish import write_one
-
-        return write_one(self, ns, h, data, part)
-
     def _adopt(self, final: str) -> "Published":
         """Size, checksum and inode of a complete file another writer published."""
         try:
@@ -556,7 +545,9 @@ class Blobs:
             update = digest.update
             # Hash each batch right after reading it, while it is still in the CPU
             # cache: a second pass over the whole node would cost memory bandwidth.
-            for i, j, want in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
+            for i, j, want in buffer_batches(
+                tuple(map(len, buffers)), HASH_BATCH_BYTES
+            ):
                 batch = buffers[i:j]
                 if fsutil.preadv(opened.fd, batch, pos, nbytes=want) != want:
                     raise CorruptBlob("file shrank while being read")
@@ -610,7 +601,7 @@ class Blobs:
         if not self._real_dirs(ns, h):
             return
         for part in (DELTA_PART, STATE_PART):
-            _unlink(self.path(ns, h, part))
+            fsutil.unlink_if_exists(self.path(ns, h, part))
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
         """Move a broken node's files aside (with a note saying why); None if gone."""
@@ -665,7 +656,9 @@ class Blobs:
 
 
 @functools.lru_cache(maxsize=64)
-def _batches(lengths: Tuple[int, ...], nbytes: int) -> Tuple[Tuple[int, int, int], ...]:
+def buffer_batches(
+    lengths: Tuple[int, ...], nbytes: int
+) -> Tuple[Tuple[int, int, int], ...]:
     """``(i, j, bytes)``: buffers ``[i, j)`` of the given lengths in runs of about
     ``nbytes`` (at least one buffer, at most IOV_MAX). Cached: nodes of one size are
     cut the same way, and a node has hundreds of buffers."""
@@ -681,10 +674,3 @@ def _batches(lengths: Tuple[int, ...], nbytes: int) -> Tuple[Tuple[int, int, int
 
 def file_checksum(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
-
-
-def _unlink(path: str):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

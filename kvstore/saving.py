@@ -1,7 +1,7 @@
 """The write path of ``KVStore``: capturing a cache's nodes, then (writer thread)
 serializing, reserving disk bytes, publishing the files and committing their nodes.
 
-``_WritePath`` is a mixin of :class:`kvstore.store.KVStore`.
+``WritePath`` is a mixin of :class:`kvstore.store.KVStore`.
 """
 
 import logging
@@ -19,13 +19,13 @@ from .index import NodeRecord
 from .policy import stronger_kind
 from .publish import WriteBatch
 from .ram import RamEntry
-from .restore import MLX_LOCK, _state_key
+from .restore import MLX_LOCK, state_key
 
 log = logging.getLogger("kvstore")
 
 
 @dataclass
-class _NewNode:
+class NewNode:
     """A node to write: its delta slices (None: already stored) and maybe a state."""
 
     h: bytes
@@ -50,7 +50,7 @@ def _attempts(batch: WriteBatch) -> List[Tuple[bytes, str, int, int]]:
     return [(s.h, s.part, s.nbytes, s.inode) for s in batch.staged if s.link_tried]
 
 
-class _WritePath:
+class WritePath:
     """Saves of :class:`kvstore.store.KVStore`: :meth:`_save` captures the nodes and
     queues :meth:`_write_nodes` on the background writer."""
 
@@ -82,13 +82,13 @@ class _WritePath:
             a, b = s - spans[0][0], e - spans[0][0]
             slices = {name: x[:, :, a:b] for name, x in held.items()}
             nbytes += sum(x.nbytes for x in slices.values())
-            nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
+            nodes.append(NewNode(h, parent, s, arr[s:e].copy(), slices))
             parent = h
         if state is not None:
             if not nodes:  # a checkpoint for the stored node ``arr`` ends at
                 last = path[-1]
                 nodes.append(
-                    _NewNode(
+                    NewNode(
                         last.h, last.rec.parent, last.rec.start, last.rec.tokens, None
                     )
                 )
@@ -111,7 +111,7 @@ class _WritePath:
         return len(nodes)
 
     def _serialize(
-        self, node: _NewNode
+        self, node: NewNode
     ) -> Tuple[Optional[NodeFile], Optional[NodeFile]]:
         """Writer thread: the files of ``node`` that the index lacks, its delta file and
         its state file (None: nothing to write), as views of the cache's arrays (no
@@ -147,7 +147,7 @@ class _WritePath:
         return delta, state
 
     def _publish(
-        self, nodes: List[_NewNode], files: List[tuple], batch: WriteBatch
+        self, nodes: List[NewNode], files: List[tuple], batch: WriteBatch
     ) -> List[tuple]:
         """Writer thread: write every file of :meth:`_serialize` into ``batch`` and
         publish them together (durable before any is linked, see
@@ -165,7 +165,7 @@ class _WritePath:
             for node, pair in zip(nodes, files)
         ]
 
-    def _reserve(self, nodes: List[_NewNode], files: List[tuple]) -> Optional[bytes]:
+    def _reserve(self, nodes: List[NewNode], files: List[tuple]) -> Optional[bytes]:
         """Writer thread: reserve the disk bytes of ``files`` in the index, evicting what
         the budget needs, and unlink the evicted nodes' files.
 
@@ -208,7 +208,7 @@ class _WritePath:
             reservations.forget(key)
 
     def _write_nodes(
-        self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
+        self, nodes: List[NewNode], *, kind: str, pin: bool, existing: List[bytes]
     ):
         """Writer thread: serialize the files, reserve their bytes under the disk budget
         (:meth:`_reserve`), write them, then commit their nodes in one transaction that
@@ -332,7 +332,7 @@ class _WritePath:
         evicted by later ones of the same save, after a copy for nothing."""
         room, chosen = self.ram.max_bytes, []
         for h, rec, data, state_data in reversed(added):
-            for key, f in ((_state_key(h), state_data), (h, data)):
+            for key, f in ((state_key(h), state_data), (h, data)):
                 if f is not None and f.nbytes <= room:
                     room -= f.nbytes
                     chosen.append((key, f, rec))

@@ -34,6 +34,9 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from .compat import check_server
+from .options import add_size_options, default_store, store_disk_budget
+
 log = logging.getLogger("kvstore.server")
 
 _COUNTER_NAMES = (
@@ -375,8 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove matches (re.MULTILINE) from message contents and prompts before "
         "tokenization; repeatable. E.g. '^x-anthropic-billing-header: .*\\n?'",
     )
-    from .cli import add_size_options
-
     add_size_options(p)
     p.add_argument(
         "--remote",
@@ -394,9 +395,9 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     SIGINT, then flushes and closes the stores. With ``hard_exit`` (the default) the
     process then ends with ``os._exit(0)``; otherwise returns the exit status.
     """
-    from .compat import check_server
-
-    if not check_server():  # before a model loads: a missing mlx-lm internal
+    if not check_server(
+        cache_class=PersistentPromptCache
+    ):  # before a model loads: a missing mlx-lm internal
         return 2
     import mlx_lm.server as mls
 
@@ -412,11 +413,8 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         print(f"kvstore serve: bad --strip-pattern: {e}", file=sys.stderr)
         return 2
     if args.store is None:
-        from .cli import default_store
-
         args.store = default_store()
     store_dir = os.path.expanduser(args.store)
-    from .cli import store_disk_budget
     from .store import StoreError, check_store
 
     try:

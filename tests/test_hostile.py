@@ -570,7 +570,7 @@ def test_serve_refuses_bad_stores_before_the_model_loads(
 
     monkeypatch.setattr(mlx_lm.server, "main", serve)
     # The stub is no mlx-lm main: skip the start-up check of mlx-lm's internals.
-    monkeypatch.setattr("kvstore.compat.check_server", lambda **kw: True)
+    monkeypatch.setattr("kvstore.server.check_server", lambda **kw: True)
     for store, message in (
         (tmp_path / "theirs", "not a kvstore store"),
         (other, "format version 1.5"),

@@ -41,7 +41,8 @@ DEFAULT_TESTS = [
 _PROBE = """
 import json, importlib.metadata as md
 from kvstore import compat
-problems = compat.server_problems()
+from kvstore.server import PersistentPromptCache
+problems = compat.server_problems(cache_class=PersistentPromptCache)
 print(json.dumps({
     "mlx_lm": md.version("mlx-lm"), "mlx": md.version("mlx"),
     "transformers": md.version("transformers"), "problems": problems}))

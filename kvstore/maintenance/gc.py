@@ -9,19 +9,19 @@ from ..chunking import HASH_BYTES, root_hash
 from ..index import CorruptRecord, Index, StoreError
 from .common import (
     Eviction,
-    _check_optional_int,
-    _delete_namespace,
-    _known_namespaces,
-    _opened,
-    _prefixed,
-    _resolve_namespace,
-    _resolve_node,
-    _spec_list,
+    check_optional_int,
+    delete_namespace,
     evict_to_budget,
+    known_namespaces,
+    opened,
+    prefixed_items,
     read_disk_budget,
     release_files,
+    resolve_namespace,
+    resolve_node,
+    spec_list,
 )
-from .verify import _Fixed, _scan_files, _verify
+from .verify import Fixed, scan_files, verify_open_store
 
 # -- gc --------------------------------------------------------------------------------
 
@@ -75,36 +75,36 @@ def gc(
         ValueError: a namespace is unknown or ambiguous, or named both to drop and to
             keep; bad budgets or ages.
     """
-    _check_optional_int("max_bytes", max_bytes)
+    check_optional_int("max_bytes", max_bytes)
     if isinstance(temp_age_seconds, bool) or not isinstance(
         temp_age_seconds, (int, float)
     ):
         raise TypeError(f"temp_age_seconds must be a number, got {temp_age_seconds!r}")
     if temp_age_seconds < 0:
         raise ValueError(f"temp_age_seconds must be >= 0, got {temp_age_seconds}")
-    drop_specs = _spec_list("drop_namespaces", drop_namespaces)
+    drop_specs = spec_list("drop_namespaces", drop_namespaces)
     keep_specs = (
         None
         if keep_namespaces is None
-        else _spec_list("keep_namespaces", keep_namespaces)
+        else spec_list("keep_namespaces", keep_namespaces)
     )
     now = time.time() if now is None else now
     path = os.fspath(path)
-    with _opened(path) as (index, blobs):
+    with opened(path) as (index, blobs):
         report: Dict[str, Any] = {"path": path, "bytes_before": index.total_bytes()}
 
         # 1. Whole namespaces.
-        known = index.read(lambda txn: _known_namespaces(index, txn))
-        drop = {_resolve_namespace(known, s) for s in drop_specs}
+        known = index.read(lambda txn: known_namespaces(index, txn))
+        drop = {resolve_namespace(known, s) for s in drop_specs}
         if keep_specs is not None:
-            keep = {_resolve_namespace(known, s) for s in keep_specs}
+            keep = {resolve_namespace(known, s) for s in keep_specs}
             if drop & keep:
                 both = ", ".join(sorted(ns.hex() for ns in drop & keep))
                 raise ValueError(f"namespaces named both to drop and to keep: {both}")
             drop |= known - keep
         dropped_nodes = dropped_bytes = 0
         for ns in sorted(drop):
-            gone = index.write(lambda txn, ns=ns: _delete_namespace(index, txn, ns))
+            gone = index.write(lambda txn, ns=ns: delete_namespace(index, txn, ns))
             dropped_nodes += len(gone)
             dropped_bytes += sum(rec.total_bytes for _, rec in gone if rec is not None)
             release_files(
@@ -117,10 +117,10 @@ def gc(
         )
 
         # 2. Broken nodes.
-        checked = _verify(
+        checked = verify_open_store(
             index, blobs, fix=True, check_data=check_data, walk_files=False, now=now
         )
-        fixed = checked["fixed"] or _Fixed().report()
+        fixed = checked["fixed"] or Fixed().report()
         report.update(
             problems=checked["problems"],
             broken_nodes=fixed["nodes_removed"],
@@ -147,7 +147,7 @@ def gc(
         # 4. Orphan and temp files.
         orphans = [
             f
-            for f in _scan_files(index, blobs, now=now)
+            for f in scan_files(index, blobs, now=now)
             if f.problem["kind"] == "orphan"
         ]
         released = release_files(
@@ -228,12 +228,12 @@ def set_pinned(path, namespace_hex, node_hexes: Iterable, pinned: bool) -> int:
         StoreError: ``path`` is not a kvstore directory.
         ValueError: an unknown or ambiguous namespace or node (nothing is changed).
     """
-    specs = _spec_list("node_hexes", node_hexes)
-    with _opened(path) as (index, _):
+    specs = spec_list("node_hexes", node_hexes)
+    with opened(path) as (index, _):
 
         def apply(txn):
-            ns = _resolve_namespace(_known_namespaces(index, txn), namespace_hex)
-            hashes = [_resolve_node(index, txn, ns, s) for s in specs]
+            ns = resolve_namespace(known_namespaces(index, txn), namespace_hex)
+            hashes = [resolve_node(index, txn, ns, s) for s in specs]
             return sum(
                 _set_pin(index, txn, ns, h, pinned) for h in dict.fromkeys(hashes)
             )
@@ -266,11 +266,11 @@ def pin_path(path, namespace_hex, leaf_hex, pinned: bool) -> int:
             corrupt (run ``verify(fix=True)``).
         ValueError: an unknown or ambiguous namespace or node.
     """
-    with _opened(path) as (index, _):
+    with opened(path) as (index, _):
 
         def apply(txn):
-            ns = _resolve_namespace(_known_namespaces(index, txn), namespace_hex)
-            h = _resolve_node(index, txn, ns, leaf_hex)
+            ns = resolve_namespace(known_namespaces(index, txn), namespace_hex)
+            h = resolve_node(index, txn, ns, leaf_hex)
             path_up = _ancestry(index, txn, ns, h)  # h first
             if pinned:
                 targets = path_up
@@ -284,7 +284,7 @@ def pin_path(path, namespace_hex, leaf_hex, pinned: bool) -> int:
                 # Pinned nodes off the released path and subtree keep their ancestors.
                 released = set(below) | set(path_up)
                 needed: Set[bytes] = set()
-                for key, _ in _prefixed(txn, index.db["pins"], ns):
+                for key, _ in prefixed_items(txn, index.db["pins"], ns):
                     other = key[len(ns) :]
                     if other not in released and other not in needed:
                         needed.update(_ancestry(index, txn, ns, other))

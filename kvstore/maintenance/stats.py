@@ -8,13 +8,13 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import root_hash
 from ..index import CorruptRecord, Index, NodeRecord
 from .common import (
-    _descriptions,
-    _known_namespaces,
-    _layout,
-    _opened,
-    _resolve_namespace,
     check_int,
+    description_layout,
+    known_namespaces,
+    namespace_descriptions,
+    opened,
     read_disk_budget,
+    resolve_namespace,
 )
 
 # -- stats -----------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def store_stats(path) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
-    with _opened(path, readonly=True) as (index, blobs):
+    with opened(path, readonly=True) as (index, blobs):
 
         def scan(txn):
             meta = index.db["meta"]
@@ -97,7 +97,7 @@ def store_stats(path) -> Dict[str, Any]:
                 "created": float(created) if created is not None else None,
                 "disk_budget": read_disk_budget(index, txn),
             }
-            descs = _descriptions(index, txn)
+            descs = namespace_descriptions(index, txn)
             per: Dict[bytes, Dict[str, Any]] = {}
             keys, parents = [], set()
             for ns, h, raw in index.iter_nodes(txn):
@@ -116,7 +116,7 @@ def store_stats(path) -> Dict[str, Any]:
             for key in keys:
                 per[key[0]]["prompts"] += key not in parents
             counters = {
-                ns: index.counters(ns, txn) for ns in _known_namespaces(index, txn)
+                ns: index.counters(ns, txn) for ns in known_namespaces(index, txn)
             }
             return head, descs, per, counters
 
@@ -130,7 +130,7 @@ def store_stats(path) -> Dict[str, Any]:
         desc = descs.get(ns)
         desc = desc if isinstance(desc, dict) else {}
         try:
-            layout = _layout(desc)
+            layout = description_layout(desc)
         except ValueError:
             layout = None
         acc = per.get(ns, _new_acc())
@@ -244,7 +244,7 @@ def list_tree(
     """
     check_int("max_depth", max_depth, minimum=0)
     check_int("max_children", max_children, minimum=0)
-    with _opened(path, readonly=True) as (index, _):
+    with opened(path, readonly=True) as (index, _):
 
         def kids(txn, ns: bytes, parent: bytes, depth: int) -> Tuple[List[dict], int]:
             hashes = index.children(ns, parent, txn)
@@ -259,13 +259,13 @@ def list_tree(
             return shown, len(hashes) - len(hashes[:max_children])
 
         def build(txn):
-            known = _known_namespaces(index, txn)
+            known = known_namespaces(index, txn)
             spaces = (
-                [_resolve_namespace(known, namespace)]
+                [resolve_namespace(known, namespace)]
                 if namespace is not None
                 else known
             )
-            descs = _descriptions(index, txn)
+            descs = namespace_descriptions(index, txn)
             out = []
             for ns in sorted(spaces):
                 desc = descs.get(ns)

@@ -22,11 +22,11 @@ from ..fsutil import NotRegularFile
 from ..index import CorruptRecord, Index, NodeRecord, child_key
 from .common import (
     Key,
-    _delete_namespace,
-    _descriptions,
-    _layout,
-    _opened,
+    delete_namespace,
     delete_subtree,
+    description_layout,
+    namespace_descriptions,
+    opened,
     release_files,
 )
 
@@ -77,11 +77,11 @@ class _IndexScan:
 
 def _scan_index(index: Index, txn) -> _IndexScan:
     """Check every record and description; no file is read."""
-    descs = _descriptions(index, txn)
+    descs = namespace_descriptions(index, txn)
     layouts, findings = {}, []
     for ns, desc in descs.items():
         try:
-            layouts[ns] = _layout(desc)
+            layouts[ns] = description_layout(desc)
         except ValueError as e:
             findings.append(
                 _Finding(
@@ -347,7 +347,7 @@ def _check_files(
     return (index.read(still) if findings else []), checked, nbytes
 
 
-def _scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
+def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
     """Orphan chunk files, temp files and files kvstore did not write, under ``blobs/``.
 
     An orphan is a ``.safetensors`` file no index record names: at a node's path but
@@ -387,7 +387,9 @@ def _scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
 
 
 @dataclass
-class _Fixed:
+class Fixed:
+    """What a fix (``verify(fix=True)``, ``gc``) removed and repaired."""
+
     nodes_removed: int = 0
     bytes_removed: int = 0
     index_repairs: int = 0
@@ -399,7 +401,7 @@ class _Fixed:
         return dict(self.__dict__)
 
 
-def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
+def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
     """Remove broken nodes (and descendants) and repair the index, then release files.
 
     File problems found outside the transaction are acted on only if the node's record
@@ -408,14 +410,14 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
     """
 
     def fix(txn):
-        done, gone, quarantine = _Fixed(), {}, {}
+        done, gone, quarantine = Fixed(), {}, {}
 
         def remove(f: _Finding) -> bool:
             """Act on one finding; False when nothing changed."""
             ns, h = f.key
             if f.action == "drop":
                 existed = txn.get(ns, db=index.db["namespaces"]) is not None
-                removed = _delete_namespace(index, txn, ns)
+                removed = delete_namespace(index, txn, ns)
                 if not (existed or removed):
                     return False
             elif f.action == "delete_key":
@@ -457,7 +459,7 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
     return done
 
 
-def _verify(
+def verify_open_store(
     index: Index,
     blobs: Blobs,
     *,
@@ -466,6 +468,10 @@ def _verify(
     walk_files: bool,
     now: float,
 ) -> Dict[str, Any]:
+    """:func:`verify` of an opened store (also run by :func:`~.gc.gc`):
+    ``check_data`` reads every file's data, ``walk_files`` lists ``blobs/`` for
+    orphan, temp and stray files. Returns :func:`verify`'s report without ``path``."""
+
     def index_scan(txn):
         scan = _scan_index(index, txn)
         return scan, scan.findings + _index_diffs(index, txn, scan)
@@ -476,7 +482,7 @@ def _verify(
     )
     findings += file_findings
     if walk_files:
-        findings += _scan_files(index, blobs, now=now)
+        findings += scan_files(index, blobs, now=now)
     problems = [f.problem for f in findings]
     kinds = [p["kind"] for p in problems]
     errors = sum(k not in INFO_KINDS for k in kinds)
@@ -540,8 +546,8 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
-    with _opened(path, readonly=not fix) as (index, blobs):
-        report = _verify(
+    with opened(path, readonly=not fix) as (index, blobs):
+        report = verify_open_store(
             index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time()
         )
     return {"path": path, **report}
