@@ -540,6 +540,7 @@ def cmd_pull(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore`` parser; ``serve`` and ``bench`` parse their own arguments."""
     parser = argparse.ArgumentParser(
         prog="kvstore",
         description="Persistent KV caches for mlx-lm: prefill once, reuse forever.",
@@ -555,39 +556,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark against recomputation and mlx-lm (see `kvstore bench -h`)",
         add_help=False,
     )
+    for add in (
+        _add_prefill,
+        _add_stats,
+        _add_ls,
+        _add_verify,
+        _add_gc,
+        _add_push,
+        _add_pull,
+        _add_pin,
+    ):
+        add(sub)
+    return parser
 
-    def common(p, *, model=False):
+
+def _common_options(p: argparse.ArgumentParser, *, model: bool = False) -> None:
+    """``--store`` and ``--json``; with ``model``, the model and cache options."""
+    p.add_argument(
+        "--store",
+        default=default_store(),
+        help="store directory (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    if model:
         p.add_argument(
-            "--store",
-            default=default_store(),
-            help="store directory (default: %(default)s)",
+            "--model",
+            default=None,
+            help="mlx-lm model path or hub id (default: SmolLM2-135M-Instruct)",
         )
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-        if model:
-            p.add_argument(
-                "--model",
-                default=None,
-                help="mlx-lm model path or hub id (default: SmolLM2-135M-Instruct)",
-            )
-            p.add_argument(
-                "--chunk-tokens",
-                type=_chunk,
-                default=256,
-                help="tokens per node (default: 256)",
-            )
-            p.add_argument(
-                "--kv-bits",
-                type=_bits,
-                default=None,
-                help="store quantized KV of this many bits (as mlx_lm.server --kv-bits)",
-            )
-            p.add_argument(
-                "--kv-group-size",
-                type=_positive,
-                default=64,
-                help="quantization group size with --kv-bits (default: 64)",
-            )
+        p.add_argument(
+            "--chunk-tokens",
+            type=_chunk,
+            default=256,
+            help="tokens per node (default: 256)",
+        )
+        p.add_argument(
+            "--kv-bits",
+            type=_bits,
+            default=None,
+            help="store quantized KV of this many bits (as mlx_lm.server --kv-bits)",
+        )
+        p.add_argument(
+            "--kv-group-size",
+            type=_positive,
+            default=64,
+            help="quantization group size with --kv-bits (default: 64)",
+        )
 
+
+def _add_prefill(sub) -> None:
+    """``kvstore prefill``."""
     p = sub.add_parser(
         "prefill", help="compute and store the KV of prompts from a JSONL file"
     )
@@ -595,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts",
         help="JSONL: {messages|prompt|tokens, id?, kind?, pin?} per line (- for stdin)",
     )
-    common(p, model=True)
+    _common_options(p, model=True)
     p.add_argument(
         "--kind",
         default="user",
@@ -617,12 +635,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_prefill)
 
+
+def _add_stats(sub) -> None:
+    """``kvstore stats``."""
     p = sub.add_parser("stats", help="what the store holds, per model")
-    common(p)
+    _common_options(p)
     p.set_defaults(func=cmd_stats)
 
+
+def _add_ls(sub) -> None:
+    """``kvstore ls``."""
     p = sub.add_parser("ls", help="the stored prefixes as a tree")
-    common(p)
+    _common_options(p)
     p.add_argument("--depth", type=_positive, default=4)
     p.add_argument("--no-decode", action="store_true", help="show token ids, not text")
     p.add_argument(
@@ -630,15 +654,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_ls)
 
+
+def _add_verify(sub) -> None:
+    """``kvstore verify``."""
     p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")
-    common(p)
+    _common_options(p)
     p.add_argument("--fix", action="store_true", help="quarantine what is broken")
     p.set_defaults(func=cmd_verify)
 
+
+def _add_gc(sub) -> None:
+    """``kvstore gc``."""
     p = sub.add_parser(
         "gc", help="remove orphans, temp files, broken nodes; evict to a budget"
     )
-    common(p)
+    _common_options(p)
     p.add_argument(
         "--max-bytes",
         type=parse_size,
@@ -653,10 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_gc)
 
+
+def _add_push(sub) -> None:
+    """``kvstore push``."""
     p = sub.add_parser(
         "push", help="upload the store's nodes that a remote tier (s3://) lacks"
     )
-    common(p)
+    _common_options(p)
     p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
     p.add_argument(
         "--namespace",
@@ -672,25 +705,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-group-size", type=_positive, default=64)
     p.set_defaults(func=cmd_push)
 
+
+def _add_pull(sub) -> None:
+    """``kvstore pull``."""
     p = sub.add_parser(
         "pull",
         help="download (and validate) every node of a model that a remote tier has",
     )
-    common(p, model=True)
+    _common_options(p, model=True)
     p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
     p.set_defaults(func=cmd_pull)
 
+
+def _add_pin(sub) -> None:
+    """``kvstore pin`` and ``kvstore unpin``."""
     for name, pinned in (("pin", True), ("unpin", False)):
         p = sub.add_parser(
             name, help=f"{name} a stored prefix (by text, JSONL file or node id)"
         )
-        common(p, model=True)
+        _common_options(p, model=True)
         p.add_argument("text", nargs="?", default=None, help="prompt text")
         p.add_argument("--file", help="JSONL file of prompts")
         p.add_argument("--node", help="node id (hex) with --namespace")
         p.add_argument("--namespace", help="namespace id (hex) for --node")
         p.set_defaults(func=lambda a, _p=pinned: cmd_pin(a, _p))
-    return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:

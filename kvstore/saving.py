@@ -232,60 +232,13 @@ class WritePath:
         now = time.time()
         evicted, unindexed, late, skipped = [], [], [0], [0]
 
-        def is_ours(h: bytes, published, part: str = "") -> bool:
-            # Index only the very file we checked: one removed (or replaced) by another
-            # process since then must not be indexed with our checksum.
-            return self.blobs.published_inode(ns, h, part) == published.inode
-
         def commit(txn):
-            added, superseded = [], []
             if reservation is not None:
                 reservations.delete(self.index, txn, reservation)
             evicted[:] = self._make_room(txn, written)
-            for at, (node, delta, state) in enumerate(written):
-                if state is not None and not is_ours(node.h, state[1], STATE_PART):
-                    state = None
-                if delta is None:
-                    rec = self.index.get_node(ns, node.h, txn)
-                    if state is None or rec is None or rec.has_state:
-                        continue
-                    # A checkpoint for a node stored without one.
-                    rec = _with_state(rec, state[1])
-                    self.index.replace_node(txn, ns, node.h, rec)
-                    added.append((node.h, rec, None, state[0]))
-                    continue
-                parent_ok = node.parent == self.root or self.index.get_node(
-                    ns, node.parent, txn
-                )
-                if not parent_ok or not is_ours(node.h, delta[1]):
-                    # Its parent was evicted, or its file replaced, meanwhile: this
-                    # node and the ones after it stay unsaved (counted, not raised).
-                    skipped[0] = sum(1 for w in written[at:] if w[1] is not None)
-                    break
-                rec = NodeRecord(
-                    node.parent,
-                    node.start,
-                    node.tokens,
-                    delta[1].nbytes,
-                    delta[1].checksum,
-                    kind,
-                    pin,
-                    now,
-                )
-                if state is not None:
-                    rec = _with_state(rec, state[1])
-                if self.index.put_node(txn, ns, node.h, rec):
-                    if not added and not self.layout.has_state:
-                        superseded = self._supersede(txn, node.h, rec)
-                    # The RAM tier holds our bytes only if they are the file's.
-                    added.append(
-                        (
-                            node.h,
-                            rec,
-                            delta[0] if delta[1].ours else None,
-                            state[0] if state is not None and state[1].ours else None,
-                        )
-                    )
+            added, superseded, skipped[0] = self._index_nodes(
+                txn, written, kind=kind, pin=pin, now=now
+            )
             if pin:
                 for h in existing + [node.h for node, _, _ in written]:
                     self.index.set_pinned(txn, ns, h, True)
@@ -316,11 +269,78 @@ class WritePath:
                 self._unreserve(reservation)
             elif reservation is not None:
                 reservations.forget(reservation)  # the commit deleted it
+        self._record_written(added, skipped[0])
+
+    def _is_ours(self, h: bytes, published, part: str = "") -> bool:
+        # Index only the very file we checked: one removed (or replaced) by another
+        # process since then must not be indexed with our checksum.
+        return self.blobs.published_inode(self.namespace, h, part) == published.inode
+
+    def _index_nodes(
+        self, txn, written: List[tuple], *, kind: str, pin: bool, now: float
+    ) -> Tuple[List[tuple], List[tuple], int]:
+        """Inside the commit: index the ``written`` nodes, parents first.
+
+        Returns ``(hash, record, delta, state)`` of each node added (delta and state:
+        the NodeFiles for the RAM tier, None where the file is another writer's), the
+        nodes it superseded, and how many nodes were skipped (their parent evicted or
+        their file replaced meanwhile)."""
+        ns = self.namespace
+        added, superseded, skipped = [], [], 0
+        for at, (node, delta, state) in enumerate(written):
+            if state is not None and not self._is_ours(node.h, state[1], STATE_PART):
+                state = None
+            if delta is None:
+                rec = self.index.get_node(ns, node.h, txn)
+                if state is None or rec is None or rec.has_state:
+                    continue
+                # A checkpoint for a node stored without one.
+                rec = _with_state(rec, state[1])
+                self.index.replace_node(txn, ns, node.h, rec)
+                added.append((node.h, rec, None, state[0]))
+                continue
+            parent_ok = node.parent == self.root or self.index.get_node(
+                ns, node.parent, txn
+            )
+            if not parent_ok or not self._is_ours(node.h, delta[1]):
+                # Its parent was evicted, or its file replaced, meanwhile: this
+                # node and the ones after it stay unsaved (counted, not raised).
+                skipped = sum(1 for w in written[at:] if w[1] is not None)
+                break
+            rec = NodeRecord(
+                node.parent,
+                node.start,
+                node.tokens,
+                delta[1].nbytes,
+                delta[1].checksum,
+                kind,
+                pin,
+                now,
+            )
+            if state is not None:
+                rec = _with_state(rec, state[1])
+            if self.index.put_node(txn, ns, node.h, rec):
+                if not added and not self.layout.has_state:
+                    superseded = self._supersede(txn, node.h, rec)
+                # The RAM tier holds our bytes only if they are the file's.
+                added.append(
+                    (
+                        node.h,
+                        rec,
+                        delta[0] if delta[1].ours else None,
+                        state[0] if state is not None and state[1].ours else None,
+                    )
+                )
+        return added, superseded, skipped
+
+    def _record_written(self, added: List[tuple], skipped: int) -> None:
+        """After the commit: the RAM tier, the counters, the remote tier's uploads
+        and the disk budget."""
         self._fill_ram(added)
         with self._lock:
             self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
-            self._counters.nodes_skipped += skipped[0]
+            self._counters.nodes_skipped += skipped
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
         if self.remote is not None and added:
             self.remote.after_commit(added)  # queues uploads; returns at once

@@ -172,28 +172,39 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         if rec is not None and k[0] not in skip
     }
     raw_keys = {ns + h for ns, h in scan.nodes}
-    out: List[_Finding] = []
+    return (
+        _edge_diffs(index, txn, good, skip)
+        + _atime_diffs(index, txn, good, skip, raw_keys)
+        + _pin_diffs(index, txn, good, skip)
+        + _counter_diffs(index, txn, good, skip)
+    )
 
-    def diff(
-        db: str,
-        key: bytes,
-        value: Optional[bytes],
-        ns: bytes,
-        h: Optional[bytes],
-        detail,
-    ):
-        def apply(t, db=db, key=key, value=value):
-            if value is None:
-                t.delete(key, db=index.db[db])
-            else:
-                t.put(key, value, db=index.db[db])
 
-        out.append(
-            _Finding(
-                _problem("index", ns, h, detail=detail), action="repair", apply=apply
-            )
-        )
+def _repair(
+    index: Index,
+    db: str,
+    key: bytes,
+    value: Optional[bytes],
+    ns: bytes,
+    h: Optional[bytes],
+    detail,
+) -> _Finding:
+    """An index finding whose fix sets ``key`` of ``db`` to ``value`` (None: deletes)."""
 
+    def apply(t, db=db, key=key, value=value):
+        if value is None:
+            t.delete(key, db=index.db[db])
+        else:
+            t.put(key, value, db=index.db[db])
+
+    return _Finding(
+        _problem("index", ns, h, detail=detail), action="repair", apply=apply
+    )
+
+
+def _edge_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
+    """Trie edges without their node, and nodes without their edge."""
+    out = []
     edges = {
         child_key(ns, rec.parent, rec.tokens, h): (ns, h)
         for (ns, h), rec in good.items()
@@ -205,22 +216,39 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         if k in edges:
             seen.add(k)
         elif ns not in skip:
-            diff("children", k, None, ns, k[-HASH_BYTES:], "trie edge without its node")
+            detail = "trie edge without its node"
+            out.append(_repair(index, "children", k, None, ns, k[-HASH_BYTES:], detail))
     for k in edges.keys() - seen:
         ns, h = edges[k]
-        diff("children", k, b"", ns, h, "node has no trie edge")
+        out.append(_repair(index, "children", k, b"", ns, h, "node has no trie edge"))
+    return out
+
+
+def _atime_diffs(
+    index: Index, txn, good: dict, skip: set, raw_keys: set
+) -> List[_Finding]:
+    """Access times of no node, and nodes without a (readable) access time."""
+    out = []
     with_atime = set()
     for k, v in txn.cursor(db=index.db["atime"]):
         k = bytes(k)
         ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
         if k not in raw_keys and ns not in skip:
-            diff("atime", k, None, ns, h, "access time of a node not in the index")
+            detail = "access time of a node not in the index"
+            out.append(_repair(index, "atime", k, None, ns, h, detail))
         elif len(v) == 8:
             with_atime.add(k)
     for (ns, h), rec in good.items():
         if ns + h not in with_atime:
             when = struct.pack("<d", rec.created)  # as Index.put_node writes it
-            diff("atime", ns + h, when, ns, h, "node has no (readable) access time")
+            detail = "node has no (readable) access time"
+            out.append(_repair(index, "atime", ns + h, when, ns, h, detail))
+    return out
+
+
+def _pin_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
+    """Pins of unpinned (or no) nodes, and pinned nodes missing from the pins table."""
+    out = []
     pinned = set()
     for k, _ in txn.cursor(db=index.db["pins"]):
         k = bytes(k)
@@ -229,10 +257,18 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         if rec is not None and rec.pinned:
             pinned.add(k)
         elif ns not in skip:
-            diff("pins", k, None, ns, h, "pin of an unpinned node or of no node")
+            detail = "pin of an unpinned node or of no node"
+            out.append(_repair(index, "pins", k, None, ns, h, detail))
     for (ns, h), rec in good.items():
         if rec.pinned and ns + h not in pinned:
-            diff("pins", ns + h, b"", ns, h, "pinned node missing from the pins table")
+            detail = "pinned node missing from the pins table"
+            out.append(_repair(index, "pins", ns + h, b"", ns, h, detail))
+    return out
+
+
+def _counter_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
+    """Namespaces whose counters differ from the sums of their records."""
+    out = []
     sums: Dict[bytes, List[int]] = {}
     for (ns, _), rec in good.items():
         s = sums.setdefault(ns, [0, 0, 0, 0])
@@ -240,7 +276,7 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         s[1] += rec.ntokens
         s[2] += rec.total_bytes
         s[3] += rec.total_bytes * rec.pinned
-    packer = Index._COUNTERS  # the counters' record format, owned by the index
+    packer = Index.COUNTERS  # the counters' record format, owned by the index
     stored = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.db["counters"])}
     for ns in sorted((set(sums) | set(stored)) - skip):
         want = tuple(sums.get(ns, (0, 0, 0, 0)))
