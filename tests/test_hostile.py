@@ -19,23 +19,13 @@ import time
 
 import lmdb
 import pytest
-from conftest import compute_cache, random_tokens
+from conftest import compute_cache, random_tokens, run_cli
 
-from kvstore import KVStore, cli, maintenance, server
+from kvstore import KVStore, maintenance, server
 from kvstore.index import FORMAT_VERSION, Index, StoreError
 
 C = 8  # tokens per chunk
 PROMPTS = [random_tokens(40, seed) for seed in range(3)]
-
-
-def run_cli(capsys, *argv) -> tuple:
-    """``kvstore ARGV`` in this process: (status, stdout, stderr)."""
-    try:
-        status = cli.main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def run_kvstore(*argv, timeout=120, input=None, pre=()):

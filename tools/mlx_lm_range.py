@@ -33,7 +33,7 @@ DEFAULT_TESTS = [
     "tests/test_store.py",
     "tests/test_cache_types.py",
     "tests/test_server.py",
-    "tests/test_server_more.py",
+    "tests/test_serve_processes.py",
     "tests/test_compat.py",
 ]
 
