@@ -2,7 +2,6 @@
 namespace's remote nodes that ``kvstore pull`` (:meth:`RemoteTier.pull`) walks."""
 
 import os
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Optional
 
