@@ -364,17 +364,19 @@ class Blobs:
         if create:
             fsutil.makedirs(root)
 
-    def _parts(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> List[str]:
+    def path_parts(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> List[str]:
+        """Node ``h``'s file path below :attr:`root`: namespace directory, fan-out
+        directory, file name."""
         hx = h.hex()
         return [ns.hex(), hx[:2], hx + part + self.SUFFIX]
 
     def path(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> str:
-        return os.path.join(self.root, *self._parts(ns, h, part))
+        return os.path.join(self.root, *self.path_parts(ns, h, part))
 
     def _real_dirs(self, ns: bytes, h: bytes) -> bool:
         """Whether node ``h``'s directories are real ones (or missing), not links."""
         try:
-            fsutil.check_real_dirs(self.root, self._parts(ns, h)[:2])
+            fsutil.check_real_dirs(self.root, self.path_parts(ns, h)[:2])
         except fsutil.NotRegularFile:
             return False
         return True
@@ -386,11 +388,11 @@ class Blobs:
             FileNotFoundError: no file.
             fsutil.NotRegularFile: a symlink, FIFO... in its place or on its path.
         """
-        return fsutil.open_regular_beneath(self.root, self._parts(ns, h, part))
+        return fsutil.open_regular_beneath(self.root, self.path_parts(ns, h, part))
 
     # -- writing -----------------------------------------------------------
 
-    def _adopt(self, final: str) -> "Published":
+    def adopt(self, final: str) -> "Published":
         """Size, checksum and inode of a complete file another writer published."""
         try:
             f = os.fdopen(fsutil.open_regular(final), "rb")

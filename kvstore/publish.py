@@ -100,7 +100,7 @@ class WriteBatch:
         root = self.blobs.root
         if not os.path.isdir(root):  # the store was deleted: do not remake it
             raise FileNotFoundError(errno.ENOENT, "the blobs directory is gone", root)
-        fsutil.check_real_dirs(root, self.blobs._parts(ns, h)[:2])  # never write out
+        fsutil.check_real_dirs(root, self.blobs.path_parts(ns, h)[:2])  # never write out
         self._make_dir(directory)
         tmp = os.path.join(
             directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -221,7 +221,7 @@ class WriteBatch:
                 fsutil.link_noreplace(s.tmp, s.final)  # see there without hard links
             except FileExistsError:
                 try:
-                    return self.blobs._adopt(s.final)
+                    return self.blobs.adopt(s.final)
                 except FileNotFoundError:
                     continue  # removed (evicted) since: publish ours after all
             return Published(s.nbytes, s.checksum, s.inode, True)

@@ -267,14 +267,14 @@ def test_write_publishes_when_the_file_it_would_adopt_vanishes(blobs, monkeypatc
     first = serialize_node(make_tensors(3), META)
     mine = serialize_node(make_tensors(4), META)
     write_one(blobs, NS, H, first)
-    adopt = Blobs._adopt
+    adopt = Blobs.adopt
 
     def vanish_once(self, final):
-        monkeypatch.setattr(Blobs, "_adopt", adopt)
+        monkeypatch.setattr(Blobs, "adopt", adopt)
         os.unlink(final)
         return adopt(self, final)  # raises FileNotFoundError, as in the race
 
-    monkeypatch.setattr(Blobs, "_adopt", vanish_once)
+    monkeypatch.setattr(Blobs, "adopt", vanish_once)
     got = write_one(blobs, NS, H, mine)
     assert got.ours and got.checksum == file_checksum(mine)
     assert got.inode == os.stat(blobs.path(NS, H)).st_ino
