@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import tiny_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import SYSTEM, Server, chat_body, request
+from serving import SYSTEM, Server, chat_body, request
 
 from kvstore import maintenance
 from kvstore.chunking import root_hash
