@@ -65,14 +65,21 @@ class _Failures:
             self.first = min(self.first, index)
 
 
-def _capacity(n: int, query: int, room: int) -> int:
-    """Rows to allocate for a restore of ``n`` tokens of a ``query``-token prompt.
+# Restores of less KV than this get no room: room needs a buffer of its own per tensor
+# (MLX copies a shared buffer on the first update), and allocating a model's 60 of
+# them costs ~2.5 ms here, about what growing an exactly full cache copies at 16 MiB.
+ROOM_MIN_BYTES = 16 << 20
+
+
+def _capacity(n: int, query: int, room: int, token_bytes: int) -> int:
+    """Rows to allocate for a restore of ``n`` tokens of a ``query``-token prompt
+    (``token_bytes`` of KV per token).
 
     Room for up to ``room`` more of the prompt's tokens and the first generated one,
     in whole cache steps: the caller's next forward pass writes its keys and values in
     place, where an exactly full cache would first copy every layer to grow.
     """
-    if room == 0:
+    if room == 0 or n * token_bytes < ROOM_MIN_BYTES:
         return n
     want = min(query, n + room) + 1
     return -(-want // KVCache.step) * KVCache.step
@@ -134,16 +141,16 @@ class _ReadPath:
             state_job = self._readers.submit(self._read_state, path[-1])
             jobs.append((len(path) - 1, state_job))
         opened: Dict[int, _Opened] = {}  # by index in path
-        ahead = None  # a layout of state layers only has no node files to read
-        if self.layout.rows:
-            ahead = self._readers.submit(self._open_ahead, path, opened)
+        capacity = _capacity(n, query, self.restore_room, self._token_bytes)
         try:
+            # The arrays are allocated on the allocator's thread while this one opens
+            # the first node files. The lock is held here, for the allocating thread.
             with MLX_LOCK:
-                plan = AssemblyPlan(
-                    self.layout.rows, n, capacity=_capacity(n, query, self.restore_room)
+                plan = self._allocator.run(
+                    lambda: AssemblyPlan(self.layout.rows, n, capacity=capacity),
+                    lambda: self._open_ahead(path, opened),
                 )
             if self.layout.rows:
-                ahead.result()
                 offsets = list(itertools.accumulate((s.take for s in path), initial=0))
                 pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
                 for i in range(len(path)):
@@ -160,8 +167,6 @@ class _ReadPath:
                 if job.exception() is not None:  # readers' own errors are in failures
                     failures.add(at, job.exception())
         finally:
-            if ahead is not None:
-                ahead.exception()  # wait for it (the allocation may have raised)
             for f in list(opened.values()):  # nodes cut off or found in the RAM tier
                 if isinstance(f, OpenFile):
                     f.close()
@@ -303,8 +308,10 @@ class _ReadPath:
 
     def _open_ahead(self, path: List[_Step], opened: Dict[int, _Opened]) -> None:
         """Open the first :data:`OPEN_AHEAD` whole nodes' files into ``opened``: runs
-        while the fetch allocates the restore's arrays, which is otherwise idle time
-        for the readers. A failure is kept for the node's reader to raise."""
+        while the restore's arrays are allocated. A failure is kept for the node's
+        reader to raise."""
+        if not self.layout.rows:  # a layout of state layers only: no node files
+            return
         for i, step in enumerate(path[:OPEN_AHEAD]):
             if step.take != step.rec.ntokens or step.h in self.ram:
                 continue
