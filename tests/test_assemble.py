@@ -145,8 +145,8 @@ print(faults[-1], faults[-2], faults[-3])
 )
 def test_repeated_restores_reuse_their_memory():
     """Freed restore arrays are reused, not faulted in again (in a fresh process, whose
-    heap state is known). On the main thread glibc gave them back to the OS: 82% of
-    the written pages faulted again on every restore."""
+    heap state is known). Allocated on the main thread, glibc gave them back to the
+    OS: every written page faulted again on every restore."""
     out = subprocess.run(
         [sys.executable, "-c", _RECYCLE_SCRIPT],
         capture_output=True,
