@@ -47,6 +47,14 @@ def bench_run(tiny_model_dir, tmp_path_factory):
         "1",
         "--chunk-tokens",
         "16",
+        "--fresh-lengths",
+        "100",
+        "--repeat-lengths",
+        "100",
+        "--restore-repeats",
+        "1",
+        "--durable-tokens",
+        "64",
         "--dir",
         str(out),
         "--json",
@@ -92,6 +100,21 @@ def test_every_case_in_json(bench_run):
 
     assert [s["chunks"] for s in res["scale"]] == [3, 12]
 
+    # After a restart: every case in its own child process, with its measurements.
+    (fresh,) = res["fresh"]
+    assert (fresh["dtype"], fresh["tokens"]) == ("float16", 100)
+    assert set(fresh["cases"]) == {"kvstore", "load_prompt_cache", "floor"}
+    for case in fresh["cases"].values():
+        (sample,) = case["samples"]
+        assert sample["wall_s"] > 0 and sample["faults"] >= 0
+    assert fresh["cases"]["kvstore"]["samples"][0]["forward_s"] > 0
+    (rep,) = res["repeat"]
+    assert set(rep["cases"]) == {"kvstore", "load_prompt_cache", "floor"}
+    assert all(len(c["restore_s"]) == 1 for c in rep["cases"].values())
+    assert set(res["open"]["cases"]) == {"known", "new"}
+    d = res["durable"]
+    assert len(d["kvstore_s"]) == len(d["one_file_s"]) == 1 and d["files"] == 4
+
     whats = " ".join(t["what"] for t in res["targets"])
     for part in (
         "TTFT disk-hot, same process",
@@ -104,6 +127,11 @@ def test_every_case_in_json(bench_run):
         "fetch-miss",
         "prefill tokens/s with saving",
         "bytes on disk",
+        "after a restart, kvstore speed / load_prompt_cache",
+        "after a restart, kvstore speed / floor",
+        "repeated restores, kvstore speed / load_prompt_cache",
+        "open a store, model seen before",
+        "save until durable",
     ):
         assert part in whats
     assert all(t["ok"] in (True, False, None) for t in res["targets"])
