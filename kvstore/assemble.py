@@ -29,12 +29,14 @@ import json
 import math
 import operator
 import struct
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
+from . import memutil
 from .adapters import dtype_name
 from .blobs import DATA_ALIGN, DTYPES, TensorEntry
 
@@ -175,6 +177,7 @@ class AssemblyPlan:
             name: memoryview(a).cast("B") for name, a in zip(rows, self.arrays)
         }
         self.nbytes = sum(a.nbytes for a in self.arrays)
+        self._bases = None  # name -> address of the array's first byte
         self._grids = None
         self._pieces: Dict[Tuple[int, int], tuple] = {}
         self._keep: list = []
@@ -190,6 +193,21 @@ class AssemblyPlan:
                 for name, (row, heads) in self.rows.items()
             }
         return self._grids
+
+    def row_ranges(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """``(address, length)`` of rows ``[lo, hi)`` of every head of every array."""
+        if self._bases is None:
+            self._bases = {
+                name: np.frombuffer(view, dtype=np.uint8).ctypes.data
+                for name, view in self.views.items()
+            }
+        out = []
+        for name, (row, heads) in self.rows.items():
+            base, stride = self._bases[name], self.capacity * row
+            out += [
+                (base + hd * stride + lo * row, (hi - lo) * row) for hd in range(heads)
+            ]
+        return out
 
     def node_targets(
         self, tensors: Mapping[str, TensorEntry], *, offset: int, node_tokens: int
@@ -277,6 +295,63 @@ class PlanAllocator:
             job.exception()  # wait: fn may still use what the caller frees next
         return job.result()
 
+    def submit(self, fn: Callable[[], None]) -> "Future":
+        """Run ``fn()`` on the allocating thread after what it is doing (prefaulting a
+        restore's rows after allocating them); None without a thread of its own."""
+        return self._pool.submit(fn) if self._pool is not None else None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+
+
+class Prefaulter:
+    """Makes a restore's rows present ahead of the threads that read into them.
+
+    Fresh memory takes one page fault per page inside the kernel's copy; the faults of
+    two threads contend, so two readers went no faster than one. Here one thread
+    prefaults the rows (:func:`kvstore.memutil.prefault`, band by band in the readers'
+    order, in bands that grow from one node) while the readers copy into bands already
+    present. Memory the process reuses is present already: its bands are skipped.
+
+    Args:
+        plan: The restore's arrays.
+        offsets: Row offsets of the nodes in reading order, plus the end.
+        needed: ``needed(node)`` is False once the restore is cut before ``node``.
+    """
+
+    MAX_BAND = 8  # nodes per band, once the first bands have been handed out
+
+    def __init__(
+        self, plan: AssemblyPlan, offsets: Sequence[int], needed: Callable[[int], bool]
+    ):
+        self._plan, self._offsets, self._needed = plan, offsets, needed
+        self._band_of: List[int] = []
+        self._bands: List[Tuple[int, int]] = []  # node ranges
+        first, size, nodes = 0, 1, len(offsets) - 1
+        while first < nodes:
+            last = min(nodes, first + size)
+            self._band_of += [len(self._bands)] * (last - first)
+            self._bands.append((first, last))
+            first, size = last, min(self.MAX_BAND, size * 2)
+        self._ready = [threading.Event() for _ in self._bands]
+
+    def run(self) -> None:
+        """Prefault every band still needed, in order; marks each one ready."""
+        try:
+            for band, (first, last) in enumerate(self._bands):
+                if self._needed(first):
+                    ranges = self._plan.row_ranges(
+                        self._offsets[first], self._offsets[last]
+                    )
+                    if not memutil.resident(ranges[0][0]):
+                        if not memutil.prefault(ranges):
+                            return  # not here after all: the copies fault as before
+                self._ready[band].set()
+        finally:
+            for event in self._ready:  # never leave a reader waiting
+                event.set()
+
+    def wait(self, node: int) -> None:
+        """Block until ``node``'s rows are present (or prefaulting has stopped)."""
+        self._ready[self._band_of[node]].wait()

@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .assemble import AssemblyPlan
+from . import memutil
+from .assemble import AssemblyPlan, Prefaulter
 from .blobs import (
     DTYPES,
     MAX_HEADER_BYTES,
@@ -141,6 +142,7 @@ class _ReadPath:
             state_job = self._readers.submit(self._read_state, path[-1])
             jobs.append((len(path) - 1, state_job))
         opened: Dict[int, _Opened] = {}  # by index in path
+        prefault_job = None
         capacity = _capacity(n, query, self.restore_room, self._token_bytes)
         try:
             # The arrays are allocated on the allocator's thread while this one opens
@@ -155,10 +157,18 @@ class _ReadPath:
                 pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
                 for i in range(len(path)):
                     pending.put(i)
+                prefaulter, prefault_job = self._prefault(plan, offsets, failures)
                 # A few long jobs pulling nodes, not one job per node: submitting
                 # hundreds of futures while the first run costs ~10 ms of GIL at 32K.
                 read = functools.partial(
-                    self._read_nodes, path, plan, offsets, pending, failures, opened
+                    self._read_nodes,
+                    path,
+                    plan,
+                    offsets,
+                    pending,
+                    failures,
+                    opened,
+                    prefaulter,
                 )
                 for _ in range(min(self.read_threads, len(path)) - 1):
                     jobs.append((0, self._readers.submit(read)))
@@ -167,10 +177,27 @@ class _ReadPath:
                 if job.exception() is not None:  # readers' own errors are in failures
                     failures.add(at, job.exception())
         finally:
+            if prefault_job is not None:
+                prefault_job.exception()  # it uses the arrays: done before they go
             for f in list(opened.values()):  # nodes cut off or found in the RAM tier
                 if isinstance(f, OpenFile):
                     f.close()
         return failures, state_job, plan
+
+    def _prefault(
+        self, plan: AssemblyPlan, offsets: List[int], failures: "_Failures"
+    ) -> Tuple[Optional[Prefaulter], Optional[Future]]:
+        """Start prefaulting the restore's rows on the allocator's thread, when the
+        platform can and the memory is fresh; ``(prefaulter, job)`` or ``(None, None)``.
+        """
+        if not memutil.prefault_supported():
+            return None, None
+        (address, _), *_ = plan.row_ranges(0, 1)
+        if memutil.resident(address) is not False:  # reused memory: present already
+            return None, None
+        prefaulter = Prefaulter(plan, offsets, needed=lambda i: i <= failures.first)
+        job = self._allocator.submit(prefaulter.run)
+        return (prefaulter, job) if job is not None else (None, None)
 
     def _walk(
         self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
@@ -328,12 +355,14 @@ class _ReadPath:
         pending: "queue.SimpleQueue[int]",
         failures: "_Failures",
         opened: Dict[int, _Opened],
+        prefaulter: Optional[Prefaulter],
     ) -> None:
         """Read nodes of ``path`` taken from ``pending`` until it is empty.
 
         A node's exception goes to ``failures``; nodes after a broken one are
         skipped, as the restore is cut there anyway. Files in ``opened`` (by index)
-        are used, and taken out: the fetch closes whatever is left.
+        are used, and taken out: the fetch closes whatever is left. With a
+        ``prefaulter``, a node is read once its rows are present.
         """
         while True:
             try:
@@ -342,6 +371,8 @@ class _ReadPath:
                 return
             if i > failures.first:
                 continue
+            if prefaulter is not None:
+                prefaulter.wait(i)
             try:
                 self._read_node(path[i], plan, offsets[i], opened.pop(i, None))
             except Exception as e:  # the fetch reports the first broken node only

@@ -11,6 +11,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
 import kvstore
+import kvstore.memutil
 from kvstore import KVStore, StoreError, UnsupportedCacheError
 
 C = 64  # chunk tokens in these tests
@@ -87,6 +88,18 @@ def test_restored_cache_has_room_for_the_rest_of_the_prompt(
 def data_address(a: mx.array) -> int:
     """Where an evaluated array's data is (a copy moves it)."""
     return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("prefault", ["always", "never"])
+def test_restore_with_and_without_prefaulting(model, store, monkeypatch, prefault):
+    """Prefaulting the rows ahead of the readers (forced here: the arrays look fresh)
+    and its fallback (no MADV_POPULATE_WRITE) restore the same exact KV."""
+    if prefault == "always":
+        monkeypatch.setattr(kvstore.memutil, "resident", lambda address: False)
+    else:
+        monkeypatch.setattr(kvstore.memutil._LIBC, "populate", False)
+    assert_same_as_cold(model, store, STORED + FRESH[:30], len(STORED), steps=5)
+    assert_same_as_cold(model, store, STORED[:100] + FRESH[:10], 100, steps=5)
 
 
 def test_small_restores_are_exactly_full(model, store):
