@@ -68,8 +68,9 @@ class _Failures:
 
 # Restores of less KV than this get no room: room needs a buffer of its own per tensor
 # (MLX copies a shared buffer on the first update), and allocating a model's 60 of
-# them costs ~2.5 ms here, about what growing an exactly full cache copies at 16 MiB.
-ROOM_MIN_BYTES = 16 << 20
+# them cost 2.5-6 ms here, about what growing an exactly full cache copies at 16-32
+# MiB (measured: 4K float16 first update 70-120 ms shared, 1-5 ms in place).
+ROOM_MIN_BYTES = 32 << 20
 
 
 def _capacity(n: int, query: int, room: int, token_bytes: int) -> int:

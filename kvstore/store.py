@@ -87,7 +87,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             up to mlx-lm's cache step): the prompt's rest and the first generated
             token are then written in place, where an exactly full cache would copy
             every layer to grow on the first forward pass. 0: no room. Restores
-            of less than 16 MiB of KV get none: that copy is then about what the
+            of less than 32 MiB of KV get none: that copy is then about what the
             room's allocation costs.
         kv_bits: Store and return ``QuantizedKVCache`` layers of this many bits in
             place of the model's ``KVCache`` layers (as mlx-lm's ``--kv-bits``).

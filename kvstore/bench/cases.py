@@ -68,6 +68,10 @@ def _kvstore(spec: dict) -> dict:
     from kvstore.bench.measure import timed_fetch
 
     model = standin_model(spec["dtype"])
+    if spec.get("prefault") is False:  # measure without prefaulting fresh rows
+        from kvstore import memutil
+
+        memutil._LIBC.populate = False
     store = KVStore(
         spec["store"],
         model,
