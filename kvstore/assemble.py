@@ -344,7 +344,9 @@ class Prefaulter:
                     ranges = self._plan.row_ranges(
                         self._offsets[first], self._offsets[last]
                     )
-                    if not memutil.resident(ranges[0][0]):
+                    # A range's last page: its first may hold the allocator's header.
+                    address, length = ranges[0]
+                    if not memutil.resident(address + length - 1):
                         if not memutil.prefault(ranges):
                             return  # not here after all: the copies fault as before
                 self._ready[band].set()

@@ -193,8 +193,9 @@ class _ReadPath:
         """
         if not memutil.prefault_supported():
             return None, None
-        (address, _), *_ = plan.row_ranges(0, 1)
-        if memutil.resident(address) is not False:  # reused memory: present already
+        # The last row's page: the first ones hold the allocator's own header.
+        (address, length), *_ = plan.row_ranges(offsets[-1] - 1, offsets[-1])
+        if memutil.resident(address + length - 1) is not False:  # reused memory
             return None, None
         prefaulter = Prefaulter(plan, offsets, needed=lambda i: i <= failures.first)
         job = self._allocator.submit(prefaulter.run)

@@ -12,8 +12,13 @@ of the whole process (every thread) over that work:
 - ``floor``: the same bytes as kvstore's node files, each read with one plain
   ``readinto`` into a freshly allocated buffer: what any reader of those bytes pays;
 - ``open``: ``KVStore(...)`` on a store (the model's load is not timed).
+
+To profile a case: ``mkfifo ctl ack; KVSTORE_PERF_FIFOS=ctl,ack perf record -g -D -1
+--control fifo:ctl,ack -- python -m kvstore.bench.child SPEC.json`` records the timed
+work only.
 """
 
+import os
 import resource
 import time
 from typing import Callable, Dict, List
@@ -37,13 +42,34 @@ def _usage() -> resource.struct_rusage:
     return resource.getrusage(resource.RUSAGE_SELF)
 
 
+class _PerfControl:
+    """Profiles only the timed work: with ``KVSTORE_PERF_FIFOS=CTL,ACK`` (the fifos of
+    ``perf record -D -1 --control fifo:CTL,ACK``) the child enables perf around it."""
+
+    def __init__(self):
+        fifos = os.environ.get("KVSTORE_PERF_FIFOS")
+        self.ctl = self.ack = None
+        if fifos:
+            ctl, ack = fifos.split(",")
+            self.ctl, self.ack = open(ctl, "w"), open(ack)
+
+    def send(self, command: str) -> None:
+        if self.ctl is not None:
+            self.ctl.write(command + "\n")
+            self.ctl.flush()
+            self.ack.readline()
+
+
 def measure(work: Callable[[], None]) -> Dict[str, float]:
     """Wall seconds, minor page faults and CPU seconds (user, system) of ``work``."""
+    perf = _PerfControl()
+    perf.send("enable")
     r0 = _usage()
     t0 = time.perf_counter()
     work()
     wall = time.perf_counter() - t0
     r1 = _usage()
+    perf.send("disable")
     return {
         "wall_s": wall,
         "faults": r1.ru_minflt - r0.ru_minflt,
@@ -134,7 +160,11 @@ def read_floor(paths: List[str], *, fresh_pages: bool = False) -> list:
             f.seek(0)
             # Not np.empty when fresh: numpy asks for huge pages on large buffers,
             # which MLX's allocator does not.
-            buf = mmap.mmap(-1, size) if fresh_pages else np.empty(size, np.uint8)
+            buf = (
+                mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                if fresh_pages  # private, as malloc's: not MAP_SHARED (shmem)
+                else np.empty(size, np.uint8)
+            )
             if f.readinto(memoryview(buf)) != size:
                 raise RuntimeError(f"{path}: short read")
         buffers.append(buf)
