@@ -29,8 +29,7 @@ import json
 import math
 import operator
 import struct
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 
 import mlx.core as mx
@@ -146,6 +145,7 @@ class AssemblyPlan:
         capacity: int = 0,
     ):
         self.capacity = max(ntokens, capacity)
+        self.ntokens = ntokens
         self.rows = {}
         shapes: Dict[Tuple[str, int, int], List[str]] = {}  # names of one row shape
         for name, (dtype_str, heads, width) in rows.items():
@@ -193,6 +193,20 @@ class AssemblyPlan:
                 for name, (row, heads) in self.rows.items()
             }
         return self._grids
+
+    def fresh(self) -> bool:
+        """Whether the arrays are fresh memory that :meth:`prefault` makes present
+        faster than the copies into it would fault it in (the last row's page is
+        checked: the first ones hold the allocator's own headers)."""
+        if not memutil.prefault_supported():
+            return False
+        (address, length), *_ = self.row_ranges(self.ntokens - 1, self.ntokens)
+        return memutil.resident(address + length - 1) is False
+
+    def prefault(self, lo: int, hi: int) -> None:
+        """Make rows ``[lo, hi)`` of every array present before they are written
+        (see :mod:`kvstore.memutil`; nothing where the platform cannot)."""
+        memutil.prefault(self.row_ranges(lo, hi))
 
     def row_ranges(self, lo: int, hi: int) -> List[Tuple[int, int]]:
         """``(address, length)`` of rows ``[lo, hi)`` of every head of every array."""
@@ -295,65 +309,6 @@ class PlanAllocator:
             job.exception()  # wait: fn may still use what the caller frees next
         return job.result()
 
-    def submit(self, fn: Callable[[], None]) -> "Future":
-        """Run ``fn()`` on the allocating thread after what it is doing (prefaulting a
-        restore's rows after allocating them); None without a thread of its own."""
-        return self._pool.submit(fn) if self._pool is not None else None
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-
-
-class Prefaulter:
-    """Makes a restore's rows present ahead of the threads that read into them.
-
-    Fresh memory takes one page fault per page inside the kernel's copy; the faults of
-    two threads contend, so two readers went no faster than one. Here one thread
-    prefaults the rows (:func:`kvstore.memutil.prefault`, band by band in the readers'
-    order, in bands that grow from one node) while the readers copy into bands already
-    present. Memory the process reuses is present already: its bands are skipped.
-
-    Args:
-        plan: The restore's arrays.
-        offsets: Row offsets of the nodes in reading order, plus the end.
-        needed: ``needed(node)`` is False once the restore is cut before ``node``.
-    """
-
-    MAX_BAND = 8  # nodes per band, once the first bands have been handed out
-
-    def __init__(
-        self, plan: AssemblyPlan, offsets: Sequence[int], needed: Callable[[int], bool]
-    ):
-        self._plan, self._offsets, self._needed = plan, offsets, needed
-        self._band_of: List[int] = []
-        self._bands: List[Tuple[int, int]] = []  # node ranges
-        first, size, nodes = 0, 1, len(offsets) - 1
-        while first < nodes:
-            last = min(nodes, first + size)
-            self._band_of += [len(self._bands)] * (last - first)
-            self._bands.append((first, last))
-            first, size = last, min(self.MAX_BAND, size * 2)
-        self._ready = [threading.Event() for _ in self._bands]
-
-    def run(self) -> None:
-        """Prefault every band still needed, in order; marks each one ready."""
-        try:
-            for band, (first, last) in enumerate(self._bands):
-                if self._needed(first):
-                    ranges = self._plan.row_ranges(
-                        self._offsets[first], self._offsets[last]
-                    )
-                    # A range's last page: its first may hold the allocator's header.
-                    address, length = ranges[0]
-                    if not memutil.resident(address + length - 1):
-                        if not memutil.prefault(ranges):
-                            return  # not here after all: the copies fault as before
-                self._ready[band].set()
-        finally:
-            for event in self._ready:  # never leave a reader waiting
-                event.set()
-
-    def wait(self, node: int) -> None:
-        """Block until ``node``'s rows are present (or prefaulting has stopped)."""
-        self._ready[self._band_of[node]].wait()

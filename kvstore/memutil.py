@@ -2,10 +2,10 @@
 
 :func:`prefault` makes fresh pages present and writable before they are first
 written. A restore into new memory otherwise takes one page fault per 4 KiB page,
-inside the kernel's copy from the page cache, on the threads that copy; Linux (5.14
-and later) can do that work in one loop per range (``madvise(MADV_POPULATE_WRITE)``),
-on another thread, ahead of the copy. Elsewhere it does nothing and the copy takes
-the faults as before: only speed differs, never what is restored.
+inside the kernel's copy from the page cache; Linux (5.14 and later) can do that work
+in one loop per range (``madvise(MADV_POPULATE_WRITE)``), for less CPU. Elsewhere it
+does nothing and the copy takes the faults as before: only speed differs, never what
+is restored.
 """
 
 import ctypes

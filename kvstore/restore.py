@@ -17,8 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from . import memutil
-from .assemble import AssemblyPlan, Prefaulter
+from .assemble import AssemblyPlan
 from .blobs import (
     DTYPES,
     MAX_HEADER_BYTES,
@@ -71,6 +70,18 @@ class _Failures:
 # them cost 2.5-6 ms here, about what growing an exactly full cache copies at 16-32
 # MiB (measured: 4K float16 first update 70-120 ms shared, 1-5 ms in place).
 ROOM_MIN_BYTES = 32 << 20
+
+
+# Nodes per band a reader takes at a time (fewer when that leaves a reader idle):
+# its rows are prefaulted in one call per head and tensor before they are read.
+BAND_NODES = 4
+
+
+def _bands(nodes: int, readers: int) -> List[Tuple[int, int]]:
+    """``(first, last)`` node ranges of up to :data:`BAND_NODES`, at least two per
+    reader when there are enough nodes (so that the readers finish together)."""
+    size = max(1, min(BAND_NODES, nodes // (2 * readers)))
+    return [(i, min(nodes, i + size)) for i in range(0, nodes, size)]
 
 
 def _capacity(n: int, query: int, room: int, token_bytes: int) -> int:
@@ -143,7 +154,6 @@ class _ReadPath:
             state_job = self._readers.submit(self._read_state, path[-1])
             jobs.append((len(path) - 1, state_job))
         opened: Dict[int, _Opened] = {}  # by index in path
-        prefault_job = None
         capacity = _capacity(n, query, self.restore_room, self._token_bytes)
         try:
             # The arrays are allocated on the allocator's thread while this one opens
@@ -155,10 +165,10 @@ class _ReadPath:
                 )
             if self.layout.rows:
                 offsets = list(itertools.accumulate((s.take for s in path), initial=0))
-                pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
-                for i in range(len(path)):
-                    pending.put(i)
-                prefaulter, prefault_job = self._prefault(plan, offsets, failures)
+                readers = min(self.read_threads, len(path))
+                pending: "queue.SimpleQueue[Tuple[int, int]]" = queue.SimpleQueue()
+                for band in _bands(len(path), readers):
+                    pending.put(band)
                 # A few long jobs pulling nodes, not one job per node: submitting
                 # hundreds of futures while the first run costs ~10 ms of GIL at 32K.
                 read = functools.partial(
@@ -169,37 +179,19 @@ class _ReadPath:
                     pending,
                     failures,
                     opened,
-                    prefaulter,
+                    plan.fresh(),
                 )
-                for _ in range(min(self.read_threads, len(path)) - 1):
+                for _ in range(readers - 1):
                     jobs.append((0, self._readers.submit(read)))
                 read()  # this thread reads too: no wake-up to wait for
             for at, job in jobs:
                 if job.exception() is not None:  # readers' own errors are in failures
                     failures.add(at, job.exception())
         finally:
-            if prefault_job is not None:
-                prefault_job.exception()  # it uses the arrays: done before they go
             for f in list(opened.values()):  # nodes cut off or found in the RAM tier
                 if isinstance(f, OpenFile):
                     f.close()
         return failures, state_job, plan
-
-    def _prefault(
-        self, plan: AssemblyPlan, offsets: List[int], failures: "_Failures"
-    ) -> Tuple[Optional[Prefaulter], Optional[Future]]:
-        """Start prefaulting the restore's rows on the allocator's thread, when the
-        platform can and the memory is fresh; ``(prefaulter, job)`` or ``(None, None)``.
-        """
-        if not memutil.prefault_supported():
-            return None, None
-        # The last row's page: the first ones hold the allocator's own header.
-        (address, length), *_ = plan.row_ranges(offsets[-1] - 1, offsets[-1])
-        if memutil.resident(address + length - 1) is not False:  # reused memory
-            return None, None
-        prefaulter = Prefaulter(plan, offsets, needed=lambda i: i <= failures.first)
-        job = self._allocator.submit(prefaulter.run)
-        return (prefaulter, job) if job is not None else (None, None)
 
     def _walk(
         self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
@@ -354,31 +346,34 @@ class _ReadPath:
         path: List[_Step],
         plan: AssemblyPlan,
         offsets: List[int],
-        pending: "queue.SimpleQueue[int]",
+        pending: "queue.SimpleQueue[Tuple[int, int]]",
         failures: "_Failures",
         opened: Dict[int, _Opened],
-        prefaulter: Optional[Prefaulter],
+        fresh: bool,
     ) -> None:
-        """Read nodes of ``path`` taken from ``pending`` until it is empty.
+        """Read the bands of nodes of ``path`` taken from ``pending`` until it is
+        empty; with ``fresh`` memory, each band's rows are prefaulted first.
 
         A node's exception goes to ``failures``; nodes after a broken one are
         skipped, as the restore is cut there anyway. Files in ``opened`` (by index)
-        are used, and taken out: the fetch closes whatever is left. With a
-        ``prefaulter``, a node is read once its rows are present.
+        are used, and taken out: the fetch closes whatever is left.
         """
         while True:
             try:
-                i = pending.get_nowait()
+                first, last = pending.get_nowait()
             except queue.Empty:
                 return
-            if i > failures.first:
+            if first > failures.first:
                 continue
-            if prefaulter is not None:
-                prefaulter.wait(i)
-            try:
-                self._read_node(path[i], plan, offsets[i], opened.pop(i, None))
-            except Exception as e:  # the fetch reports the first broken node only
-                failures.add(i, e)
+            if fresh:
+                plan.prefault(offsets[first], offsets[last])
+            for i in range(first, last):
+                if i > failures.first:
+                    break
+                try:
+                    self._read_node(path[i], plan, offsets[i], opened.pop(i, None))
+                except Exception as e:  # the fetch reports the first broken node only
+                    failures.add(i, e)
 
     def _read_node(
         self, step: _Step, plan: AssemblyPlan, offset: int, opened: _Opened = None

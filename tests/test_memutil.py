@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvstore import memutil
-from kvstore.assemble import AssemblyPlan, Prefaulter
+from kvstore.assemble import AssemblyPlan
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -40,34 +40,31 @@ def test_fallback_does_nothing(monkeypatch):
 ROWS = {f"{i}.{kv}": ("float16", 2, 8) for i in range(3) for kv in ("keys", "values")}
 
 
-def test_prefaulter_bands_grow_and_release_every_reader(monkeypatch):
-    """Bands of 1, 2, 4, 8, 8... nodes in reading order; each waits for its band."""
+def test_plan_prefaults_the_rows_of_every_head(monkeypatch):
+    """A band's rows in every head of every array, and only when the memory is fresh."""
     plan = AssemblyPlan(ROWS, 40, capacity=48)
-    offsets = list(range(0, 41, 2))  # 20 nodes of 2 rows
     seen = []
-    monkeypatch.setattr(memutil, "resident", lambda a: False)
     monkeypatch.setattr(memutil, "prefault", lambda r: seen.append(list(r)) or True)
-    pf = Prefaulter(plan, offsets, needed=lambda node: True)
-    assert pf._bands == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 20)]
-    pf.run()
-    for node in range(20):
-        pf.wait(node)  # returns: every band is ready
-    # Every band covers its nodes' rows in every head of every array.
-    assert len(seen) == 5 and all(len(r) == len(ROWS) * 2 for r in seen)
-    (address0, length0), *_ = seen[1]
-    assert length0 == (offsets[3] - offsets[1]) * 8 * 2
-
-
-def test_prefaulter_stops_when_cut_or_refused(monkeypatch):
-    plan = AssemblyPlan(ROWS, 40, capacity=40)
-    offsets = list(range(0, 41, 2))
+    plan.prefault(6, 10)
+    (ranges,) = seen
+    assert len(ranges) == len(ROWS) * 2  # 2 heads each
+    addresses = {a for a, _ in ranges}
+    assert all(length == 4 * 8 * 2 for _, length in ranges)  # 4 rows of 8 float16
+    for name, view in plan.views.items():
+        base = address(view)
+        assert base + 6 * 16 in addresses and base + 48 * 16 + 6 * 16 in addresses
+    monkeypatch.setattr(memutil, "resident", lambda a: True)  # memory reused
+    assert not plan.fresh()
     monkeypatch.setattr(memutil, "resident", lambda a: False)
-    calls = []
-    monkeypatch.setattr(memutil, "prefault", lambda r: calls.append(1) or True)
-    Prefaulter(plan, offsets, needed=lambda node: node < 3).run()
-    assert len(calls) == 2  # bands (0, 1) and (1, 3); the rest is cut off
-    # The kernel refuses: prefaulting stops, and no reader is left waiting.
-    monkeypatch.setattr(memutil, "prefault", lambda r: False)
-    pf = Prefaulter(plan, offsets, needed=lambda node: True)
-    pf.run()
-    pf.wait(19)
+    assert plan.fresh() == memutil.prefault_supported()
+
+
+def test_bands_cover_every_node_in_order():
+    from kvstore.restore import BAND_NODES, _bands
+
+    for nodes, readers in [(1, 2), (3, 2), (8, 2), (9, 2), (128, 2), (100, 3)]:
+        bands = _bands(nodes, readers)
+        assert [i for a, b in bands for i in range(a, b)] == list(range(nodes))
+        assert all(1 <= b - a <= BAND_NODES for a, b in bands)
+        if nodes >= 2 * readers:
+            assert len(bands) >= 2 * readers
