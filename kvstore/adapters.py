@@ -341,8 +341,8 @@ class Layout:
         return {"leaves": [leaf.to_json() for leaf in self.leaves], "tree": self.tree}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "Layout":
-        return cls([Leaf.from_json(x) for x in obj["leaves"]], obj["tree"])
+    def from_json(cls, obj: Mapping[str, Any], make_cache=None) -> "Layout":
+        return cls([Leaf.from_json(x) for x in obj["leaves"]], obj["tree"], make_cache)
 
     # -- files ----------------------------------------------------------------------
 
@@ -462,7 +462,8 @@ class Layout:
     def node_slices(
         self, cache: Sequence[Any], start: int, end: int
     ) -> Dict[str, mx.array]:
-        """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints."""
+        """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints
+        (evaluated, they share the cache's buffers)."""
         out = {}
         for (name, layer), leaf in zip(_leaves(cache), self.leaves):
             if leaf.mode != DELTA:

@@ -155,10 +155,17 @@ def drop_stale(index: Index, *, now: Optional[float] = None) -> int:
     many went."""
     now = time.time() if now is None else now
 
+    def find(txn):
+        return [res for res in listed(index, txn) if is_stale(res, now=now)]
+
     def drop(txn):
-        stale = [res for res in listed(index, txn) if is_stale(res, now=now)]
+        stale = find(txn)
         for res in stale:
             delete(index, txn, res.key)
         return len(stale)
 
+    # Mostly there are none: a read transaction does not wait for LMDB's writer lock
+    # (held by another process's commit, say) as opening a store would.
+    if not index.read(find):
+        return 0
     return index.write(drop)

@@ -18,12 +18,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, fsutil, maintenance, reservations
+from . import fsutil, maintenance, reservations
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
 from .maintenance.common import check_int
+from .namespace import open_namespace
 from .ram import RamTier
 from .removal import _Removal
 from .restore import MLX_LOCK, _ReadPath, _state_key, _Step
@@ -153,18 +154,22 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         self.tokenizer = tokenizer
         self.chunk_tokens = chunk_tokens
         self.disk_bytes = disk_bytes
-        self.layout = adapters.probe_layout(
-            model, _cache_maker(model, kv_bits, kv_group_size)
-        )
-        from .namespace import fingerprint
-
-        self.namespace, self.description = fingerprint(
-            model, tokenizer, self.layout, chunk_tokens=chunk_tokens
-        )
-        self.root = root_hash(self.namespace)
-
         self.index = Index(os.path.join(self.path, "index"))
-        self.index.register_namespace(self.namespace, self.description)
+        try:
+            # A model seen before: its layout from the namespace record, no probe.
+            opened = open_namespace(
+                self.index,
+                model,
+                tokenizer,
+                _cache_maker(model, kv_bits, kv_group_size),
+                chunk_tokens=chunk_tokens,
+            )
+        except BaseException:
+            self.index.close()
+            raise
+        self.layout, self.namespace = opened.layout, opened.namespace
+        self.description = opened.description
+        self.root = root_hash(self.namespace)
         # Reservations of saves that died with their process (or this one) free up.
         reservations.drop_stale(self.index)
         if disk_bytes is not None:  # for tools that work without the model (kvstore gc)

@@ -470,12 +470,12 @@ def test_failed_writes_fail_the_prompt(tmp_path, capsys, tiny_model_dir, monkeyp
     """Nothing stored (here: every file write fails) is not "1 prompts: 1 prefilled"."""
     import errno
 
-    from kvstore.blobs import Blobs
+    from kvstore.publish import WriteBatch
 
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Blobs, "write", no_space)
+    monkeypatch.setattr(WriteBatch, "add", no_space)  # every file a save writes
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"tokens": PROMPTS[0]}) + "\n")
     status, out, err = run_cli(
