@@ -143,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens of float16 KV saved until durable (default: "
         f"{DEFAULTS['durable_tokens']})",
     )
+    p.add_argument(
+        "--open-weights-gb",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="GB",
+        help="open section: also synthetic llamas of about this many GB of float16 "
+        "weights (memory: that many GB; default: none)",
+    )
     p.add_argument("--chunk-tokens", type=_positive, default=256)
     p.add_argument(
         "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION"
@@ -249,6 +258,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "repeat_dtypes",
                 "restore_repeats",
                 "durable_tokens",
+                "open_weights_gb",
             )
         },
         "page_cache_conditions": conditions,
@@ -307,6 +317,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 model_name=model_name,
                 repeats=args.restore_repeats,
                 tmp=tmp,
+                weights_gb=args.open_weights_gb,
             )
         if "durable" in args.only:
             res["durable"] = bench_durable(
