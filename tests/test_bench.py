@@ -1,6 +1,7 @@
 """``kvstore bench`` end to end on a tiny random model. Nothing here checks a timing."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -145,6 +146,21 @@ def test_every_case_in_json(bench_run):
     assert all(t["ok"] in (True, False, None) for t in res["targets"])
     # The temporary stores are gone; only the outputs stay.
     assert not [p for p in out.iterdir() if p.name.startswith("kvstore-bench-")]
+
+
+def test_markdown_tables_of_a_saved_run(bench_run, capsys):
+    res, _, out = bench_run
+    assert main(["--from-json", str(out / "bench.json"), "--markdown"]) == 0
+    text = capsys.readouterr().out
+    fresh = res["fresh"][0]["cases"]
+    kv_ms = f"{statistics.median(s['wall_s'] for s in fresh['kvstore']['samples']) * 1e3:.1f}"
+    row = next(
+        line for line in text.splitlines() if line.startswith("| float16 | 100 |")
+    )
+    assert kv_ms in row and row.endswith(("PASS |", "MISS |"))
+    assert "| model seen before |" in text and "kvstore / one file:" in text
+    with pytest.raises(SystemExit):
+        parse_args(["--markdown"])
 
 
 def test_plot_is_a_png(bench_run):

@@ -176,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IN",
         help="measure nothing: print the tables and targets (and --plot) of a saved run",
     )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --from-json: print the restart sections as markdown tables",
+    )
     return p
 
 
@@ -199,6 +204,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     lengths = (args.lengths, args.restore_lengths, args.fresh_lengths)
     if min(min(x) for x in lengths + (args.repeat_lengths,)) < 2:
         parser.error("lengths must be >= 2 tokens")
+    if args.markdown and not args.from_json:
+        parser.error("--markdown prints a saved run: give --from-json IN")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -346,6 +353,9 @@ def _replay(args, report) -> int:
     """Print (and plot) a saved run, with its targets evaluated by this version."""
     with open(args.from_json) as f:
         res = json.load(f)
+    if args.markdown:
+        print(report.markdown(res))
+        return 0
     print(f"$ {res['command']}  (from {args.from_json})")
     res["targets"] = report.targets(res)
     report.print_report(res)

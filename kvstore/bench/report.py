@@ -569,3 +569,89 @@ def restart_targets(res: Dict) -> List[Dict]:
             ratio >= TARGET,
         )
     return out
+
+
+# -- compact markdown tables of a saved run (docs) ---------------------------------------
+
+
+def _pass(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def markdown(res: Dict) -> str:
+    """The restart-relevant sections of a run as small markdown tables: the fresh
+    and repeated restores (medians, ratios), open time and save until durable."""
+    from kvstore.bench.durable import TARGET, speed_ratio
+    from kvstore.bench.opening import TARGET_S
+
+    out = []
+    for key, title, target in (
+        ("fresh", "After a restart (first restore in a fresh process)", 1.0),
+        ("repeat", "Repeated restores in one process", 1.2),
+    ):
+        rows = res.get(key) or []
+        if not rows:
+            continue
+        out += [
+            f"{title}: medians of {len(_wall(rows[0]['cases']['kvstore']))} samples; "
+            f"speed ratio = load_prompt_cache ms / kvstore ms (target >= {target}); "
+            "floor ratio = kvstore's speed / the floor's (same bytes, plain readinto "
+            "into fresh buffers).",
+            "",
+            "| dtype | tokens | KV MB | kvstore ms | load_prompt_cache ms | floor ms "
+            "| speed ratio | floor ratio | lpc floor ratio | target |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in rows:
+            c = r["cases"]
+            ratio = _speed(c, "load_prompt_cache")
+            out.append(
+                f"| {r['dtype']} | {r['tokens']} | {r['kv_bytes'] / MB:.1f} "
+                f"| {_m(_wall(c['kvstore'])) * 1e3:.1f} "
+                f"| {_m(_wall(c['load_prompt_cache'])) * 1e3:.1f} "
+                f"| {_m(_wall(c['floor'])) * 1e3:.1f} | {ratio:.2f} "
+                f"| {_speed(c, 'floor'):.2f} "
+                f"| {_speed(c, 'floor', 'load_prompt_cache'):.2f} "
+                f"| {_pass(ratio >= target)} |"
+            )
+        out.append("")
+    o = res.get("open")
+    if o:
+        known, new = (_m(_wall(o["cases"][k])) for k in ("known", "new"))
+        out += [
+            "| open a store (fresh process, model load not timed) | median ms "
+            "| samples ms | target |",
+            "|---|---:|---|---|",
+            f"| model seen before | {known * 1e3:.1f} "
+            f"| {_samples_ms(_wall(o['cases']['known']))} "
+            f"| {_pass(known <= TARGET_S)} (<= {TARGET_S * 1e3:.0f} ms) |",
+            f"| model never seen | {new * 1e3:.1f} "
+            f"| {_samples_ms(_wall(o['cases']['new']))} | info |",
+            "",
+        ]
+    d = res.get("durable")
+    if d:
+        ratio = speed_ratio(d)[0]
+        b = d["files_bytes"]
+        out += [
+            f"| save until durable, {d['tokens']} tokens of {d['dtype']} "
+            f"({b / MB:.0f} MB, {d['files']} files) | median ms | GB/s | samples ms |",
+            "|---|---:|---:|---|",
+        ]
+        for label, xs in (
+            ("kvstore save + flush", d["kvstore_s"]),
+            ("one file, one fsync", d["one_file_s"]),
+            (f"{d['files']} files, each fsynced", d["per_node_files_s"]),
+        ):
+            if xs:
+                out.append(
+                    f"| {label} | {_m(xs) * 1e3:.0f} | {gbps(b, _m(xs)):.2f} "
+                    f"| {_samples_ms(xs)} |"
+                )
+        out += [
+            "",
+            f"kvstore / one file: {ratio:.2f}x, target >= {TARGET}: "
+            f"{_pass(ratio >= TARGET)}",
+            "",
+        ]
+    return "\n".join(out)
