@@ -9,7 +9,9 @@ hiding the Linux-only functions).
 """
 
 import ctypes
+import ctypes.util
 import errno
+import functools
 import os
 import stat
 import sys
@@ -169,6 +171,15 @@ def start_writeback(fd: int) -> bool:
     raise OSError(err, os.strerror(err))
 
 
+_NO_FULLFSYNC = (
+    errno.ENOTSUP,
+    errno.EOPNOTSUPP,
+    errno.EINVAL,
+    errno.ENOTTY,
+    errno.ENOSYS,
+)
+
+
 def _full_fsync_flag() -> Optional[int]:
     return getattr(fcntl, "F_FULLFSYNC", None) if fcntl is not None else None
 
@@ -192,8 +203,11 @@ def fsync(fd: int, *, device: bool = True) -> None:
         try:
             fcntl.fcntl(fd, full)
             return
-        except OSError:
-            pass  # not supported by this file system: fall back to fsync
+        except OSError as e:
+            # Not supported by this file system: fall back to fsync. Any other error
+            # (EIO, ENOSPC) is the write failing: never hidden by a later fsync.
+            if e.errno not in _NO_FULLFSYNC:
+                raise
     os.fsync(fd)
 
 
@@ -214,6 +228,94 @@ def fsync_dir(path: str, *, device: bool = True) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def iov_max() -> int:
+    """Buffers one vectored read may take (``IOV_MAX``: 1024 on Linux and macOS).
+
+    ``os.sysconf`` may not know the name or may answer -1 (no limit stated); the
+    POSIX minimum, 16, is then used.
+    """
+    try:
+        return max(16, os.sysconf("SC_IOV_MAX"))
+    except (ValueError, OSError, AttributeError):
+        return 16
+
+
+# Errors of a hard link the file system cannot make (FAT/exFAT, some network mounts).
+_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
+# Errors of a no-replace rename the file system or kernel does not offer.
+_NO_RENAME_FLAGS = (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP)
+_RENAME_NOREPLACE = 1  # Linux renameat2 flag
+_RENAME_EXCL = 0x4  # macOS renamex_np flag
+_AT_FDCWD = -100  # Linux
+
+
+@functools.lru_cache(maxsize=None)
+def load_libc():
+    """The C library through ctypes (loaded once), None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _rename_noreplace(src: str, dst: str) -> bool:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists, atomically (Linux
+    ``renameat2(RENAME_NOREPLACE)``, macOS ``renamex_np(RENAME_EXCL)``).
+
+    Returns:
+        False when neither call is available here (nothing was done).
+
+    Raises:
+        FileExistsError: ``dst`` exists (``src`` is left in place).
+    """
+    libc = load_libc()
+    call = None
+    if libc is not None and hasattr(libc, "renamex_np"):
+        call = lambda a, b: libc.renamex_np(a, b, _RENAME_EXCL)  # noqa: E731
+    elif libc is not None and hasattr(libc, "renameat2"):
+        call = lambda a, b: libc.renameat2(  # noqa: E731
+            _AT_FDCWD, a, _AT_FDCWD, b, _RENAME_NOREPLACE
+        )
+    if call is None:
+        return False
+    if call(os.fsencode(src), os.fsencode(dst)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_RENAME_FLAGS:
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def link_noreplace(src: str, dst: str) -> None:
+    """Give the complete file ``src`` the name ``dst``, never replacing a file there.
+
+    A hard link where the file system has them (``src`` stays, the caller removes
+    it). Else an atomic no-replace rename (``src`` goes). Where neither exists, an
+    existence check then ``os.replace``: two writers publishing the same name in the
+    same instant could then replace one another's file; the loser's index entry then
+    names a checksum the file does not have, which every read checks (a miss and a
+    quarantine, never wrong KV).
+
+    Raises:
+        FileExistsError: ``dst`` exists.
+    """
+    try:
+        os.link(src, dst)
+        return
+    except FileExistsError:
+        raise
+    except AttributeError:  # no os.link at all
+        pass
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+    if _rename_noreplace(src, dst):
+        return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "File exists", dst)
+    os.replace(src, dst)
 
 
 # -- paths inside a store ----------------------------------------------------------
@@ -326,3 +428,11 @@ def unlock_byte(fd: int, offset: int) -> None:
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset, os.SEEK_SET)
         except OSError:
             pass
+
+
+def unlink_if_exists(path: str) -> None:
+    """Remove the file at ``path``; nothing when there is none."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -51,6 +51,12 @@ def prefault_supported() -> bool:
     return _LIBC.get() is not None and _LIBC.populate
 
 
+def disable_prefault() -> None:
+    """Make :func:`prefault` a no-op in this process (the bench measures restores
+    without it)."""
+    _LIBC.populate = False
+
+
 def prefault(ranges: Iterable[Tuple[int, int]]) -> bool:
     """Make the pages of every ``(address, length)`` range present and writable.
 

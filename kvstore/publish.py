@@ -48,8 +48,7 @@ from .blobs import (
     Blobs,
     NodeFile,
     Published,
-    _batches,
-    _unlink,
+    buffer_batches,
 )
 
 # Temp files open at once (written, or being fsynced): older ones are fsynced (their
@@ -59,7 +58,6 @@ OPEN_FILES = 32
 # Threads issuing a save's fsyncs at once (the GIL is released while they wait).
 SYNC_THREADS = 4
 _LINK_ATTEMPTS = 5  # publishing races with other processes' evictions of that file
-_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV)
 
 
 @dataclass
@@ -102,7 +100,7 @@ class WriteBatch:
         root = self.blobs.root
         if not os.path.isdir(root):  # the store was deleted: do not remake it
             raise FileNotFoundError(errno.ENOENT, "the blobs directory is gone", root)
-        fsutil.check_real_dirs(root, self.blobs._parts(ns, h)[:2])  # never write out
+        fsutil.check_real_dirs(root, self.blobs.path_parts(ns, h)[:2])  # never write out
         self._make_dir(directory)
         tmp = os.path.join(
             directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -113,7 +111,7 @@ class WriteBatch:
         self._open.append(staged)
         digest = xxhash.xxh3_64()
         buffers = data.buffers
-        for i, j, _ in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
+        for i, j, _ in buffer_batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
             batch = buffers[i:j]
             collections.deque(map(digest.update, batch), 0)  # while in the CPU cache
             fsutil.write_all(fd, batch)
@@ -147,7 +145,7 @@ class WriteBatch:
             _sync_file(fd, device=True)
         out = [self._link(s) for s in self.staged]
         for s in self.staged:
-            _unlink(s.tmp)
+            fsutil.unlink_if_exists(s.tmp)
         dirs = list(self._dirs)
         for d in dirs[:-1]:
             self._syncing.append(_pool().submit(fsutil.fsync_dir, d, device=False))
@@ -170,7 +168,7 @@ class WriteBatch:
                     os.close(fd)
                 except OSError:
                     pass
-            _unlink(s.tmp)
+            fsutil.unlink_if_exists(s.tmp)
         self._open.clear()
 
     def __enter__(self) -> "WriteBatch":
@@ -220,16 +218,12 @@ class WriteBatch:
         s.link_tried = True
         for _ in range(_LINK_ATTEMPTS):
             try:
-                os.link(s.tmp, s.final)
+                fsutil.link_noreplace(s.tmp, s.final)  # see there without hard links
             except FileExistsError:
                 try:
-                    return self.blobs._adopt(s.final)
+                    return self.blobs.adopt(s.final)
                 except FileNotFoundError:
                     continue  # removed (evicted) since: publish ours after all
-            except OSError as e:  # no hard links (e.g. some network or FAT mounts)
-                if e.errno not in _NO_LINKS:
-                    raise
-                os.replace(s.tmp, s.final)
             return Published(s.nbytes, s.checksum, s.inode, True)
         raise OSError(errno.EAGAIN, f"{s.final} keeps appearing and vanishing")
 
@@ -257,8 +251,15 @@ def _pool() -> ThreadPoolExecutor:
         return pool
 
 
-def write_one(blobs: Blobs, ns: bytes, h: bytes, data, part: str) -> Published:
-    """One file published alone (a batch of one)."""
+def write_one(
+    blobs: Blobs, ns: bytes, h: bytes, data, part: str = DELTA_PART
+) -> Published:
+    """Publish ``data`` (bytes or a :class:`NodeFile`) as the file of node ``h``,
+    atomically and durably: a batch of one file.
+
+    A crash leaves either no file or the whole file, never a torn one; a file
+    another writer published there first is adopted, never replaced.
+    """
     with WriteBatch(blobs) as batch:
         batch.add(ns, h, data, part)
         (published,) = batch.publish()

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import fsutil, maintenance, reservations
+from . import adapters, fsutil, maintenance, reservations
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
@@ -26,25 +26,19 @@ from .index import KINDS, Index, StoreError
 from .maintenance.common import check_int
 from .namespace import open_namespace
 from .ram import RamTier
-from .removal import _Removal
-from .restore import MLX_LOCK, _ReadPath, _state_key, _Step
-from .saving import _NewNode, _with_state, _WritePath
+from .remote import RemoteTier
+from .removal import Removal
+from .restore import ReadPath, Step
+from .saving import WritePath
 from .storecheck import check_store_dirs
 from .writer import BackgroundWriter
 
-# What the package imports from here (kvstore.remote: _NewNode; kvstore.server:
-# _prepare_dir), and the names that moved to restore/saving in the split.
 __all__ = [
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_RAM_BYTES",
-    "MLX_LOCK",
     "KVStore",
     "StoreError",
-    "_NewNode",
-    "_Step",
-    "_prepare_dir",
-    "_state_key",
-    "_with_state",
+    "check_store",
 ]
 
 log = logging.getLogger("kvstore")
@@ -67,10 +61,11 @@ class _Counters:
     nodes_evicted: int = 0
     nodes_skipped: int = 0  # a commit found their parent gone (evicted meanwhile)
     writes_dropped: int = 0
+    saves_refused: int = 0  # the cache's layout differed from the one probed at open
     quarantined: List[str] = field(default_factory=list)
 
 
-class KVStore(_ReadPath, _WritePath, _Removal):
+class KVStore(ReadPath, WritePath, Removal):
     """A persistent store of KV snapshots for one mlx-lm model.
 
     Args:
@@ -292,10 +287,16 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             boundaries: Token positions that must end a node (message ends).
 
         Returns:
-            The number of new nodes queued for writing.
+            The number of new nodes queued for writing; 0 too when ``cache``'s layers
+            differ from the layout probed at open (logged, ``stats()["saves_refused"]``).
+
+        Raises:
+            TypeError, ValueError: bad arguments, or ``cache`` does not hold
+                ``len(tokens)`` tokens or has another number of layers.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
-        self.layout.check_cache(cache, len(arr))
+        if not self._storable(cache, len(arr), exact=True):
+            return 0
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
     def save_prefix(
@@ -307,8 +308,22 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save", pin=pin)
-        self.layout.check_cache(cache, len(arr), exact=False)
+        if not self._storable(cache, len(arr), exact=False):
+            return 0
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+
+    def _storable(self, cache: Sequence[Any], ntokens: int, *, exact: bool) -> bool:
+        """Check ``cache`` against the layout. A wrong call (token count, layer count)
+        raises; a cache whose layers differ from the layout probed at open is logged,
+        counted (``saves_refused``) and not saved."""
+        try:
+            self.layout.check_cache(cache, ntokens, exact=exact)
+        except adapters.LayoutMismatch as e:
+            log.warning("kvstore: not saved: %s", e)
+            with self._lock:
+                self._counters.saves_refused += 1
+            return False
+        return True
 
     def _checked(
         self, tokens, kind: str, what: str, *, pin=False, boundaries=()
@@ -393,7 +408,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             self._save(arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds)
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
 
-    def _intact(self, steps: List[_Step]) -> bool:
+    def _intact(self, steps: List[Step]) -> bool:
         """Whether the stored nodes' files read back whole (checksums), so a prefill
         may skip them; the first broken one is reported and quarantined as a fetch
         would, and the prefill computes it again."""
@@ -471,8 +486,6 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         keeps ancestors that another pinned prompt still needs. Returns the number of
         nodes changed.
         """
-        from . import maintenance
-
         arr = self._checked(tokens, "user", "pin")
         _check_bool("pinned", pinned)
         self.flush()
@@ -519,6 +532,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 "nodes_evicted": c.nodes_evicted,
                 "nodes_skipped": c.nodes_skipped,
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
+                "saves_refused": c.saves_refused,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
                 "store_problem": self._store_problem(),
@@ -555,8 +569,6 @@ def _remote_tier(remote):
     """``KVStore``'s ``remote`` argument as an unbound RemoteTier, or None."""
     if remote is None:
         return None
-    from .remote import RemoteTier
-
     if isinstance(remote, RemoteTier):
         if remote._store is not None:
             raise ValueError(f"remote {remote!r} already serves another KVStore")

@@ -1,8 +1,29 @@
-import mlx.core as mx
-import numpy as np
-import pytest
-from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
+import os
+import sys
+
+# macOS mode (KVSTORE_TEST_PLATFORM=macos): Linux-only calls are hidden before kvstore
+# is imported, here and, through sitecustomize on PYTHONPATH, in every child process.
+_MACOS_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "macos_site")
+if os.environ.get("KVSTORE_TEST_PLATFORM") == "macos":
+    sys.path.insert(0, _MACOS_SITE)
+    import macos_shim
+
+    macos_shim.apply()
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_MACOS_SITE, os.environ.get("PYTHONPATH")) if p
+    )
+elif os.environ.get("KVSTORE_TEST_PLATFORM"):
+    raise RuntimeError(
+        f"KVSTORE_TEST_PLATFORM={os.environ['KVSTORE_TEST_PLATFORM']!r}: only 'macos' "
+        "is known"
+    )
+
+# isort: split
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 VOCAB = 512
 
@@ -133,3 +154,37 @@ def smollm2(tmp_path_factory):
     home = os.environ.get("KVSTORE_HOME")
     root = home if home else str(tmp_path_factory.mktemp("kvstore-home"))
     return load(ensure_default_model(root=root))
+
+
+def pytest_report_header(config):
+    if os.environ.get("KVSTORE_TEST_PLATFORM") == "macos":
+        return (
+            "kvstore test platform: macos (os.preadv, posix_fadvise, /proc, ... hidden; "
+            "F_FULLFSYNC faked present)"
+        )
+
+
+def run_cli(capsys, *argv) -> tuple:
+    """``kvstore ARGV`` in this process: ``(status, stdout, stderr)``; an argparse
+    error's SystemExit gives its status."""
+    from kvstore import cli
+
+    try:
+        status = cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_same_as_cold(model, store, prompt, expect_n, steps=20):
+    """Restored + rest of the prompt gives the logits and greedy tokens of a cold run."""
+    cache, n = store.fetch(prompt)
+    assert n == expect_n
+    assert all(c.offset == n for c in cache) if n else True
+    warm_logits = next_logits(model, cache, prompt[n:])
+    cold = compute_cache(model, [])
+    cold_logits = next_logits(model, cold, prompt)
+    assert mx.allclose(warm_logits, cold_logits, atol=1e-4, rtol=1e-4).item()
+    warm = greedy(model, store.fetch(prompt)[0], prompt[n:], steps)
+    assert warm == greedy(model, compute_cache(model, []), prompt, steps)

@@ -68,3 +68,12 @@ def test_bands_cover_every_node_in_order():
         assert all(1 <= b - a <= BAND_NODES for a, b in bands)
         if nodes >= 2 * readers:
             assert len(bands) >= 2 * readers
+
+
+def test_disable_prefault_makes_it_a_no_op(monkeypatch):
+    monkeypatch.setattr(memutil._LIBC, "populate", memutil._LIBC.populate)
+    memutil.disable_prefault()
+    assert not memutil.prefault_supported()
+    buf = bytearray(4 * memutil.PAGE)
+    address = np.frombuffer(buf, np.uint8).ctypes.data
+    assert memutil.prefault([(address, len(buf))]) is False

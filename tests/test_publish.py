@@ -7,6 +7,7 @@ and the bound on open descriptors."""
 import ctypes
 import errno
 import logging
+import fcntl
 import os
 from types import SimpleNamespace
 
@@ -192,13 +193,13 @@ class Recorder:
         )
         for module in (fsutil, publish):
             monkeypatch.setattr(module, "os", fake)
+        # Linux's fcntl has no F_FULLFSYNC; the tests' macOS mode adds one: drop it
+        # (the Linux cases), or put this recorder's own in its place (the macOS case).
+        real_fcntl = {k: getattr(fcntl, k) for k in dir(fcntl) if k != "F_FULLFSYNC"}
         if full_fsync:
             flag = 0x7F00  # any number: only this fake fcntl knows it
-            monkeypatch.setattr(
-                fsutil,
-                "fcntl",
-                SimpleNamespace(F_FULLFSYNC=flag, fcntl=self.fcntl),
-            )
+            real_fcntl.update(F_FULLFSYNC=flag, fcntl=self.fcntl)
+        monkeypatch.setattr(fsutil, "fcntl", SimpleNamespace(**real_fcntl))
         real_wb = fsutil.start_writeback
         monkeypatch.setattr(
             fsutil,

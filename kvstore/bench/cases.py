@@ -97,7 +97,7 @@ def _kvstore(spec: dict) -> dict:
     if spec.get("prefault") is False:  # measure without prefaulting fresh rows
         from kvstore import memutil
 
-        memutil._LIBC.populate = False
+        memutil.disable_prefault()
     store = KVStore(
         spec["store"],
         model,

@@ -460,12 +460,10 @@ def print_open(res: Dict) -> None:
     if res.get("split_ms"):
         print(f"  split of a known open (this process, ms): {res['split_ms']}")
     for case in res.get("big") or []:
-        hashed = case["hashed_bytes"]
         print(
             f"  {case['weights_bytes'] / 1e9:.2f} GB of weights "
-            f"({'all' if hashed == case['weights_bytes'] else 'samples:'}"
-            f" {hashed / 1e9:.2f} GB hashed): weights digest "
-            f"{_samples_ms(case['weights_digest_s'])} ms, known open "
+            f"({'all hashed' if case['all_hashed'] else 'samples of each tensor hashed'})"
+            f": weights digest {_samples_ms(case['weights_digest_s'])} ms, known open "
             f"{_samples_ms(case['known_open_s'])} ms, new open "
             f"{case['new_open_s'] * 1e3:.0f} ms"
         )
