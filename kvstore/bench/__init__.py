@@ -8,7 +8,9 @@ SmolLM2-135M's shape in float16, bfloat16 and float32: the first restore after a
 restart (fresh child processes: kvstore, ``load_prompt_cache`` and the floor, the same
 bytes read into fresh buffers), repeated restores in one process, the store's open
 time for a known and a new model, and saving until durable against one file with one
-fsync. Prints tables and the targets as PASS/MISS ratios measured in this one run;
+fsync; the same repeated restores with MLX's freed buffers recycled (the read path
+alone); the latency of a fetch that finds nothing, of the hash chain of a long prompt,
+and of ``save`` handing its write to the background writer. Prints tables and the targets as PASS/MISS ratios measured in this one run;
 ``--json`` and ``--plot`` write the numbers and a chart.
 """
 
@@ -21,7 +23,20 @@ import tempfile
 import time
 from typing import List, Optional
 
-SECTIONS = ("ttft", "write", "restore", "scale", "fresh", "repeat", "open", "durable")
+SECTIONS = (
+    "ttft",
+    "write",
+    "restore",
+    "scale",
+    "fresh",
+    "repeat",
+    "recycled",
+    "open",
+    "durable",
+    "miss",
+    "hash",
+    "save",
+)
 DTYPES = ("float16", "bfloat16", "float32")
 DEFAULTS = {
     "lengths": [128, 512, 2048],
@@ -35,6 +50,9 @@ DEFAULTS = {
     "repeat_dtypes": ["float16", "float32"],
     "restore_repeats": 5,
     "durable_tokens": 32768,
+    "miss_tokens": 32768,
+    "hash_tokens": 100000,
+    "save_tokens": 4096,
 }
 QUICK = {
     "lengths": [32, 128],
@@ -48,6 +66,9 @@ QUICK = {
     "repeat_dtypes": ["float16"],
     "restore_repeats": 2,
     "durable_tokens": 1024,
+    "miss_tokens": 32768,
+    "hash_tokens": 100000,
+    "save_tokens": 1024,
 }
 
 
@@ -134,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--restore-repeats",
         type=_positive,
-        help="samples per case of the fresh, repeat and open sections (default: "
+        help="samples per case of the fresh, repeat, recycled and open sections "
+        "(default: "
         f"{DEFAULTS['restore_repeats']})",
     )
     p.add_argument(
@@ -142,6 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         help="tokens of float16 KV saved until durable (default: "
         f"{DEFAULTS['durable_tokens']})",
+    )
+    p.add_argument(
+        "--miss-tokens",
+        type=_positive,
+        help="tokens of the prompt that finds nothing, miss section (default: "
+        f"{DEFAULTS['miss_tokens']})",
+    )
+    p.add_argument(
+        "--hash-tokens",
+        type=_positive,
+        help="tokens of the prompt hashed, hash section (default: "
+        f"{DEFAULTS['hash_tokens']})",
+    )
+    p.add_argument(
+        "--save-tokens",
+        type=_positive,
+        help="tokens of float16 KV per save, save section (default: "
+        f"{DEFAULTS['save_tokens']})",
     )
     p.add_argument(
         "--open-weights-gb",
@@ -222,6 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.from_json:
         return _replay(args, report)
+    from kvstore.bench.calls import bench_hash, bench_miss, bench_save
     from kvstore.bench.durable import bench_durable
     from kvstore.bench.fresh import bench_fresh
     from kvstore.bench.measure import can_drop_page_cache, environment
@@ -266,6 +307,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "restore_repeats",
                 "durable_tokens",
                 "open_weights_gb",
+                "miss_tokens",
+                "hash_tokens",
+                "save_tokens",
             )
         },
         "page_cache_conditions": conditions,
@@ -317,6 +361,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             res["repeat"] = bench_repeat(
                 args.repeat_dtypes, args.repeat_lengths, **restarts
             )
+        if "recycled" in args.only:
+            res["recycled"] = bench_repeat(
+                args.repeat_dtypes, args.repeat_lengths, recycled=True, **restarts
+            )
         if "open" in args.only:
             res["open"] = bench_open(
                 model,
@@ -332,6 +380,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 repeats=args.repeats,
                 chunk_tokens=args.chunk_tokens,
                 tmp=tmp,
+            )
+        calls = {"chunk_tokens": args.chunk_tokens}
+        if "miss" in args.only:
+            res["miss"] = bench_miss(args.miss_tokens, calls=200, tmp=tmp, **calls)
+        if "hash" in args.only:
+            res["hash"] = bench_hash(args.hash_tokens, calls=100, **calls)
+        if "save" in args.only:
+            res["save"] = bench_save(
+                args.save_tokens, repeats=args.repeats, tmp=tmp, **calls
             )
         res["seconds"] = time.perf_counter() - t0
         res["targets"] = report.targets(res)

@@ -4,6 +4,10 @@ floor (the same bytes as kvstore's node files read with plain ``readinto`` into
 fresh buffers), alternating in one process, page cache warm, RAM tier off, memory
 freed between restores as a server frees it. Also the cost of the checksum alone:
 xxh3 of the same bytes, in memory, as a pass of its own.
+
+``recycled``: the same cases with MLX's buffer cache raised above the KV size, so
+freed arrays are reused and no restore pays page faults for new memory: what is
+left is the cost of the read path itself (section ``recycled``).
 """
 
 import time
@@ -50,17 +54,22 @@ def bench_repeat(
     repeats: int,
     chunk_tokens: int,
     tmp: str,
+    recycled: bool = False,
 ) -> List[Dict]:
     """One row per (dtype, length): every case's samples, faults and CPU time."""
     rows = []
     todo = [(d, n) for d in dtypes for n in lengths]
-    for dtype, n in tqdm(todo, desc="repeated restores", unit="size", leave=False):
+    desc = "recycled restores" if recycled else "repeated restores"
+    for dtype, n in tqdm(todo, desc=desc, unit="size", leave=False):
         kv = make_kv_files(tmp, dtype, n, chunk_tokens=chunk_tokens, seed=n)
         floor_thread = ThreadPoolExecutor(1)
         store = KVStore(
             kv.store, standin_model(dtype), chunk_tokens=chunk_tokens, ram_bytes=0
         )
+        limit, raised = None, 4 * kv.kv_bytes + (256 << 20)
         try:
+            if recycled:  # room for every case's freed arrays
+                limit = mx.set_cache_limit(raised)
             warm_page_cache(kv.files())
             phases = []
 
@@ -91,6 +100,8 @@ def bench_repeat(
                 {
                     "dtype": dtype,
                     "tokens": n,
+                    "memory": "recycled" if recycled else "freed",
+                    "mlx_cache_limit": raised if recycled else None,
                     "kv_bytes": kv.kv_bytes,
                     "node_files": len(kv.node_files),
                     "hash_alone_s": hash_s,
@@ -115,5 +126,7 @@ def bench_repeat(
             floor_thread.shutdown()
             store.close()
             kv.remove()
+            if limit is not None:
+                mx.set_cache_limit(limit)
             mx.clear_cache()
     return rows

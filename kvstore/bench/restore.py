@@ -19,6 +19,7 @@ from kvstore.bench.measure import (
     apparent_bytes,
     files_under,
     kv_layers,
+    minor_faults,
     new_case,
     node_pieces,
     raw_read,
@@ -111,7 +112,9 @@ def bench_one(
     # The first restore at this size, in fresh memory (as after a restart, but warm).
     mx.clear_cache()
     set_page_cache(files, "warm")
+    f0 = minor_faults()
     row["first_s"] = timed_fetch(store, query, expect=n)[0].total
+    row["first_faults"] = minor_faults() - f0
 
     for cond in conditions:
         kv = row["cases"][f"disk_{cond}"] = new_case("kvstore, disk", cond)
