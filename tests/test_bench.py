@@ -12,6 +12,7 @@ from kvstore.bench import main, parse_args
 from kvstore.bench.measure import (
     FetchProbe,
     can_drop_page_cache,
+    mlx_default_cache_limit,
     resident_fraction,
     set_page_cache,
     timed_fetch,
@@ -55,6 +56,12 @@ def bench_run(tiny_model_dir, tmp_path_factory):
         "--restore-repeats",
         "1",
         "--durable-tokens",
+        "64",
+        "--miss-tokens",
+        "50",
+        "--hash-tokens",
+        "100",
+        "--save-tokens",
         "64",
         "--dir",
         str(out),
@@ -123,6 +130,27 @@ def test_every_case_in_json(bench_run):
     d = res["durable"]
     assert len(d["kvstore_s"]) == len(d["one_file_s"]) == 1 and d["files"] == 4
     assert len(d["per_node_files_s"]) == len(d["save_returned_s"]) == 1
+    assert rr["first_s"] > 0 and rr["first_faults"] >= 0
+
+    # Freed memory recycled: the repeat cases again, MLX's buffer cache raised above
+    # the KV during the section and put back after it.
+    (rec,) = res["recycled"]
+    assert (rec["dtype"], rec["tokens"], rec["memory"]) == ("float16", 100, "recycled")
+    assert rec["mlx_cache_limit"] > rec["kv_bytes"]
+    assert rep["memory"] == "freed" and rep["mlx_cache_limit"] is None
+    assert set(rec["cases"]) == {"kvstore", "load_prompt_cache", "floor"}
+    assert all(len(c["restore_s"]) == 1 for c in rec["cases"].values())
+    assert mlx_default_cache_limit() == res["environment"]["mlx_cache_limit"]
+
+    m = res["miss"]
+    assert m["tokens"] == 50 and len(m["fetch_s"]) == m["calls"] == 200
+    assert len(m["as_token_array_s"]) == len(m["make_prompt_cache_s"]) == 200
+    h = res["hash"]
+    assert (h["tokens"], h["spans"], len(h["total_s"])) == (100, 7, 100)
+    assert h["total_s"][0] == h["as_token_array_s"][0] + h["chain_hashes_s"][0]
+    s = res["save"]
+    assert s["nodes_per_save"] == [4]  # 64 tokens in chunks of 16: a new prompt
+    assert len(s["save_return_s"]) == len(s["flush_s"]) == 1
 
     whats = " ".join(t["what"] for t in res["targets"])
     for part in (
@@ -141,6 +169,10 @@ def test_every_case_in_json(bench_run):
         "repeated restores, kvstore speed / load_prompt_cache",
         "open a store, model seen before",
         "save until durable",
+        "memory recycled, kvstore speed / load_prompt_cache",
+        "fetch that finds nothing, 50 tokens",
+        "hash chain, 100 tokens",
+        "save() return / (return + flush), 64 tokens",
     ):
         assert part in whats
     assert all(t["ok"] in (True, False, None) for t in res["targets"])
@@ -159,6 +191,7 @@ def test_markdown_tables_of_a_saved_run(bench_run, capsys):
     )
     assert kv_ms in row and row.endswith(("PASS |", "MISS |"))
     assert "| model seen before |" in text and "kvstore / one file:" in text
+    assert "Repeated restores, freed memory recycled" in text
     with pytest.raises(SystemExit):
         parse_args(["--markdown"])
 
@@ -259,3 +292,20 @@ def test_tools_wrap_the_bench_sections(tiny_model_dir, tmp_path):
         "known": 1,
         "new": 1,
     }
+
+
+def test_call_targets_pass_and_miss():
+    """The miss, hash and save targets turn on the medians of every sample."""
+    from kvstore.bench.report import call_targets
+
+    def oks(miss, hash_, ret, flush):
+        res = {
+            "miss": {"tokens": 10, "fetch_s": miss},
+            "hash": {"tokens": 10, "total_s": hash_},
+            "save": {"tokens": 10, "save_return_s": ret, "flush_s": flush},
+        }
+        return [t["ok"] for t in call_targets(res)]
+
+    assert oks([0.001, 0.009, 0.0015], [0.004], [0.01], [0.99]) == [True] * 3
+    assert oks([0.003, 0.001, 0.0025], [0.006], [0.06], [0.94]) == [False] * 3
+    assert call_targets({}) == []
