@@ -139,6 +139,7 @@ def test_every_case_in_json(bench_run):
     assert rec["mlx_cache_limit"] > rec["kv_bytes"]
     assert rep["memory"] == "freed" and rep["mlx_cache_limit"] is None
     assert set(rec["cases"]) == {"kvstore", "load_prompt_cache", "floor"}
+    assert rec["cases"]["floor"]["label"] == "floor: readinto reused buffers"
     assert all(len(c["restore_s"]) == 1 for c in rec["cases"].values())
     assert mlx_default_cache_limit() == res["environment"]["mlx_cache_limit"]
 

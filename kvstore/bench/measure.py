@@ -1,4 +1,4 @@
-"""Measuring helpers shared by ``kvstore bench`` and ``tools/bench_core.py``.
+"""Measuring helpers of ``kvstore bench`` (and the tools in tools/ that run its sections).
 
 Pitfalls these helpers exist for (see the README's Benchmarks section):
 

@@ -694,10 +694,10 @@ def markdown(res: Dict) -> str:
     from kvstore.bench.opening import TARGET_S
 
     out = []
-    for key, title, target in (
-        ("fresh", "After a restart (first restore in a fresh process)", 1.0),
-        ("repeat", "Repeated restores in one process", 1.2),
-        ("recycled", "Repeated restores, freed memory recycled", None),
+    for key, title, target, buffers in (
+        ("fresh", "After a restart (first restore in a fresh process)", 1.0, "fresh"),
+        ("repeat", "Repeated restores in one process", 1.2, "fresh"),
+        ("recycled", "Repeated restores, freed memory recycled", None, "reused"),
     ):
         rows = res.get(key) or []
         if not rows:
@@ -707,7 +707,7 @@ def markdown(res: Dict) -> str:
             "speed ratio = load_prompt_cache ms / kvstore ms "
             + (f"(target >= {target}); " if target else "(info); ")
             + "floor ratio = kvstore's speed / the floor's (same bytes, plain readinto "
-            "into fresh buffers).",
+            f"into {buffers} buffers).",
             "",
             "| dtype | tokens | KV MB | kvstore ms | load_prompt_cache ms | floor ms "
             "| speed ratio | floor ratio | lpc floor ratio | target |",
@@ -765,4 +765,34 @@ def markdown(res: Dict) -> str:
             f"{_pass(ratio >= TARGET)}",
             "",
         ]
+    out += _markdown_calls(res)
     return "\n".join(out)
+
+
+def _markdown_calls(res: Dict) -> List[str]:
+    """The miss, hash and save sections as one table: medians and every target."""
+    rows = []
+    m, h, s = res.get("miss"), res.get("hash"), res.get("save")
+    if m:
+        rows.append((f"fetch that finds nothing, {m['tokens']} tokens", m["fetch_s"]))
+    if h:
+        rows.append((f"hash chain, {h['tokens']} tokens", h["total_s"]))
+    if s:
+        rows.append((f"save() return, {s['tokens']} tokens", s["save_return_s"]))
+        rows.append((f"flush() after it, {s['tokens']} tokens", s["flush_s"]))
+    if not rows:
+        return []
+    out = [
+        "| call | median ms | min ms | max ms | samples |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for what, xs in rows:
+        out.append(
+            f"| {what} | {med(xs) * 1e3:.3f} | {min(xs) * 1e3:.3f} "
+            f"| {max(xs) * 1e3:.3f} | {len(xs)} |"
+        )
+    out.append("")
+    for t in call_targets(res):
+        out.append(f"{t['what']}: {t['value']}, target {t['target']}: {_pass(t['ok'])}")
+        out.append("")
+    return out
