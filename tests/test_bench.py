@@ -131,6 +131,7 @@ def test_every_case_in_json(bench_run):
     assert len(d["kvstore_s"]) == len(d["one_file_s"]) == 1 and d["files"] == 4
     assert len(d["per_node_files_s"]) == len(d["save_returned_s"]) == 1
     assert rr["first_s"] > 0 and rr["first_faults"] >= 0
+    assert rr["restored_equal"] is True
 
     # Freed memory recycled: the repeat cases again, MLX's buffer cache raised above
     # the KV during the section and put back after it.

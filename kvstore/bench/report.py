@@ -198,6 +198,8 @@ def print_restore(rows: List[Dict]) -> None:
         extra = f"first restore in this process {_ms(r['first_s'], 0)} ms"
         if "first_faults" in r:
             extra += f" ({r['first_faults']:,} page faults)"
+        if "restored_equal" in r:
+            extra += f"; restored KV equal to the saved file's: {r['restored_equal']}"
         if "concat_s" in r:
             extra += (
                 f"; RAM-hot assemble {_ms(_m(ram_assemble(c['ram_hot'])), 0)} ms vs one "

@@ -8,7 +8,7 @@ import time
 from typing import Dict, List, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import save_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from tqdm import tqdm
 
 from kvstore import KVStore
@@ -52,6 +52,15 @@ def _save(store, tokens, layout, n, onefile) -> Dict:
         "save_flush_s": t2 - t1,
         "save_prompt_cache_s": t3 - t2,
     }
+
+
+def _same_kv(restored, saved, n: int) -> bool:
+    """Whether kvstore's restore holds the bytes of the same KV in one mlx-lm file."""
+    return all(
+        mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()
+        and mx.array_equal(a.values[..., :n, :], b.values[..., :n, :]).item()
+        for a, b in zip(restored, saved)
+    )
 
 
 def bench_one(
@@ -113,8 +122,13 @@ def bench_one(
     mx.clear_cache()
     set_page_cache(files, "warm")
     f0 = minor_faults()
-    row["first_s"] = timed_fetch(store, query, expect=n)[0].total
+    phases, restored = timed_fetch(store, query, expect=n)
+    row["first_s"] = phases.total
     row["first_faults"] = minor_faults() - f0
+    row["restored_equal"] = _same_kv(restored, load_prompt_cache(onefile), n)
+    if not row["restored_equal"]:
+        print(f"WARNING: kvstore restored other bytes than were saved, {n} tokens")
+    del restored
 
     for cond in conditions:
         kv = row["cases"][f"disk_{cond}"] = new_case("kvstore, disk", cond)
