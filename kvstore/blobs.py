@@ -238,22 +238,48 @@ class Blobs:
     A node may also have a state file, ``<h>.state.safetensors``: the checkpoint of
     the layers whose state does not concatenate (see :mod:`kvstore.adapters`).
 
+    No symlink below ``root`` is followed: files are read through
+    :func:`fsutil.open_regular_beneath`; a node whose directories are not real ones
+    has no files as far as writing, removing and quarantining go.
+
     Args:
         root: The blobs directory.
         quarantine: Where broken files are moved for inspection.
+        create: Create ``root`` when missing (a read-only open does not).
     """
 
     SUFFIX = ".safetensors"
 
-    def __init__(self, root: str, quarantine: str):
+    def __init__(self, root: str, quarantine: str, *, create: bool = True):
         self.root = root
         self.quarantine_dir = quarantine
         self._headers: Dict[tuple, tuple] = {}  # validated headers, by their bytes
-        os.makedirs(root, exist_ok=True)
+        if create:
+            fsutil.makedirs(root)
+
+    def _parts(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> List[str]:
+        hx = h.hex()
+        return [ns.hex(), hx[:2], hx + part + self.SUFFIX]
 
     def path(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> str:
-        hx = h.hex()
-        return os.path.join(self.root, ns.hex(), hx[:2], hx + part + self.SUFFIX)
+        return os.path.join(self.root, *self._parts(ns, h, part))
+
+    def _real_dirs(self, ns: bytes, h: bytes) -> bool:
+        """Whether node ``h``'s directories are real ones (or missing), not links."""
+        try:
+            fsutil.check_real_dirs(self.root, self._parts(ns, h)[:2])
+        except fsutil.NotRegularFile:
+            return False
+        return True
+
+    def open_file(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> int:
+        """Open node ``h``'s file (delta or state ``part``) to read: a descriptor.
+
+        Raises:
+            FileNotFoundError: no file.
+            fsutil.NotRegularFile: a symlink, FIFO... in its place or on its path.
+        """
+        return fsutil.open_regular_beneath(self.root, self._parts(ns, h, part))
 
     # -- writing -----------------------------------------------------------
 
@@ -274,7 +300,12 @@ class Blobs:
         """
         final = self.path(ns, h, part)
         directory = os.path.dirname(final)
-        os.makedirs(directory, exist_ok=True)
+        if not os.path.isdir(self.root):  # the store was deleted: do not remake it
+            raise FileNotFoundError(
+                errno.ENOENT, "the blobs directory is gone", self.root
+            )
+        fsutil.check_real_dirs(self.root, self._parts(ns, h)[:2])  # never write out
+        fsutil.makedirs(directory)
         tmp = os.path.join(
             directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         )
@@ -330,7 +361,7 @@ class Blobs:
     ) -> Optional[int]:
         """The inode now at node ``h``'s path, None when there is no file."""
         try:
-            return os.stat(self.path(ns, h, part)).st_ino
+            return os.lstat(self.path(ns, h, part)).st_ino
         except FileNotFoundError:
             return None
 
@@ -338,7 +369,7 @@ class Blobs:
 
     def _open(self, ns: bytes, h: bytes, nbytes: int, part: str) -> int:
         try:
-            fd = fsutil.open_regular(self.path(ns, h, part))
+            fd = self.open_file(ns, h, part)
         except FileNotFoundError:
             raise CorruptBlob("file is missing") from None
         except fsutil.NotRegularFile as e:
@@ -508,21 +539,27 @@ class Blobs:
     def size(self, ns: bytes, h: bytes) -> Optional[int]:
         """Bytes of node ``h``'s files (delta and state), None when it has none."""
         sizes = []
+        if not self._real_dirs(ns, h):
+            return None
         for part in (DELTA_PART, STATE_PART):
             try:
-                sizes.append(os.stat(self.path(ns, h, part)).st_size)
+                sizes.append(os.lstat(self.path(ns, h, part)).st_size)
             except FileNotFoundError:
                 pass
         return sum(sizes) if sizes else None
 
     def remove(self, ns: bytes, h: bytes) -> None:
         """Unlink node ``h``'s files (both parts)."""
+        if not self._real_dirs(ns, h):
+            return
         for part in (DELTA_PART, STATE_PART):
             _unlink(self.path(ns, h, part))
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
         """Move a broken node's files aside (with a note saying why); None if gone."""
-        os.makedirs(self.quarantine_dir, exist_ok=True)
+        if not self._real_dirs(ns, h):
+            return None
+        fsutil.makedirs(self.quarantine_dir)
         moved = None
         for part in (DELTA_PART, STATE_PART):
             dst = os.path.join(
@@ -533,7 +570,8 @@ class Blobs:
                 shutil.move(self.path(ns, h, part), dst)
             except FileNotFoundError:
                 continue
-            with open(dst + ".reason", "w") as f:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+            with os.fdopen(os.open(dst + ".reason", flags, 0o644), "w") as f:
                 f.write(reason + "\n")
             moved = moved or dst
         return moved

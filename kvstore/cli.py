@@ -2,12 +2,14 @@
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from typing import List, Optional
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_ERROR = 0, 1, 2
+EXIT_BROKEN_PIPE = 128 + 13  # as a command killed by SIGPIPE
 
 
 class CLIError(Exception):
@@ -24,26 +26,44 @@ def default_store() -> str:
     return os.path.join(cache_root(), "store")
 
 
+MAX_SIZE = 1 << 60  # 1 EiB: no disk (or RAM) holds more; larger sizes are typos
+
+
 def _size(text: str) -> int:
     """Parse ``123``, ``10K``, ``512M``, ``2G`` (binary units) into bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
     t = text.strip().upper().rstrip("B").rstrip("I")
     try:
         if t and t[-1] in units:
-            value = int(float(t[:-1]) * units[t[-1]])
+            number, scale = float(t[:-1]), units[t[-1]]
         else:
-            value = int(t)
+            number, scale = int(t), 1
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (e.g. 500M, 2G)"
-        ) from None
-    if value < 0:
+        number = math.nan
+    if not math.isfinite(number):  # also inf and nan
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 2G)")
+    if number < 0:
         raise argparse.ArgumentTypeError(f"size must not be negative: {text!r}")
+    if number * scale > MAX_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} is larger than any disk (at most 1024P)"
+        )
+    return int(number * scale)
+
+
+def _budget(text: str) -> int:
+    """A disk budget: a size above 0 (a budget of 0 would keep nothing)."""
+    value = _size(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(
+            "a budget of 0 would keep nothing: give a size, or leave the option out "
+            "to keep the store's budget"
+        )
     return value
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
+def _int_at_least(minimum: int, maximum: int = 1 << 30):
+    """An argparse type: an integer from ``minimum`` to ``maximum``."""
 
     def parse(text: str) -> int:
         try:
@@ -52,6 +72,8 @@ def _int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
 
     return parse
@@ -59,6 +81,8 @@ def _int_at_least(minimum: int):
 
 _positive = _int_at_least(1)
 _non_negative = _int_at_least(0)
+_chunk = _int_at_least(1, 1 << 20)  # tokens per node: past any context length
+_bits = _int_at_least(1, 32)
 
 
 # -- model and store ---------------------------------------------------------
@@ -113,6 +137,15 @@ def open_store(path: str, model, tokenizer, args, *, remote=None):
         raise CLIError(f"cannot use --kv-bits/--kv-group-size here: {e}") from None
 
 
+def check_store(path: str) -> None:
+    """What opening the store will check, before a model is loaded for it (an
+    existing store only: a new one is created with the model's namespace)."""
+    if os.path.lexists(path):
+        from .store import check_store as check
+
+        check(path)
+
+
 def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
     """``--disk-bytes`` if given, else the budget the store recorded when one was last
     given (a store keeps its budget across runs, as ``kvstore gc`` does)."""
@@ -131,7 +164,7 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
     and serve)."""
     p.add_argument(
         "--disk-bytes",
-        type=_size,
+        type=_budget,
         default=None,
         metavar="SIZE",
         help="disk budget of the store, e.g. 20G: least recently used unpinned "
@@ -186,7 +219,9 @@ def cmd_prefill(args) -> int:
     from .prompts import PromptError, parse_line
 
     lines = _read_prompts(args.prompts)
+    name = "<stdin>" if args.prompts == "-" else args.prompts
     remote = remote_tier(args.remote)  # a bad URL fails before the model loads
+    check_store(args.store)  # so does a store that is not one, or read-only
     model, tokenizer = load_model(args.model)
     limit = _context_length(model)
     if args.max_tokens_per_prompt:
@@ -202,7 +237,7 @@ def cmd_prefill(args) -> int:
         tqdm(total=len(lines), unit="prompt", disable=args.quiet or None) as bar,
     ):
         for lineno, text in lines:
-            where = f"{args.prompts}:{lineno}"
+            where = f"{name}:{lineno}"
             try:
                 line = parse_line(
                     lineno,
@@ -211,6 +246,7 @@ def cmd_prefill(args) -> int:
                     default_kind=args.kind,
                     default_pin=args.pin,
                     vocab_size=vocab,
+                    max_tokens=limit,
                 )
                 if limit is not None and len(line.tokens) > limit:
                     raise PromptError(
@@ -223,7 +259,18 @@ def cmd_prefill(args) -> int:
                     break
                 bar.update(1)
                 continue
+            failed_writes = store.stats()["writes_failed"]
             computed = _prefill_line(store, line)
+            if store.stats()["writes_failed"] > failed_writes:
+                summary["failed"] += 1  # computed, but not stored: say so
+                bar.write(
+                    f"{where}: not stored: writing to the store failed (see the log)",
+                    file=sys.stderr,
+                )
+                bar.update(1)
+                if args.strict:
+                    break
+                continue
             summary["tokens_computed"] += computed
             summary["tokens_reused"] += len(line.tokens) - computed
             summary["prefilled" if computed else "skipped"] += 1
@@ -240,6 +287,9 @@ def cmd_prefill(args) -> int:
         for key in _REMOTE_SUMMARY:
             summary[key] = stats[key]
     summary["writes_dropped"] = stats["writes_dropped"]
+    summary["writes_failed"] = stats["writes_failed"]
+    if stats["store_problem"]:
+        print(f"kvstore prefill: {stats['store_problem']}", file=sys.stderr)
     summary["seconds"] = round(time.perf_counter() - tic, 3)
     summary["store"] = store.path
     _print_summary(summary, args.json)
@@ -251,13 +301,13 @@ def _read_prompts(path: str) -> list:
     cannot be read."""
     from .prompts import read_lines
 
-    if os.path.isdir(path):
+    if path != "-" and os.path.isdir(path):
         raise CLIError(f"{path}: is a directory, not a prompts file")
-    if not os.path.exists(path):
+    if path != "-" and not os.path.exists(path):
         raise CLIError(f"{path}: no such file")
     try:
         return list(read_lines(path))
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise CLIError(f"{path}: cannot read: {e}") from None
 
 
@@ -332,6 +382,8 @@ def _maintenance():
 
 
 def _guard_store(path: str) -> None:
+    if os.path.islink(path) and not os.path.exists(path):
+        raise CLIError(f"{path} is a dangling symbolic link (to {os.readlink(path)!r})")
     if not os.path.isdir(os.path.join(path, "index")):
         raise CLIError(f"{path}: no kvstore here (set --store or $KVSTORE_DIR)")
 
@@ -346,7 +398,7 @@ def cmd_stats(args) -> int:
         f"store {args.store}: {_human(stats.get('bytes_on_disk', 0))} on disk", end=""
     )
     budget = stats.get("disk_budget")
-    print(f", budget {_human(budget)}" if budget else ", no disk budget")
+    print(f", budget {_human(budget)}" if budget is not None else ", no disk budget")
     for ns in stats.get("namespaces", []):
         print(
             f"  {ns['id'][:12]} {ns.get('model_type') or '?':<12} nodes {ns['nodes']:>6}  "
@@ -429,11 +481,17 @@ def cmd_verify(args) -> int:
             print(
                 f"{p['kind']}: {p.get('file') or p.get('node')}: {p.get('detail', '')}"
             )
-        print(
-            "clean"
-            if report["clean"]
-            else "problems found" + (" (fixed)" if args.fix else "")
-        )
+        if not report["clean"]:
+            print("problems found" + (" (fixed)" if args.fix else ""))
+        elif report["orphans"]:
+            print(
+                f"index clean, but {report['orphans']} orphan chunk files: files no index "
+                "record names, left by a crash before their commit or by commits the "
+                "index lost (e.g. index/lock.mdb deleted while the store was in use); "
+                "`kvstore gc` removes them"
+            )
+        else:
+            print("clean")
     return EXIT_OK if report["clean"] else EXIT_FAILED_LINES
 
 
@@ -444,7 +502,7 @@ def cmd_gc(args) -> int:
             args.store, max_bytes=args.max_bytes, drop_namespaces=args.drop_model or ()
         )
     except ValueError as e:  # a --drop-model that names no namespace
-        raise CLIError(f"--drop-model: {e}") from None
+        raise CLIError(f"--drop-model: {e}" if args.drop_model else str(e)) from None
     print(
         json.dumps(report, sort_keys=True, default=str)
         if args.json
@@ -470,6 +528,7 @@ def cmd_pin(args, pinned: bool = True) -> int:
             raise CLIError(f"--namespace/--node: {e}") from None
         print(f"{'pinned' if pinned else 'unpinned'} {n} nodes")
         return EXIT_OK
+    check_store(args.store)
     model, tokenizer = load_model(args.model)
     if args.file:
         texts = [(f"{args.file}:{no}", t) for no, t in _read_prompts(args.file)]
@@ -611,13 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument(
                 "--chunk-tokens",
-                type=_positive,
+                type=_chunk,
                 default=256,
                 help="tokens per node (default: 256)",
             )
             p.add_argument(
                 "--kv-bits",
-                type=_positive,
+                type=_bits,
                 default=None,
                 help="store quantized KV of this many bits (as mlx_lm.server --kv-bits)",
             )
@@ -632,7 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill", help="compute and store the KV of prompts from a JSONL file"
     )
     p.add_argument(
-        "prompts", help="JSONL: {messages|prompt|tokens, id?, kind?, pin?} per line"
+        "prompts",
+        help="JSONL: {messages|prompt|tokens, id?, kind?, pin?} per line (- for stdin)",
     )
     common(p, model=True)
     p.add_argument(
@@ -706,8 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, help="only the namespace of this mlx-lm model"
     )
-    p.add_argument("--chunk-tokens", type=_positive, default=256)
-    p.add_argument("--kv-bits", type=_positive, default=None)
+    p.add_argument("--chunk-tokens", type=_chunk, default=256)
+    p.add_argument("--kv-bits", type=_bits, default=None)
     p.add_argument("--kv-group-size", type=_positive, default=64)
     p.set_defaults(func=cmd_push)
 
@@ -744,14 +804,32 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    from .index import StoreError
+
     try:
         return args.func(args)
-    except CLIError as e:
+    except (CLIError, StoreError) as e:
         print(f"kvstore {args.command}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # `kvstore ls | head`: the reader is gone
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as e:  # e.g. a file of the store that cannot be read
+        print(f"kvstore {args.command}: {args.store}: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"kvstore {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -134,3 +134,115 @@ def fsync_dir(path: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+# -- paths inside a store ----------------------------------------------------------
+# A store's subdirectories (index/, blobs/<ns>/<xx>/, quarantine/) are kvstore's own:
+# one planted as a symlink must never lead a read or a write out of the store.
+
+_DIR_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_DIRECTORY", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+def open_regular_beneath(root: str, parts: List[str]) -> int:
+    """:func:`open_regular` of ``root/parts[0]/.../parts[-1]``, following no symlink
+    below ``root``: each directory is opened relative to its parent's descriptor.
+
+    Raises:
+        FileNotFoundError: no such file or directory.
+        NotRegularFile: a component is a symlink or not a directory, or the file is
+            not a regular file.
+    """
+    fd = _open_dir(root, None)
+    try:
+        for name in parts[:-1]:
+            sub = _open_dir(name, fd)
+            os.close(fd)
+            fd = sub
+        return open_regular(parts[-1], dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _open_dir(path: str, dir_fd: Optional[int]) -> int:
+    try:
+        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        # A symlink fails with ELOOP (EMLINK on BSD); a file with ENOTDIR.
+        if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+            raise NotRegularFile(e.errno, "is not a directory", path) from None
+        raise
+
+
+def check_real_dirs(root: str, parts: List[str]) -> None:
+    """Raise :class:`NotRegularFile` if ``root/parts[0]``, ``root/parts[0]/parts[1]``...
+    exists as anything but a directory (a symlink to one included). Missing ones pass.
+
+    For paths about to be written, renamed or unlinked by name (the check and the use
+    are not atomic; reads use :func:`open_regular_beneath`, which is).
+    """
+    path = root
+    for name in parts:
+        path = os.path.join(path, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(mode):
+            raise NotRegularFile(errno.ENOTDIR, "is not a directory", path)
+
+
+def makedirs(path: str, mode: int = 0o755) -> None:
+    """``os.makedirs(path, exist_ok=True)`` giving every directory it creates ``mode``
+    (masked by the umask, so never wider): ``os.makedirs`` gives the parents it creates
+    ``0o777 & ~umask``, world-writable under umask 000."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if parent != path and not os.path.isdir(parent):
+        makedirs(parent, mode)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+
+
+# -- advisory locks ------------------------------------------------------------------
+
+
+def lock_byte(fd: int, offset: int, *, exclusive: bool, blocking: bool) -> bool:
+    """Take a POSIX record lock on byte ``offset`` of ``fd`` (shared or exclusive);
+    False when ``blocking`` is off and another process holds a conflicting one.
+
+    Record locks belong to the process (taking one again converts it) and go away
+    when it exits or closes any descriptor of the file. Where the platform has none
+    (Windows) or the file system refuses them (ENOLCK), returns True: nothing locked.
+    """
+    if getattr(fcntl, "lockf", None) is None:
+        return True
+    op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    if not blocking:
+        op |= fcntl.LOCK_NB
+    try:
+        fcntl.lockf(fd, op, 1, offset, os.SEEK_SET)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            return False
+        if e.errno in (errno.ENOLCK, errno.EINVAL, errno.ENOTSUP):
+            return True
+        raise
+    return True
+
+
+def unlock_byte(fd: int, offset: int) -> None:
+    """Release :func:`lock_byte`'s lock on byte ``offset``."""
+    if getattr(fcntl, "lockf", None) is not None:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset, os.SEEK_SET)
+        except OSError:
+            pass

@@ -7,17 +7,21 @@ node's children sort by their first tokens (see :func:`child_key`).
 """
 
 import json
+import logging
 import os
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import lmdb
 import numpy as np
 
+from . import storecheck
 from .chunking import HASH_BYTES, common_prefix
+from .storecheck import StoreError
+
+log = logging.getLogger("kvstore")
 
 FORMAT_VERSION = 1  # of the store directory (meta db); records carry their own
 RECORD_VERSION = 2  # 2 added the optional state (checkpoint) file; 1 still decodes
@@ -26,12 +30,8 @@ CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
 _PAD = b"\xff\xff\xff\xff"  # sorts after every big-endian token id < 2**31
 _MAX_MAP = 1 << 40
 
-_OPEN: Dict[Tuple[str, int], Tuple[lmdb.Environment, int]] = {}
+_OPEN: Dict[Tuple[str, int], "_Env"] = {}
 _OPEN_LOCK = threading.Lock()
-
-
-class StoreError(Exception):
-    """The store directory cannot be used (not a store, other format version...)."""
 
 
 class CorruptRecord(Exception):
@@ -150,13 +150,45 @@ def child_key(
     return ns + parent + head + child
 
 
+class _Env:
+    """One process's open LMDB environment of an index directory, shared by every
+    :class:`Index` opened on that directory (LMDB allows one per process)."""
+
+    def __init__(self, opened: storecheck.Opened, *, readonly: bool):
+        self.env = opened.env
+        self.dbs = opened.dbs
+        self.readonly = readonly
+        self.lock_fd = opened.lock_fd  # kvstore.lock, held shared while open (or None)
+        self.lock_id = opened.lock_id  # (st_dev, st_ino) of lock.mdb as opened
+        self.refs = 0
+        self.problem: Optional[str] = None  # set when lock.mdb was deleted under us
+
+    def close(self) -> None:
+        self.env.close()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases this process's record locks on it
+
+
 class Index:
     """The LMDB environment under ``<store>/index``.
+
+    Opening checks the directory before LMDB maps anything (:mod:`kvstore.storecheck`):
+    its files must be regular files, ``data.mdb`` an LMDB file holding every page its
+    meta page names (a truncated one would kill the process with SIGBUS on a read),
+    and its contents kvstore's own databases of this format version. Only an empty
+    directory, or a store kvstore created, is ever written to.
 
     Args:
         path: The index directory (created if missing when ``create`` is true).
         create: Create a new index when none exists.
+        readonly: Open without ever writing: LMDB's read-only mode, without its lock
+            file where the directory is not writable. :meth:`write` then raises.
         map_size: Initial map size; the map doubles when it fills up.
+
+    Raises:
+        StoreError: not a kvstore index, another format version, files that are not
+            what LMDB expects, a store without write permission (unless ``readonly``),
+            or ``index/lock.mdb`` missing while another process has the index open.
     """
 
     # "reservations" (bytes of saves in flight, :mod:`kvstore.reservations`) came
@@ -172,65 +204,64 @@ class Index:
         "reservations",
     )
 
-    def __init__(self, path: str, *, create: bool = True, map_size: int = 64 << 20):
-        exists = os.path.exists(os.path.join(path, "data.mdb"))
-        if not exists and not create:
-            raise StoreError(f"{path}: no kvstore index here")
-        os.makedirs(path, exist_ok=True)
+    def __init__(
+        self,
+        path: str,
+        *,
+        create: bool = True,
+        readonly: bool = False,
+        map_size: int = 64 << 20,
+    ):
         self.path = path
+        self.readonly = readonly
         self.pid = os.getpid()
         self._key = (os.path.realpath(path), self.pid)
+        self._closed = True
         # LMDB allows one environment per directory and process: stores opened on one
         # path in one process (two models, say) share it.
         with _OPEN_LOCK:
-            env, refs = _OPEN.get(self._key, (None, 0))
-            if env is None:
-                env = lmdb.open(
+            shared = _OPEN.get(self._key)
+            if shared is None:
+                opened = storecheck.open_env(
                     path,
+                    dbs=self._DBS,
+                    create=create,
+                    readonly=readonly,
                     map_size=map_size,
-                    max_dbs=len(self._DBS),
-                    subdir=True,
-                    readahead=False,
+                    format_version=FORMAT_VERSION,
                 )
-                _clear_stale_readers(env)
-            _OPEN[self._key] = (env, refs + 1)
-        self.env = env
+                shared = _Env(opened, readonly=readonly)
+                _clear_stale_readers(shared.env)
+            elif shared.readonly and not readonly:
+                raise StoreError(
+                    f"{storecheck.store_name(path)}: the index is open read-only in "
+                    "this process; close that first"
+                )
+            shared.refs += 1
+            _OPEN[self._key] = shared
+        self._shared = shared
+        self.env = shared.env
+        self.db = shared.dbs
         self._closed = False
-        try:
-            self.db = {name: self.env.open_db(name.encode()) for name in self._DBS}
-            self._check_format()
-        except BaseException:
-            self.close()
-            raise
 
-    def _check_format(self):
-        def check(txn):
-            version = txn.get(b"format_version", db=self.db["meta"])
-            if version is None:
-                txn.put(
-                    b"format_version", str(FORMAT_VERSION).encode(), db=self.db["meta"]
-                )
-                txn.put(b"created", repr(time.time()).encode(), db=self.db["meta"])
-                return FORMAT_VERSION
-            return int(version)
-
-        version = self.write(check)
-        if version != FORMAT_VERSION:
-            raise StoreError(
-                f"{self.path}: store format version {version}, this kvstore reads "
-                f"version {FORMAT_VERSION}"
-            )
+    @property
+    def problem(self) -> Optional[str]:
+        """Why this process stopped writing to the index, or None."""
+        return self._shared.problem
 
     def close(self):
         if self._closed:
             return
         self._closed = True
         with _OPEN_LOCK:
-            env, refs = _OPEN.pop(self._key, (self.env, 1))
-            if refs > 1:
-                _OPEN[self._key] = (env, refs - 1)
-            elif os.getpid() == self.pid:
-                env.close()
+            shared = _OPEN.get(self._key)
+            if shared is not self._shared:
+                return
+            shared.refs -= 1
+            if shared.refs <= 0:
+                del _OPEN[self._key]
+                if os.getpid() == self.pid:
+                    shared.close()
 
     # -- transactions ------------------------------------------------------
 
@@ -252,13 +283,51 @@ class Index:
                 self.env.set_mapsize(0)
         raise StoreError(f"{self.path}: the LMDB map keeps being resized")
 
+    def check_lock_file(self, *, committed: bool = False) -> None:
+        """Raise StoreError if ``lock.mdb`` is no longer the file this process opened.
+
+        LMDB coordinates writers through that file: once it is deleted (or the whole
+        store directory is), a process opening the store makes a new one and two
+        writers could each overwrite the other's commits. Writing stops here instead,
+        loudly, for good: the store must be reopened. ``committed``: checked after a
+        commit, which may itself be lost.
+        """
+        shared = self._shared
+        if shared.problem is None and shared.lock_id is not None:
+            lock = os.path.join(self.path, "lock.mdb")
+            try:
+                st = os.stat(lock)
+                same = (st.st_dev, st.st_ino) == shared.lock_id
+            except OSError:
+                same = False
+            if not same:
+                gone = (
+                    "" if os.path.isdir(self.path) else " (the index directory is gone)"
+                )
+                shared.problem = (
+                    f"{storecheck.store_name(self.path)}: index/lock.mdb was deleted or "
+                    f"replaced while this process had the store open{gone}; writing "
+                    "stopped (another process's writes and this one's could overwrite "
+                    "each other): restart to reopen the store"
+                )
+                log.error("kvstore: %s", shared.problem)
+                if committed:
+                    log.error("kvstore: the last commit to %s may be lost", self.path)
+        if shared.problem is not None:
+            raise StoreError(shared.problem)
+
     def write(self, fn: Callable):
         """Run ``fn(txn)`` in a write transaction, growing the map when it is full."""
         self._check_pid()
+        if self.readonly:
+            raise StoreError(f"{self.path}: the index is open read-only")
+        self.check_lock_file()
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    return fn(txn)
+                    out = fn(txn)
+                self.check_lock_file(committed=True)
+                return out
             except lmdb.MapFullError:
                 # Pages a killed process's read snapshot held are free again.
                 if _clear_stale_readers(self.env):

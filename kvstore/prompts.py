@@ -2,12 +2,16 @@
 
 Each line is one of ``{"messages": [...]}`` (rendered with the tokenizer's chat
 template), ``{"prompt": "text"}`` or ``{"tokens": [ints]}``, with optional ``"id"``,
-``"kind"`` and ``"pin"``. Every problem is a :class:`PromptError` naming the field.
+``"kind"`` and ``"pin"``. Every problem is a :class:`PromptError` naming the field,
+and concerns that line only (invalid UTF-8, JSON that Python's parser rejects in any
+way, a line too long to read), so the lines after it are still processed.
 """
 
 import json
+import sys
+import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .chunking import as_token_array
 from .generate import encode_prompt
@@ -15,6 +19,7 @@ from .index import KINDS
 
 SHAPES = ("messages", "prompt", "tokens")
 OPTIONAL = ("id", "kind", "pin")
+MAX_LINE_BYTES = 64 << 20  # longer lines are refused unread (bounded memory)
 
 
 class PromptError(ValueError):
@@ -34,28 +39,64 @@ class PromptLine:
     boundaries: List[int] = field(default_factory=list)
 
 
-def read_lines(path: str) -> Iterator[Tuple[int, str]]:
-    """``(line number, text)`` of the non-blank lines of a file (1-based numbers)."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, line
+def read_lines(path: str) -> Iterator[Tuple[int, bytes]]:
+    """``(line number, bytes)`` of the non-blank lines of a file (1-based numbers;
+    ``-``: standard input). Bytes, so that invalid UTF-8 fails its line only
+    (:func:`parse_line` decodes); a line past :data:`MAX_LINE_BYTES` is cut to one
+    byte more, which :func:`parse_line` refuses, and the rest of it skipped."""
+    if path == "-":
+        yield from _lines(sys.stdin.buffer)
+        return
+    with open(path, "rb") as f:
+        yield from _lines(f)
+
+
+def _lines(f: BinaryIO) -> Iterator[Tuple[int, bytes]]:
+    lineno = 0
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while True:  # skip the rest of an overlong line
+                rest = f.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+        if line.strip():
+            yield lineno, line
 
 
 def parse_line(
     lineno: int,
-    text: str,
+    text: Union[str, bytes],
     tokenizer,
     *,
     default_kind: str = "user",
     default_pin: bool = False,
     vocab_size: Optional[int] = None,
+    max_tokens: Optional[int] = None,
 ) -> PromptLine:
-    """Parse one JSONL line into tokens; raises PromptError with the reason."""
+    """Parse one JSONL line into tokens; raises PromptError with the reason.
+
+    ``max_tokens``: a text that cannot fit is refused after tokenizing a bounded
+    prefix of it (see :func:`_check_length`); the caller checks the token count.
+    """
+    if isinstance(text, bytes):
+        if len(text) > MAX_LINE_BYTES:
+            raise PromptError(f"line longer than {MAX_LINE_BYTES} bytes")
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PromptError(f"invalid UTF-8 at byte {e.start + 1}") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise PromptError(f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise PromptError("invalid JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise PromptError(f"invalid JSON: {str(e)[:100]}") from None
     if not isinstance(obj, dict):
         raise PromptError(f"expected a JSON object, got {type(obj).__name__}")
     shapes = [k for k in SHAPES if k in obj]
@@ -95,10 +136,11 @@ def parse_line(
             )
         if not obj["prompt"].strip():
             raise PromptError("field 'prompt' is empty")
+        _check_length(tokenizer, obj["prompt"], max_tokens, "field 'prompt'")
         line.tokens = list(encode_prompt(tokenizer, obj["prompt"]))
     else:
         line.tokens, line.system_end, line.boundaries = render_messages(
-            tokenizer, obj["messages"]
+            tokenizer, obj["messages"], max_tokens=max_tokens
         )
     if not line.tokens:
         raise PromptError(f"field {shape!r} gives no tokens")
@@ -110,6 +152,9 @@ def _tokens(value, vocab_size: Optional[int]) -> List[int]:
         raise PromptError(f"field 'tokens' must be a list of ints, got {_type(value)}")
     if not value:
         raise PromptError("field 'tokens' is empty")
+    for i, t in enumerate(value):
+        if isinstance(t, bool):  # JSON true/false: Python ints, but not token ids
+            raise PromptError(f"field tokens[{i}] is {str(t).lower()}, not a token id")
     try:
         arr = as_token_array(value, what="tokens")
     except (TypeError, ValueError) as e:
@@ -133,7 +178,47 @@ def _chat(tokenizer, messages: Sequence[dict], *, generation_prompt: bool) -> Li
     return list(out)
 
 
-def render_messages(tokenizer, messages) -> Tuple[List[int], int, List[int]]:
+def _check_length(tokenizer, text: str, max_tokens: Optional[int], what: str):
+    """Refuse a text that cannot fit ``max_tokens`` without tokenizing all of it (a
+    10 MB line tokenized whole peaks at GBs): only texts longer than ``max_tokens``
+    of the vocabulary's longest tokens are looked at, and only that many characters
+    of them are tokenized; more tokens than ``max_tokens`` there is proof enough."""
+    if max_tokens is None:
+        return
+    bound = max_tokens * _longest_token(tokenizer)
+    if len(text) <= bound:
+        return
+    head = encode_prompt(tokenizer, text[:bound])
+    if len(head) > max_tokens:
+        raise PromptError(
+            f"{what} has more than {max_tokens} tokens (the limit) in its first "
+            f"{bound} of {len(text)} characters"
+        )
+
+
+_LONGEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _longest_token(tokenizer) -> int:
+    """Characters of the vocabulary's longest token (at least 16; 64 if unknown)."""
+    try:
+        return _LONGEST[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        longest = max(16, max(map(len, tokenizer.get_vocab())))
+    except Exception:  # no vocabulary to look at
+        longest = 64
+    try:
+        _LONGEST[tokenizer] = longest
+    except TypeError:
+        pass
+    return longest
+
+
+def render_messages(
+    tokenizer, messages, *, max_tokens: Optional[int] = None
+) -> Tuple[List[int], int, List[int]]:
     """Render a conversation; return ``(tokens, system prompt end, turn ends)``.
 
     The generation prompt is added when the last message is not the assistant's, as
@@ -152,6 +237,11 @@ def render_messages(tokenizer, messages) -> Tuple[List[int], int, List[int]]:
                 )
     if not any(m["content"].strip() for m in messages):
         raise PromptError("field 'messages' has only empty contents")
+    for i, m in enumerate(messages):
+        _check_length(tokenizer, m["content"], max_tokens, f"field messages[{i}]")
+    if max_tokens is not None and len(messages) > 1:  # many long ones together
+        joined = "\n".join(m["content"] for m in messages)
+        _check_length(tokenizer, joined, max_tokens, "field 'messages'")
     if getattr(tokenizer, "chat_template", None) is None:
         raise PromptError(
             "the model's tokenizer has no chat template; use 'prompt' or 'tokens'"

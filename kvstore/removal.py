@@ -6,6 +6,7 @@ broken nodes, and cleaning up after failed or superseded saves.
 """
 
 import logging
+import os
 from typing import Optional, Sequence
 
 from . import maintenance
@@ -44,10 +45,10 @@ class _Removal:
         keys = []
         for h, part, data in attempts:
             try:
-                with open(self.blobs.path(ns, h, part), "rb") as f:
+                with os.fdopen(self.blobs.open_file(ns, h, part), "rb") as f:
                     if f.read(len(data) + 1) == data:
                         keys.append((ns, h))
-            except OSError:
+            except OSError:  # NotRegularFile too: never follow or block
                 pass  # no file (or an unreadable one, left to `kvstore gc`)
         try:
             maintenance.release_files(self.index, self.blobs, keys)

@@ -413,10 +413,10 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         args.store = default_store()
     store_dir = os.path.expanduser(args.store)
     from .cli import store_disk_budget
-    from .store import StoreError, _prepare_dir
+    from .store import StoreError, check_store
 
     try:
-        _prepare_dir(store_dir)  # a bad --store fails now, not at the first request
+        check_store(store_dir)  # a bad --store fails now, before the model loads
     except StoreError as e:
         print(f"kvstore serve: bad --store: {e}", file=sys.stderr)
         return 2

@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, maintenance, reservations
-from .blobs import Blobs
+from . import adapters, fsutil, maintenance, reservations
+from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
 from .maintenance.common import check_int
@@ -27,6 +27,7 @@ from .ram import RamTier
 from .removal import _Removal
 from .restore import MLX_LOCK, _ReadPath, _state_key, _Step
 from .saving import _NewNode, _with_state, _WritePath
+from .storecheck import check_store_dirs
 from .writer import BackgroundWriter
 
 # What the package imports from here (kvstore.remote: _NewNode; kvstore.server:
@@ -123,8 +124,8 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         check_int("max_pending_bytes", max_pending_bytes, minimum=0)
         check_int("read_threads", read_threads, minimum=1)
         check_int("restore_room", restore_room, minimum=0)
-        if disk_bytes is not None:
-            check_int("disk_bytes", disk_bytes, minimum=0)
+        if disk_bytes is not None:  # 0 would keep nothing: None is "no budget"
+            check_int("disk_bytes", disk_bytes, minimum=1)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
                 f"path must be a str or os.PathLike, got {type(path).__name__}"
@@ -353,7 +354,11 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
         )
         complete = sum(step.take for step in stored) == len(arr)
-        if complete and (not self.layout.has_state or stored[-1].rec.has_state):
+        if (
+            complete
+            and (not self.layout.has_state or stored[-1].rec.has_state)
+            and self._intact(stored)
+        ):
             self._touch(step.h for step in stored)
             if pin:
                 self.writer.submit(
@@ -373,6 +378,33 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             bounds = [b for b in boundaries if b < stop]
             self._save(arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds)
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
+
+    def _intact(self, steps: List[_Step]) -> bool:
+        """Whether the stored nodes' files read back whole (checksums), so a prefill
+        may skip them; the first broken one is reported and quarantined as a fetch
+        would, and the prefill computes it again."""
+        for step in steps:
+            rec = step.rec
+            parts = [("", rec.nbytes, rec.checksum, self._expected(rec.ntokens))]
+            if rec.has_state:
+                parts.append((STATE_PART, rec.state_nbytes, rec.state_checksum, None))
+            try:
+                for part, nbytes, checksum, expected in parts:
+                    if part == "" and step.h in self.ram:
+                        continue  # checked when it was loaded
+                    meta = self.blobs.read_all(
+                        self.namespace,
+                        step.h,
+                        nbytes=nbytes,
+                        checksum=checksum,
+                        expected=expected,
+                        part=part,
+                    )[2]
+                    self._check_meta(meta)
+            except (CorruptBlob, OSError) as e:
+                self._report_broken(step.h, str(e))
+                return False
+        return True
 
     def extend(
         self, cache: List[Any], tokens, start: int, end: int, *, step_tokens: int = 512
@@ -475,8 +507,18 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
+                "store_problem": self._store_problem(),
                 **remote,
             }
+
+    def _store_problem(self) -> Optional[str]:
+        """Why the store stopped taking writes (its index files were deleted or
+        replaced under this process, see :meth:`Index.check_lock_file`), or None."""
+        try:
+            self.index.check_lock_file()
+        except StoreError:
+            pass
+        return self.index.problem
 
     def _check_open(self) -> None:
         if self._closed:
@@ -527,7 +569,12 @@ def _cache_maker(model, kv_bits: Optional[int], kv_group_size: int):
 
 
 def _prepare_dir(path: str) -> None:
-    """Create a new store directory, or check that an existing one is a store."""
+    """Create a new store directory, or check that an existing one is a store that
+    this process can write to."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise StoreError(
+            f"{path} is a dangling symbolic link (to {os.readlink(path)!r})"
+        )
     if os.path.exists(path) and not os.path.isdir(path):
         raise StoreError(f"{path} exists and is not a directory")
     if os.path.isdir(path):
@@ -543,8 +590,28 @@ def _prepare_dir(path: str) -> None:
                 f"{path} is not a kvstore directory (it holds {sorted(entries)[:5]} but no index/)"
             )
     try:
-        os.makedirs(path, exist_ok=True)
+        fsutil.makedirs(path)  # 0o755 whatever the umask
     except OSError as e:
         raise StoreError(
             f"cannot create the store directory {path}: {e.strerror}"
         ) from None
+    check_store_dirs(path)
+    for name in ("", "blobs"):  # (the index checks its own files)
+        where = os.path.join(path, name) if name else path
+        if os.path.isdir(where) and not os.access(where, os.W_OK | os.X_OK):
+            raise StoreError(
+                f"{path}: the store is read-only (no write permission on {where})"
+            )
+
+
+def check_store(path: str) -> None:
+    """What opening a ``KVStore`` at ``path`` checks before it needs the model: a
+    store directory (created when missing), writable, whose index, if it has one,
+    is kvstore's, of this format version and whole.
+
+    Raises:
+        StoreError: with one line naming the store and the problem.
+    """
+    _prepare_dir(path)
+    if os.path.lexists(os.path.join(path, "index", "data.mdb")):
+        Index(os.path.join(path, "index"), create=False).close()

@@ -192,13 +192,17 @@ def test_read_into_refuses_targets_that_do_not_tile(written):
 
 def test_open_checked_closes_the_file_when_the_header_is_bad(written, monkeypatch):
     blobs, tensors, data, checksum, _ = written
-    closed = []
-    real_close = os.close
+    opened, closed = [], []
+    real_open, real_close = os.open, os.close
+    monkeypatch.setattr(
+        os, "open", lambda *a, **k: opened.append(real_open(*a, **k)) or opened[-1]
+    )
     monkeypatch.setattr(os, "close", lambda fd: (closed.append(fd), real_close(fd)))
     wrong = dict(expected_of(tensors), **{"0.keys": ("float32", (2, 6, 4))})
     with pytest.raises(CorruptBlob):
         blobs.open_checked(NS, H, nbytes=len(data), expected=wrong)
-    assert len(closed) == 1
+    assert len(opened) >= 1
+    assert sorted(closed) == sorted(opened)  # the file and the directories it is in
 
 
 def test_read_staged_with_large_header(blobs):

@@ -123,3 +123,70 @@ def test_store_round_trip_through_the_fallbacks(tmp_path, model, monkeypatch):
     for got, ref in zip(cache, want):
         assert mx.array_equal(got.keys[:, :, :n], ref.keys[:, :, :n]).item()
         assert mx.array_equal(got.values[:, :, :n], ref.values[:, :, :n]).item()
+
+
+# -- paths inside a store, directory modes, record locks --------------------------------
+
+
+def test_open_regular_beneath_follows_no_link(tmp_path):
+    (tmp_path / "root" / "a").mkdir(parents=True)
+    (tmp_path / "root" / "a" / "f").write_bytes(b"in")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "f").write_bytes(b"out")
+    fd = fsutil.open_regular_beneath(str(tmp_path / "root"), ["a", "f"])
+    try:
+        assert os.read(fd, 10) == b"in"
+    finally:
+        os.close(fd)
+    os.symlink(tmp_path / "out", tmp_path / "root" / "b")
+    with pytest.raises(fsutil.NotRegularFile, match="not a directory"):
+        fsutil.open_regular_beneath(str(tmp_path / "root"), ["b", "f"])
+    with pytest.raises(fsutil.NotRegularFile):
+        fsutil.check_real_dirs(str(tmp_path / "root"), ["b"])
+    fsutil.check_real_dirs(str(tmp_path / "root"), ["a", "missing"])  # passes
+    with pytest.raises(FileNotFoundError):
+        fsutil.open_regular_beneath(str(tmp_path / "root"), ["a", "none"])
+
+
+def test_makedirs_modes_ignore_a_permissive_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        fsutil.makedirs(str(tmp_path / "x" / "y" / "z"))
+    finally:
+        os.umask(old)
+    for p in ("x", "x/y", "x/y/z"):
+        assert os.stat(tmp_path / p).st_mode & 0o777 == 0o755
+
+
+def test_lock_byte_excludes_another_process(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert fsutil.lock_byte(fd, 1, exclusive=False, blocking=True)
+        probe = (
+            "import os, sys; from kvstore import fsutil; "
+            "fd = os.open(sys.argv[1], os.O_RDWR); "
+            "print(fsutil.lock_byte(fd, 1, exclusive=True, blocking=False), "
+            "fsutil.lock_byte(fd, 0, exclusive=True, blocking=False))"
+        )
+        run = lambda: subprocess.run(  # noqa: E731
+            [sys.executable, "-c", probe, str(path)], capture_output=True, text=True
+        ).stdout.split()
+        assert run() == ["False", "True"]  # byte 1 is held shared here; byte 0 free
+        fsutil.unlock_byte(fd, 1)
+        assert run() == ["True", "True"]
+    finally:
+        os.close(fd)
+
+
+def test_lock_byte_without_record_locks_locks_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(fsutil, "fcntl", None)  # Windows; or no lockf
+    fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert fsutil.lock_byte(fd, 0, exclusive=True, blocking=False)
+        fsutil.unlock_byte(fd, 0)
+    finally:
+        os.close(fd)

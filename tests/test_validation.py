@@ -56,7 +56,8 @@ CONSTRUCTOR = [
     ({"chunk_tokens": 32.0}, TypeError, "chunk_tokens must be an int"),
     ({"ram_bytes": -1}, ValueError, "ram_bytes must be >= 0"),
     ({"ram_bytes": 1.5}, TypeError, "ram_bytes must be an int"),
-    ({"disk_bytes": -1}, ValueError, "disk_bytes must be >= 0"),
+    ({"disk_bytes": -1}, ValueError, "disk_bytes must be >= 1"),
+    ({"disk_bytes": 0}, ValueError, "disk_bytes must be >= 1"),
     ({"disk_bytes": "1G"}, TypeError, "disk_bytes must be an int"),
     ({"disk_bytes": False}, TypeError, "disk_bytes must be an int, got bool"),
     ({"max_pending_bytes": -5}, ValueError, "max_pending_bytes must be >= 0"),
@@ -182,10 +183,14 @@ def cli_cases(files, model_dir):
             ["prefill", files / "adir", "--model", model_dir, "--store", store],
             "adir: is a directory",
         ),
-        (
-            ["prefill", files / "binary.jsonl", "--model", model_dir, "--store", store],
-            "binary.jsonl: cannot read",
-        ),
+        (prefill + ["--disk-bytes", "0"], "--disk-bytes: a budget of 0 would keep"),
+        (prefill + ["--disk-bytes", "infG"], "--disk-bytes: not a size"),
+        (prefill + ["--ram-bytes", "nanM"], "--ram-bytes: not a size"),
+        (prefill + ["--disk-bytes", "1e30G"], "--disk-bytes: .*larger than any disk"),
+        (["gc", "--store", store, "--max-bytes", "infG"], "--max-bytes: not a size"),
+        (["gc", "--store", store, "--max-bytes", "9" * 30], "larger than any disk"),
+        (prefill + ["--chunk-tokens", "9" * 20], "--chunk-tokens: must be <="),
+        (prefill + ["--kv-bits", "1000"], "--kv-bits: must be <="),
         (prefill[:-3] + ["--store", files / "afile"], "afile exists and is not a dir"),
         (prefill[:-3] + ["--store", files / "afile" / "s"], "cannot create the store"),
         (
@@ -265,6 +270,9 @@ def test_unreadable_prompts_file_and_store(files, tiny_model_dir, capsys, model)
         (["--strip-pattern"], "--strip-pattern: expected one argument"),
         (["--disk-bytes", "-5"], "--disk-bytes: size must not be negative"),
         (["--ram-bytes", "2X"], "--ram-bytes: not a size"),
+        (["--disk-bytes", "infG"], "--disk-bytes: not a size"),
+        (["--disk-bytes", "0"], "--disk-bytes: a budget of 0"),
+        (["--disk-bytes", "1e30G"], "--disk-bytes: .*larger than any disk"),
     ],
 )
 def test_serve_arguments(files, capsys, argv, message):

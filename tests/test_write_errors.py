@@ -48,10 +48,10 @@ def failing_os(op: str, err: int, at_node: int):
         state["failed"] += 1
         raise OSError(err, os.strerror(err))
 
-    def open_(path, flags, *a):
+    def open_(path, flags, *a, **kw):
         if flags & real.O_EXCL:  # a new temp file: the next node's write begins
             state["node"] += 1
-        return real.open(path, flags, *a)
+        return real.open(path, flags, *a, **kw)
 
     def now() -> bool:
         return state["node"] == at_node

@@ -15,6 +15,7 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
 from ..index import CorruptRecord, Index, NodeRecord
 from ..policy import DiskNode, disk_victims
+from ..storecheck import check_store_dirs
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 
@@ -30,12 +31,19 @@ _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
 
 
 @contextmanager
-def _opened(path) -> Iterator[Tuple[Index, Blobs]]:
-    """The store's index (never created here) and chunk files; the index is closed after."""
+def _opened(path, *, readonly: bool = False) -> Iterator[Tuple[Index, Blobs]]:
+    """The store's index (never created here) and chunk files; the index is closed
+    after. ``readonly``: nothing is written (LMDB's read-only mode, no directory made).
+    """
     path = os.fspath(path)
-    index = Index(os.path.join(path, "index"), create=False)
+    check_store_dirs(path)
+    index = Index(os.path.join(path, "index"), create=False, readonly=readonly)
     try:
-        blobs = Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine"))
+        blobs = Blobs(
+            os.path.join(path, "blobs"),
+            os.path.join(path, "quarantine"),
+            create=not readonly,
+        )
         yield index, blobs
     finally:
         index.close()
@@ -65,7 +73,7 @@ def read_disk_budget(index: Index, txn=None) -> Optional[int]:
         value = int(raw) if raw is not None else None
     except ValueError:
         return None
-    return value if value is None or value >= 0 else None
+    return value if value is None or value > 0 else None  # 0 (older kvstore): none
 
 
 def disk_budget(path) -> Optional[int]:
@@ -80,7 +88,7 @@ def disk_budget(path) -> Optional[int]:
     Raises:
         StoreError: ``path`` is not a kvstore directory.
     """
-    with _opened(path) as (index, _):
+    with _opened(path, readonly=True) as (index, _):
         return read_disk_budget(index)
 
 
@@ -94,7 +102,8 @@ def set_disk_budget(path, nbytes: Optional[int]) -> None:
     Raises:
         StoreError: ``path`` is not a kvstore directory.
     """
-    _check_optional_int("nbytes", nbytes)
+    if nbytes is not None:  # 0 would keep nothing: None is "no budget"
+        check_int("nbytes", nbytes, minimum=1)
     with _opened(path) as (index, _):
         write_disk_budget(index, nbytes)
 

@@ -156,7 +156,7 @@ def gc(
         for f in orphans:
             if f.key is None:  # no node can ever name it: no index check needed
                 try:
-                    size = os.stat(f.problem["file"]).st_size
+                    size = os.lstat(f.problem["file"]).st_size
                     os.unlink(f.problem["file"])
                 except FileNotFoundError:
                     continue
@@ -167,7 +167,7 @@ def gc(
             if kind != "temp":
                 continue
             try:
-                st = os.stat(p)
+                st = os.lstat(p)
                 if now - st.st_mtime <= temp_age_seconds:
                     temp_kept += 1
                     continue

@@ -26,7 +26,7 @@ def _file_sizes(blobs: Blobs) -> Dict[str, Any]:
     out.update(temp_files=0, temp_bytes=0, other_files=0, other_bytes=0)
     for kind, p in blobs.iter_files():
         try:
-            size = os.stat(p).st_size
+            size = os.lstat(p).st_size
         except FileNotFoundError:
             continue
         key = blobs.parse_path(p) if kind == "blob" else None
@@ -49,7 +49,7 @@ def _dir_size(path: str) -> Tuple[int, int]:
     for dirpath, _, names in os.walk(path):
         for name in names:
             try:
-                nbytes += os.stat(os.path.join(dirpath, name)).st_size
+                nbytes += os.lstat(os.path.join(dirpath, name)).st_size
                 files += 1
             except FileNotFoundError:
                 pass
@@ -86,7 +86,7 @@ def store_stats(path) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
-    with _opened(path) as (index, blobs):
+    with _opened(path, readonly=True) as (index, blobs):
 
         def scan(txn):
             meta = index.db["meta"]
@@ -122,7 +122,7 @@ def store_stats(path) -> Dict[str, Any]:
 
         head, descs, per, counters = index.read(scan)
         files = _file_sizes(blobs)
-        index_bytes = os.path.getsize(os.path.join(path, "index", "data.mdb"))
+        index_bytes = os.lstat(os.path.join(path, "index", "data.mdb")).st_size
         q_files, q_bytes = _dir_size(blobs.quarantine_dir)
 
     namespaces = []
@@ -244,7 +244,7 @@ def list_tree(
     """
     check_int("max_depth", max_depth, minimum=0)
     check_int("max_children", max_children, minimum=0)
-    with _opened(path) as (index, _):
+    with _opened(path, readonly=True) as (index, _):
 
         def kids(txn, ns: bytes, parent: bytes, depth: int) -> Tuple[List[dict], int]:
             hashes = index.children(ns, parent, txn)

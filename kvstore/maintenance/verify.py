@@ -18,6 +18,7 @@ from ..blobs import (
     parse_header,
 )
 from ..chunking import HASH_BYTES, chain_hash, root_hash
+from ..fsutil import NotRegularFile
 from ..index import CorruptRecord, Index, NodeRecord, child_key
 from .common import (
     Key,
@@ -279,20 +280,24 @@ def _check_file(
         parts.append((STATE_PART, rec.state_nbytes, rec.state_checksum))
     for part, nbytes, checksum in parts:
         what = "state file" if part == STATE_PART else "file"
-        path = blobs.path(ns, h, part)
         try:
-            size = os.stat(path).st_size
+            f = os.fdopen(blobs.open_file(ns, h, part), "rb")
         except FileNotFoundError:
             return "missing", f"{what} is missing"
-        if size != nbytes:
-            return "size", f"{what} has {size} bytes, the index says {nbytes}"
-        if not check_data:
-            continue
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
+        except NotRegularFile as e:  # never followed nor read: a FIFO would block
+            return "missing", f"{what} {e.strerror}: {e.filename}"
         except OSError as e:
-            return "missing", f"{what} cannot be read: {e}"
+            return "missing", f"{what} cannot be opened: {e}"
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != nbytes:
+                return "size", f"{what} has {size} bytes, the index says {nbytes}"
+            if not check_data:
+                continue
+            try:
+                data = f.read(nbytes + 1)
+            except OSError as e:
+                return "missing", f"{what} cannot be read: {e}"
         if len(data) != nbytes:
             return "size", f"{what} has {len(data)} bytes, the index says {nbytes}"
         try:
@@ -352,7 +357,7 @@ def _scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
     out, candidates = [], []
     for kind, p in blobs.iter_files():
         try:
-            st = os.stat(p)
+            st = os.lstat(p)
         except FileNotFoundError:
             continue
         key = blobs.parse_path(p) if kind == "blob" else None
@@ -535,7 +540,7 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
-    with _opened(path) as (index, blobs):
+    with _opened(path, readonly=not fix) as (index, blobs):
         report = _verify(
             index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time()
         )

@@ -109,12 +109,16 @@ def push(
     from ..blobs import Blobs
     from ..index import Index
     from ..maintenance.common import _descriptions, _layout
+    from ..storecheck import check_store_dirs
 
-    index = Index(os.path.join(path, "index"), create=False)
+    check_store_dirs(path)
+    index = Index(os.path.join(path, "index"), create=False, readonly=True)
     report = {"namespaces": 0, "nodes": 0, "uploaded": 0, "present": 0}
     report.update({"skipped": 0, "problems": []})
     try:
-        blobs = Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine"))
+        blobs = Blobs(
+            os.path.join(path, "blobs"), os.path.join(path, "quarantine"), create=False
+        )
         descs = index.read(lambda txn: _descriptions(index, txn))
 
         def records(txn, ns):

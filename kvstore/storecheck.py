@@ -1,0 +1,368 @@
+"""Opening an index directory as kvstore's LMDB environment, after checking it.
+
+LMDB trusts the files it is given: a ``data.mdb`` shorter than the pages its meta page
+names kills the process with SIGBUS at the first read past the end, a FIFO blocks the
+open for ever, and another program's environment opens as well as kvstore's (and
+would be written into). So before LMDB maps anything, :func:`open_env` checks that the
+directory and its files are regular and ``data.mdb`` is whole; after opening, that the
+environment holds kvstore's databases of this format version, or nothing at all (only
+then is it initialized). A read-only open writes nothing, not even LMDB's lock file.
+
+``lock.mdb`` is LMDB's only means of coordinating processes: deleted while a process
+uses it, the next process to open the store makes a new one and two writers overwrite
+each other's commits. Every process that has an index open holds a shared record lock
+on kvstore's own ``kvstore.lock`` (:class:`_Holder`), so a process finding
+``lock.mdb`` missing can tell whether anybody still uses the old one, and refuses to
+open then; a process whose ``lock.mdb`` vanished stops writing
+(:meth:`kvstore.index.Index.check_lock_file`).
+"""
+
+import errno
+import os
+import stat
+import struct
+import time
+from typing import Dict, NamedTuple, Optional, Sequence
+
+import lmdb
+
+from . import fsutil
+
+
+class StoreError(Exception):
+    """The store directory cannot be used (not a store, other format version...)."""
+
+
+LOCK_FILE = "kvstore.lock"
+_OPENING, _HOLDING = 0, 1  # bytes of LOCK_FILE: one opener at a time; every holder
+_MAGIC = 0xBEEFC0DE  # of an LMDB meta page (MDB_MAGIC)
+_META = struct.Struct("<II")  # magic, data version: at offset 16 of pages 0 and 1
+_META_PSIZE = 40  # offset of the page size (the free DB's md_pad) in a meta page
+_META_LAST = struct.Struct("<QQ")  # last page number, txn id: at offset 136
+_META_BYTES = 152
+
+
+class Opened(NamedTuple):
+    env: lmdb.Environment
+    dbs: Dict[str, object]  # name -> database handle (read-only: those that exist)
+    lock_fd: Optional[int]  # LOCK_FILE, held shared until closed
+    lock_id: Optional[tuple]  # (st_dev, st_ino) of lock.mdb as opened
+
+
+def store_name(index_path: str) -> str:
+    """The store directory of an index directory, as messages name it."""
+    return os.path.dirname(os.path.normpath(index_path)) or "."
+
+
+def open_env(
+    path: str,
+    *,
+    dbs: Sequence[str],
+    create: bool,
+    readonly: bool,
+    map_size: int,
+    format_version: int,
+) -> Opened:
+    """Check the index directory ``path`` and open it (see the module docstring).
+
+    Raises:
+        StoreError: with one line naming the store and the problem.
+    """
+    store = store_name(path)
+    _check_dir(path, store, create=create and not readonly)
+    data = os.path.join(path, "data.mdb")
+    lock = os.path.join(path, "lock.mdb")
+    data_size = check_data_file(data, store)
+    lock_exists = _check_regular(lock, store, "index/lock.mdb")
+    new = not data_size  # LMDB initializes an empty data.mdb as a new environment
+    if new and (readonly or not create):
+        raise StoreError(f"{store}: no kvstore index here")
+    if not readonly:
+        denied = _not_writable(path, data if data_size is not None else None, lock)
+        if denied:
+            raise StoreError(
+                f"{store}: the store is read-only (no write permission on {denied})"
+            )
+    # A store that has no LOCK_FILE yet gets one only once it is known to be kvstore's.
+    holder = _Holder.take(path, store, create=new and not readonly)
+    try:
+        if not lock_exists and not new and holder is not None and not holder.alone():
+            raise StoreError(
+                f"{store}: index/lock.mdb is missing while another process has the "
+                "store open (LMDB cannot keep writers apart without it): stop the "
+                "processes using the store, then open it again"
+            )
+        use_lock = not readonly or (lock_exists and os.access(lock, os.W_OK))
+        try:
+            env = lmdb.open(
+                path,
+                map_size=map_size,
+                max_dbs=len(dbs),
+                subdir=True,
+                readahead=False,
+                readonly=readonly,
+                lock=use_lock,
+                create=False,
+                mode=0o644,
+            )
+        except lmdb.Error as e:
+            raise StoreError(
+                f"{store}: cannot open the index: {_lmdb_reason(e)}"
+            ) from None
+        try:
+            handles = _open_dbs(
+                env, store, dbs, readonly=readonly, format_version=format_version
+            )
+            lock_id = None
+            if use_lock:
+                st = os.stat(lock)
+                lock_id = (st.st_dev, st.st_ino)
+        except BaseException:
+            env.close()
+            raise
+        if holder is None and not readonly:
+            holder = _Holder.take(path, store, create=True)  # now known to be ours
+        if holder is not None:
+            holder.hold()
+    except BaseException:
+        if holder is not None:
+            holder.close()
+        raise
+    finally:
+        if holder is not None:
+            holder.done_opening()
+    return Opened(env, handles, holder.fd if holder is not None else None, lock_id)
+
+
+def check_data_file(path: str, store: str) -> Optional[int]:
+    """The size of ``data.mdb`` (None: missing) once it is known that LMDB can map it:
+    a regular file whose meta pages are LMDB's and that holds every page they name."""
+    if not _check_regular(path, store, "index/data.mdb"):
+        return None
+    try:
+        fd = fsutil.open_regular(path)
+    except fsutil.NotRegularFile:
+        raise StoreError(f"{store}: index/data.mdb is not a regular file") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        first = os.pread(fd, _META_BYTES, 0)
+        psize = _meta(first) and struct.unpack_from("<I", first, _META_PSIZE)[0]
+        if not psize or psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+            raise StoreError(
+                f"{store}: index/data.mdb is not an LMDB file ({size} bytes); not a "
+                "kvstore store"
+            )
+        metas = [
+            m for m in (_meta(first), _meta(os.pread(fd, _META_BYTES, psize))) if m
+        ]
+        last_page, _ = max(metas, key=lambda m: m[1])
+        need = max(2, last_page + 1) * psize
+        if size < need:
+            raise StoreError(
+                f"{store}: index/data.mdb is truncated ({size} bytes; its pages end at "
+                f"{need}): restore it from a copy, or delete index/ to start a new "
+                "index (the chunk files become orphans that `kvstore gc` removes)"
+            )
+        return size
+    finally:
+        os.close(fd)
+
+
+def _meta(page: bytes) -> Optional[tuple]:
+    """``(last page, txn id)`` of an LMDB meta page, None if it is not one."""
+    if len(page) < _META_BYTES or _META.unpack_from(page, 16)[0] != _MAGIC:
+        return None
+    return _META_LAST.unpack_from(page, 136)
+
+
+def _check_dir(path: str, store: str, *, create: bool) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except NotADirectoryError:
+        raise StoreError(f"{store}: no kvstore here (not a directory)") from None
+    except FileNotFoundError:
+        if not create:
+            raise StoreError(f"{store}: no kvstore index here") from None
+        try:
+            fsutil.makedirs(path)
+        except OSError as e:
+            raise StoreError(f"{store}: cannot create index/: {e.strerror}") from None
+        return
+    if stat.S_ISLNK(mode):
+        raise StoreError(
+            f"{store}: index is a symbolic link; kvstore follows no links inside a store"
+        )
+    if not stat.S_ISDIR(mode):
+        raise StoreError(f"{store}: index is not a directory; not a kvstore store")
+
+
+def _check_regular(path: str, store: str, name: str) -> bool:
+    """Whether ``path`` exists; StoreError if it is not a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(mode):
+        raise StoreError(f"{store}: {name} is {_kind(mode)}, not a regular file")
+    return True
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "a device"
+
+
+def _not_writable(path: str, data: Optional[str], lock: str) -> Optional[str]:
+    """The first of the index directory and its files that cannot be written, or None."""
+    if not os.access(path, os.W_OK | os.X_OK):
+        return path
+    for f in (data, lock):
+        if f is not None and os.path.exists(f) and not os.access(f, os.R_OK | os.W_OK):
+            return f
+    return None
+
+
+def _lmdb_reason(e: lmdb.Error) -> str:
+    text = str(e)
+    if isinstance(e, lmdb.InvalidError):
+        return "index/data.mdb is not an LMDB file; not a kvstore store"
+    if isinstance(e, lmdb.VersionMismatchError):
+        return f"LMDB version mismatch ({text})"
+    return text
+
+
+def _open_dbs(
+    env, store: str, names: Sequence[str], *, readonly: bool, format_version: int
+) -> Dict[str, object]:
+    """Handles of kvstore's databases, after checking that the environment holds
+    nothing else; an empty environment is initialized (never a read-only one)."""
+    with env.begin() as txn:
+        keys = {bytes(k) for k, _ in txn.cursor()}
+    wanted = {n.encode() for n in names}
+    foreign = sorted(keys - wanted)
+    if foreign:
+        raise StoreError(
+            f"{store}: not a kvstore store: its index is another program's LMDB "
+            f"database (it holds {foreign[0][:40]!r}{' and more' if len(foreign) > 1 else ''})"
+        )
+    handles = {}
+    try:
+        for name in names:
+            if name.encode() in keys:
+                handles[name] = env.open_db(name.encode(), create=False)
+    except lmdb.Error:  # a plain key of that name, not a database (MDB_INCOMPATIBLE)
+        raise StoreError(
+            f"{store}: not a kvstore store: its index is another program's LMDB database"
+        ) from None
+    with env.begin() as txn:
+        version = None
+        if "meta" in handles:
+            raw = txn.get(b"format_version", db=handles["meta"])
+            version = None if raw is None else bytes(raw)
+        held = any(txn.stat(db)["entries"] for db in handles.values())
+    if version is not None:
+        text = version.decode("ascii", "replace")
+        if not version.isdigit() or int(version) != format_version:
+            shown = (
+                text if text.isprintable() and len(text) <= 20 else repr(version[:20])
+            )
+            raise StoreError(
+                f"{store}: store format version {shown}, this kvstore reads version "
+                f"{format_version}"
+            )
+    elif held:
+        raise StoreError(
+            f"{store}: not a kvstore store: its index holds data but no format version"
+        )
+    elif readonly:
+        raise StoreError(f"{store}: no kvstore index here (the index is empty)")
+    missing = [n for n in names if n not in handles]
+    if missing and not readonly:
+        # A new index (or one made before a database was added): all in one commit.
+        with env.begin(write=True) as txn:
+            for name in missing:
+                handles[name] = env.open_db(name.encode(), txn=txn)
+            meta = handles["meta"]
+            txn.put(
+                b"format_version",
+                str(format_version).encode(),
+                db=meta,
+                overwrite=False,
+            )
+            txn.put(b"created", repr(time.time()).encode(), db=meta, overwrite=False)
+    return handles
+
+
+class _Holder:
+    """This process's record locks on ``index/kvstore.lock``: byte 0 while opening
+    (openers queue), byte 1 shared for as long as the index is open."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._opening = True
+
+    @classmethod
+    def take(cls, path: str, store: str, *, create: bool) -> Optional["_Holder"]:
+        """Open the lock file and wait for the other openers; None where it cannot be
+        opened for writing (a read-only directory, or not created yet)."""
+        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags |= getattr(os, "O_NONBLOCK", 0) | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(os.path.join(path, LOCK_FILE), flags, 0o644)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EISDIR):
+                raise StoreError(
+                    f"{store}: index/{LOCK_FILE} is not a regular file"
+                ) from None
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StoreError(f"{store}: index/{LOCK_FILE} is not a regular file")
+        fsutil.lock_byte(fd, _OPENING, exclusive=True, blocking=True)
+        return cls(fd)
+
+    def alone(self) -> bool:
+        """Whether no other process holds the index open (checked while opening)."""
+        if not fsutil.lock_byte(self.fd, _HOLDING, exclusive=True, blocking=False):
+            return False
+        fsutil.unlock_byte(self.fd, _HOLDING)
+        return True
+
+    def hold(self) -> None:
+        fsutil.lock_byte(self.fd, _HOLDING, exclusive=False, blocking=True)
+
+    def done_opening(self) -> None:
+        if self._opening and self.fd >= 0:
+            self._opening = False
+            fsutil.unlock_byte(self.fd, _OPENING)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def check_store_dirs(path: str) -> None:
+    """StoreError if the store's own subdirectories (where present) are not real
+    directories: a symlink there would lead reads, writes or quarantine moves out."""
+    for name in ("index", "blobs", "quarantine"):
+        try:
+            mode = os.lstat(os.path.join(path, name)).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # the caller tells why
+            continue
+        if stat.S_ISLNK(mode):
+            raise StoreError(
+                f"{path}: {name} is a symbolic link; kvstore follows no links inside a "
+                "store"
+            )
+        if not stat.S_ISDIR(mode):
+            raise StoreError(f"{path}: {name} is not a directory; not a kvstore store")
