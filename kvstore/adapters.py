@@ -46,6 +46,12 @@ class UnsupportedCacheError(ValueError):
     """The model's cache layout has a class kvstore cannot store."""
 
 
+class LayoutMismatch(ValueError):
+    """A cache handed to ``save`` differs from the layout probed at open (another
+    class, tensor shape or setting in some layer): not storable, never an error in
+    the caller's loop (the store logs and counts it, and skips the save)."""
+
+
 def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
@@ -56,8 +62,10 @@ class Leaf:
 
     ``tensors`` lists ``(suffix, dtype, shape)``; for delta leaves the shape is
     ``(heads, width)`` of the ``(1, heads, tokens, width)`` arrays, for state leaves
-    the full shape with ``-1`` where the length varies. ``params`` are the class's
-    fixed settings (bits, window size...): part of the namespace and checked on load.
+    the full shape with ``-1`` where the length varies (a window's rows; an
+    ``ArraysCache`` entry that grows with the tokens seen, found by the probe).
+    ``params`` are the class's fixed settings (bits, window size...): part of the
+    namespace and checked on load.
     """
 
     name: str
@@ -229,6 +237,8 @@ class _Arrays:
     def describe(self, c) -> Tuple[tuple, tuple]:
         if any(a is None for a in c.cache):
             raise UnsupportedCacheError("an ArraysCache entry stays empty after a step")
+        if c.left_padding is not None or c.lengths is not None:
+            raise LayoutMismatch("a batched ArraysCache (padding or lengths)")
         tensors = tuple(
             (str(j), dtype_name(a.dtype), tuple(a.shape)) for j, a in enumerate(c.cache)
         )
@@ -239,15 +249,13 @@ class _Arrays:
 
     def state(self, c) -> Tuple[List[mx.array], List[int]]:
         if c.left_padding is not None or c.lengths is not None:
-            raise ValueError(
-                "a batched ArraysCache (padding or lengths) cannot be saved"
-            )
+            raise LayoutMismatch("a batched ArraysCache (padding or lengths)")
         if any(a is None for a in c.cache):
-            raise ValueError("an ArraysCache holds no state yet")
+            raise LayoutMismatch("an ArraysCache holds no state yet")
         return list(c.cache), []
 
     def check(self, leaf: Leaf, arrays, ints, end: int) -> None:
-        pass  # shapes are fixed: the tensor table check covered them
+        pass  # the tensor table check covered shapes (-1: length grows with tokens)
 
     def build(self, leaf: Leaf, arrays, ints):
         c = ArraysCache(leaf.param("size"))
@@ -341,8 +349,8 @@ class Layout:
         return {"leaves": [leaf.to_json() for leaf in self.leaves], "tree": self.tree}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "Layout":
-        return cls([Leaf.from_json(x) for x in obj["leaves"]], obj["tree"])
+    def from_json(cls, obj: Mapping[str, Any], make_cache=None) -> "Layout":
+        return cls([Leaf.from_json(x) for x in obj["leaves"]], obj["tree"], make_cache)
 
     # -- files ----------------------------------------------------------------------
 
@@ -431,7 +439,7 @@ class Layout:
         for (name, layer), leaf in zip(_leaves(cache), self.leaves):
             codec = CODECS[leaf.cls]
             if type(layer) is not codec.cls:
-                raise ValueError(
+                raise LayoutMismatch(
                     f"cache layer {name} is {type(layer).__name__}, expected {leaf.cls}"
                 )
             held = codec.held(layer)
@@ -447,9 +455,12 @@ class Layout:
                     continue
             elif any(a is None for a in layer.cache):
                 raise ValueError(f"cache layer {name} ({leaf.cls}) holds no state")
-            tensors, params = codec.describe(layer)
-            if tensors != leaf.tensors or params != leaf.params:
-                raise ValueError(
+            try:
+                tensors, params = codec.describe(layer)
+            except LayoutMismatch as e:
+                raise LayoutMismatch(f"cache layer {name}: {e}") from None
+            if not _fits(tensors, leaf.tensors) or params != leaf.params:
+                raise LayoutMismatch(
                     f"cache layer {name} has tensors {_brief(tensors)} {dict(params)}, "
                     f"expected {_brief(leaf.tensors)} {dict(leaf.params)}"
                 )
@@ -462,7 +473,8 @@ class Layout:
     def node_slices(
         self, cache: Sequence[Any], start: int, end: int
     ) -> Dict[str, mx.array]:
-        """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints."""
+        """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints
+        (evaluated, they share the cache's buffers)."""
         out = {}
         for (name, layer), leaf in zip(_leaves(cache), self.leaves):
             if leaf.mode != DELTA:
@@ -515,19 +527,72 @@ def _nest(tree: list, it) -> List[Any]:
     return [next(it) if sub is None else CacheList(*_nest(sub, it)) for sub in tree]
 
 
+def _fits(tensors, want) -> bool:
+    """Whether described ``tensors`` have the layout's names, dtypes and shapes
+    (``-1`` in ``want``: any length on that axis)."""
+    return len(tensors) == len(want) and all(
+        (s, d, len(shape)) == (ws, wd, len(wshape))
+        and all(w in (-1, x) for w, x in zip(wshape, shape))
+        for (s, d, shape), (ws, wd, wshape) in zip(tensors, want)
+    )
+
+
 def _brief(tensors) -> str:
     return ", ".join(f"{s}:{d}{list(shape)}" for s, d, shape in tensors)
 
 
+def _describe_all(cache) -> List[Tuple[str, Any, tuple, tuple]]:
+    """``(name, codec, tensors, params)`` of every leaf of ``cache``."""
+    out = []
+    for name, layer in _leaves(cache):
+        codec = _codec(layer, name)
+        try:
+            tensors, params = codec.describe(layer)
+        except (UnsupportedCacheError, LayoutMismatch) as e:
+            raise UnsupportedCacheError(
+                f"layer {name} ({type(layer).__name__}): {e}"
+            ) from None
+        for suffix, dtype, _ in tensors:
+            if dtype not in DTYPES:
+                raise UnsupportedCacheError(
+                    f"layer {name} ({type(layer).__name__}): tensor {suffix} is "
+                    f"{dtype}; kvstore stores {', '.join(DTYPES)}"
+                )
+        out.append((name, codec, tensors, params))
+    return out
+
+
+def _varying(name: str, cls: str, first: tuple, later: tuple) -> tuple:
+    """State tensors of a leaf seen after 1 and after 3 tokens: axes whose length
+    changed become ``-1`` (any length). A change of name, dtype or rank cannot be
+    described: refused."""
+    out = []
+    for (s, d, shape), (s2, d2, shape2) in zip(first, later):
+        if (s, d, len(shape)) != (s2, d2, len(shape2)) or len(first) != len(later):
+            raise UnsupportedCacheError(
+                f"layer {name} ({cls}): state tensor {s} is {d}{list(shape)} after "
+                f"one token but {d2}{list(shape2)} after three; a state whose dtype or "
+                "rank depends on the tokens seen cannot be stored"
+            )
+        out.append((s, d, tuple(a if a == b else -1 for a, b in zip(shape, shape2))))
+    return tuple(out)
+
+
 def probe_layout(model, make_cache=None) -> Layout:
     """Run the model on one token to learn each layer's class, tensors and settings.
+
+    ``ArraysCache`` layers are then fed two more tokens: an entry whose shape grows
+    with the tokens seen (an n-gram model's token context) is stored with ``-1`` on
+    that axis; one whose dtype or rank changes is refused here, at open, rather than
+    at a save.
 
     Args:
         model: The mlx-lm model.
         make_cache: Builds an empty cache (default: ``make_prompt_cache(model)``).
 
     Raises:
-        UnsupportedCacheError: a layer's cache class is not supported.
+        UnsupportedCacheError: a layer's cache class, dtype or state is not
+            supported; the message names the layer and why.
     """
     make_cache = make_cache or (lambda: make_prompt_cache(model))
     cache = make_cache()
@@ -535,9 +600,21 @@ def probe_layout(model, make_cache=None) -> Layout:
         _codec(layer, name)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for _, c in _leaves(cache)])
-    leaves = []
-    for name, layer in _leaves(cache):
-        codec = _codec(layer, name)
-        tensors, params = codec.describe(layer)
-        leaves.append(Leaf(name, type(layer).__name__, codec.mode, tensors, params))
+    described = _describe_all(cache)
+    if any(codec.cls is ArraysCache for _, codec, _, _ in described):
+        model(mx.array([[0, 0]]), cache=cache)
+        mx.eval([c.state for _, c in _leaves(cache)])
+        later = _describe_all(cache)
+        described = [
+            (
+                (n, codec, _varying(n, codec.cls.__name__, t, t2), p)
+                if codec.cls is ArraysCache
+                else (n, codec, t, p)
+            )
+            for (n, codec, t, p), (_, _, t2, _) in zip(described, later)
+        ]
+    leaves = [
+        Leaf(name, codec.cls.__name__, codec.mode, tensors, params)
+        for name, codec, tensors, params in described
+    ]
     return Layout(leaves, _tree(cache), make_cache)

@@ -13,12 +13,21 @@ import itertools
 import json
 import math
 import os
-import secrets
 import shutil
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import numpy as np
 import xxhash
@@ -28,9 +37,7 @@ from . import fsutil
 
 MAX_HEADER_BYTES = 1 << 20
 # Buffers per preadv call (the kernel refuses more: EINVAL).
-_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
-_LINK_ATTEMPTS = 5  # publishing races with other processes' evictions of that file
-_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV)
+_IOV_MAX = fsutil.iov_max()
 # Read, then hashed while still in the CPU cache (measured best of 256 KiB-8 MiB).
 HASH_BATCH_BYTES = 1 << 20
 # Node files' data starts at a multiple of this: the kernel copies into a restore's
@@ -45,6 +52,7 @@ DTYPES: Dict[str, Tuple[str, int]] = {
     "bfloat16": ("BF16", 2),
     "uint32": ("U32", 4),
     "int32": ("I32", 4),
+    "int64": ("I64", 8),  # an n-gram model's token context (ArraysCache)
     "uint8": ("U8", 1),
     "int8": ("I8", 1),
 }
@@ -115,30 +123,129 @@ class OpenFile:
         self.close()
 
 
+@dataclass(frozen=True)
+class NodeFile:
+    """A node file's bytes as its header and views of the tensors' own memory, in
+    file order: written with vectored writes (:class:`kvstore.publish.WriteBatch`),
+    never first serialized into one copy (a save's copy of every KV byte cost as much
+    as writing it to the page cache).
+
+    Attributes:
+        buffers: The header (padded so that data starts at a multiple of
+            ``DATA_ALIGN``), then each tensor's bytes, in file order.
+        nbytes: The file's size.
+    """
+
+    buffers: Tuple[Any, ...]  # 1-D byte buffers: bytes, memoryviews, uint8 arrays
+    nbytes: int
+
+    @classmethod
+    def from_bytes(cls, data) -> "NodeFile":
+        """A file whose bytes already exist (a download, a test's file)."""
+        view = memoryview(data).cast("B")
+        return cls((view,), len(view))
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, Tuple[str, Sequence[int], np.ndarray]],
+        metadata: Dict[str, str],
+    ) -> "NodeFile":
+        """``name -> (mlx dtype name, shape, numpy data)``: data may be a strided view
+        (a node's tokens of a cache buffer); rows contiguous in memory are written
+        from where they are.
+
+        Raises:
+            ValueError: an array whose bytes do not match its shape and dtype.
+        """
+        specs = tuple(
+            (name, dtype, tuple(map(int, shape)))
+            for name, (dtype, shape, _) in tensors.items()
+        )
+        head, order = _header(specs, tuple(sorted(metadata.items())))
+        buffers = [memoryview(head)]
+        for name, nbytes in order:
+            blocks = _blocks(tensors[name][2])
+            if sum(map(len, blocks)) != nbytes:
+                raise ValueError(
+                    f"tensor {name!r}: {sum(map(len, blocks))} bytes of data, its "
+                    f"dtype and shape need {nbytes}"
+                )
+            buffers += blocks
+        return cls(tuple(buffers), len(head) + sum(n for _, n in order))
+
+    def tobytes(self) -> bytes:
+        """The whole file in one buffer (a copy)."""
+        return b"".join(self.buffers)
+
+
+@functools.lru_cache(maxsize=256)
+def _header(
+    specs: Tuple[Tuple[str, str, Tuple[int, ...]], ...],
+    metadata: Tuple[Tuple[str, str], ...],
+) -> Tuple[bytes, Tuple[Tuple[str, int], ...]]:
+    """safetensors' own header for tensors of these names, dtypes and shapes, padded
+    to ``DATA_ALIGN``, and ``(name, bytes)`` in file order.
+
+    Nodes of one size share it (cached). safetensors writes the header: it is given
+    the specs with every data pointer at one zero buffer, and only the header of its
+    output is kept.
+    """
+    sizes = [math.prod(shape) * DTYPES[dtype][1] for _, dtype, shape in specs]
+    zeros = np.zeros(max(sizes, default=0) or 1, np.uint8)
+    raw = serialize(
+        {
+            name: TensorSpec(
+                dtype=dtype, shape=list(shape), data_ptr=zeros.ctypes.data, data_len=n
+            )
+            for (name, dtype, shape), n in zip(specs, sizes)
+        },
+        metadata=dict(metadata),
+    )
+    (hlen,) = struct.unpack_from("<Q", raw)
+    # Spaces after the JSON are the format's own header padding.
+    pad = -(8 + hlen) % DATA_ALIGN
+    head = struct.pack("<Q", hlen + pad) + raw[8 : 8 + hlen] + b" " * pad
+    _, entries, _ = parse_header(head, len(head) + sum(sizes))
+    order = sorted(entries.items(), key=lambda kv: kv[1].start)
+    return head, tuple((name, e.end - e.start) for name, e in order)
+
+
+_MIN_BLOCK = 512  # smaller contiguous runs are gathered into one copy instead
+
+
+def _blocks(a: np.ndarray) -> List[np.ndarray]:
+    """``a``'s bytes in C order, as 1-D uint8 views of the runs that are contiguous in
+    memory (one per leading index); an array with no such runs is copied once."""
+    if a.size == 0:
+        return []
+    if a.flags.c_contiguous:
+        return [a.reshape(-1).view(np.uint8)]
+    k, run = a.ndim, a.itemsize  # axes [k:] are contiguous, ``run`` bytes long
+    while k > 0 and (a.shape[k - 1] == 1 or a.strides[k - 1] == run):
+        run *= a.shape[k - 1]
+        k -= 1
+    if k < a.ndim and run >= _MIN_BLOCK:
+        try:
+            rows = a.view(np.uint8)  # the last axis is contiguous: bytes of it
+            rows.shape = (*a.shape[:k], run)  # raises where that would need a copy
+            try:
+                flat = rows.view()
+                flat.shape = (-1, run)
+                return list(flat)
+            except AttributeError:  # leading axes that do not merge
+                return [rows[i] for i in np.ndindex(*a.shape[:k])]
+        except (ValueError, AttributeError):
+            pass
+    return [np.ascontiguousarray(a).reshape(-1).view(np.uint8)]
+
+
 def serialize_node(
     tensors: Mapping[str, Tuple[str, Sequence[int], np.ndarray]],
     metadata: Dict[str, str],
 ) -> bytes:
-    """Serialize ``name -> (mlx dtype name, shape, contiguous numpy data)`` with safetensors."""
-    specs = {}
-    for name, (dtype, shape, data) in tensors.items():
-        assert data.flags.c_contiguous
-        specs[name] = TensorSpec(
-            dtype=dtype,
-            shape=list(shape),
-            data_ptr=data.ctypes.data,
-            data_len=data.nbytes,
-        )
-    # ``serialize`` reads the raw pointers: ``tensors`` keeps the arrays alive.
-    raw = serialize(specs, metadata=metadata)
-    # Spaces after the JSON are the format's own header padding.
-    (hlen,) = struct.unpack_from("<Q", raw)
-    pad = -(8 + hlen) % DATA_ALIGN
-    if not pad:
-        return raw
-    return b"".join(
-        (struct.pack("<Q", hlen + pad), raw[8 : 8 + hlen], b" " * pad, raw[8 + hlen :])
-    )
+    """The bytes of a node file: ``name -> (mlx dtype name, shape, numpy data)``."""
+    return NodeFile.from_tensors(tensors, metadata).tobytes()
 
 
 def parse_header(
@@ -283,66 +390,16 @@ class Blobs:
 
     # -- writing -----------------------------------------------------------
 
-    def write(
-        self, ns: bytes, h: bytes, data: bytes, part: str = DELTA_PART
-    ) -> "Published":
-        """Publish ``data`` as the file of node ``h``, atomically and durably.
+    def write(self, ns: bytes, h: bytes, data, part: str = DELTA_PART) -> "Published":
+        """Publish ``data`` (bytes or a :class:`NodeFile`) as the file of node ``h``,
+        atomically and durably: a batch of one file (see :mod:`kvstore.publish`).
 
-        The bytes go to a uniquely named temp file (created exclusively) in the same
-        directory and are fsynced; the temp file is then hard-linked to the final name
-        (which never replaces a file) and the directory is fsynced. A crash leaves
-        either no file or the whole file, never a torn one.
-
-        Two processes may compute the same node with KV differing in the last bits
-        (prefill split at other points). The first file published wins; the loser
-        adopts it (its size and checksum are returned) instead of overwriting a file
-        whose checksum another process may be committing.
+        A crash leaves either no file or the whole file, never a torn one; a file
+        another writer published there first is adopted, never replaced.
         """
-        final = self.path(ns, h, part)
-        directory = os.path.dirname(final)
-        if not os.path.isdir(self.root):  # the store was deleted: do not remake it
-            raise FileNotFoundError(
-                errno.ENOENT, "the blobs directory is gone", self.root
-            )
-        fsutil.check_real_dirs(self.root, self._parts(ns, h)[:2])  # never write out
-        fsutil.makedirs(directory)
-        tmp = os.path.join(
-            directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        )
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            fsutil.fsync(fd)
-            inode = os.fstat(fd).st_ino  # the final name's too, once linked
-        except BaseException:
-            os.close(fd)
-            _unlink(tmp)
-            raise
-        os.close(fd)
-        try:
-            for _ in range(_LINK_ATTEMPTS):
-                try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    try:
-                        adopted = self._adopt(final)
-                    except FileNotFoundError:
-                        continue  # removed (evicted) since: publish ours after all
-                    fsutil.fsync_dir(directory)
-                    return adopted
-                except OSError as e:  # no hard links (e.g. some network or FAT mounts)
-                    if e.errno not in _NO_LINKS:
-                        raise
-                    os.replace(tmp, final)
-                break
-            else:
-                raise OSError(errno.EAGAIN, f"{final} keeps appearing and vanishing")
-        finally:
-            _unlink(tmp)
-        fsutil.fsync_dir(directory)
-        return Published(len(data), file_checksum(data), inode, True)
+        from .publish import write_one
+
+        return write_one(self, ns, h, data, part)
 
     def _adopt(self, final: str) -> "Published":
         """Size, checksum and inode of a complete file another writer published."""

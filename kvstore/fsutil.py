@@ -1,17 +1,21 @@
 """Platform file primitives, with a portable fallback for every Linux-only call.
 
 Users run kvstore on macOS, where some calls behave differently or may be missing:
-``os.preadv`` needs macOS 11 and a Python built for it, and ``fsync`` does not flush
-the drive's own cache (``F_FULLFSYNC`` does, as LMDB and SQLite use it). Every caller
-goes through this module, so the fallbacks are one switch away from being tested on
-Linux (``tests/test_fsutil.py`` runs them by hiding the Linux-only functions).
+``os.preadv`` needs macOS 11 and a Python built for it, ``sync_file_range`` is
+Linux-only, and ``fsync`` does not flush the drive's own cache (``F_FULLFSYNC`` does,
+as LMDB and SQLite use it). Every caller goes through this module, so the fallbacks
+are one switch away from being tested on Linux (``tests/test_fsutil.py`` runs them by
+hiding the Linux-only functions).
 """
 
+import ctypes
+import ctypes.util
 import errno
+import functools
 import os
 import stat
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 # Resolved at call time (not import time), so tests can hide them with monkeypatch.
 try:
@@ -100,40 +104,217 @@ def _advance(buffers: List[memoryview], nbytes: int) -> List[memoryview]:
     return []
 
 
-def fsync(fd: int) -> None:
+def write_all(fd: int, buffers: Sequence) -> int:
+    """Write every buffer to ``fd``, in order; returns the bytes written.
+
+    Buffers are 1-D byte buffers (``len`` is their size in bytes: bytes, memoryviews
+    of format "B", uint8 arrays). One vectored ``os.writev`` per call where the
+    platform has it (the caller keeps a call's buffers under ``IOV_MAX``), else
+    ``os.write`` per buffer; short writes are resumed.
+    """
+    writev = getattr(os, "writev", None)
+    buffers = list(buffers)
+    total = 0
+    while buffers:
+        if not len(buffers[0]):
+            buffers = buffers[1:]
+            continue
+        n = writev(fd, buffers) if writev is not None else os.write(fd, buffers[0])
+        if n <= 0:  # a regular file never takes 0 bytes of a non-empty write
+            raise OSError(errno.EIO, "write took no bytes")
+        total += n
+        buffers = _advance(buffers, n)
+    return total
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback, do not wait
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.ESPIPE, errno.EOPNOTSUPP)
+
+
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none (macOS, BSD)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# Looked up when called, so tests can run the fallback (None) here.
+sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int) -> bool:
+    """Start writing a file's dirty pages to the device now, without waiting for it.
+
+    A hint: the disk then works while the caller writes the next file, and the
+    ``fsync`` that follows waits for less. Linux: ``sync_file_range`` with
+    ``SYNC_FILE_RANGE_WRITE`` only, which never waits and never reports (so never
+    consumes) a writeback error: the later ``fsync`` still sees every one. Elsewhere,
+    or where the file system refuses it, nothing is done and the ``fsync`` does all
+    the work. Returns whether writeback was started.
+    """
+    global sync_file_range
+    fn = sync_file_range
+    if fn is None:
+        return False
+    if fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        sync_file_range = None  # this file system (or kernel) has none: stop asking
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+_NO_FULLFSYNC = (
+    errno.ENOTSUP,
+    errno.EOPNOTSUPP,
+    errno.EINVAL,
+    errno.ENOTTY,
+    errno.ENOSYS,
+)
+
+
+def _full_fsync_flag() -> Optional[int]:
+    return getattr(fcntl, "F_FULLFSYNC", None) if fcntl is not None else None
+
+
+def fsync(fd: int, *, device: bool = True) -> None:
     """Make a file's data durable, including past the drive's own write cache.
 
     On macOS ``fsync`` only hands data to the drive, whose cache may lose it on
     power loss; ``F_FULLFSYNC`` flushes that cache (the same choice LMDB makes for
     its own commits there). File systems that refuse it get a plain ``fsync``.
+
+    Args:
+        device: False: a plain ``fsync`` only. Where ``F_FULLFSYNC`` exists that
+            leaves the data in the drive's cache until a later ``fsync(other_fd)``
+            with ``device=True`` on the same volume flushes that cache (a drive
+            flushes its whole cache at once): a group of files then costs one cache
+            flush, not one each. Elsewhere (Linux) ``fsync`` already flushes it.
     """
-    full = getattr(fcntl, "F_FULLFSYNC", None) if fcntl is not None else None
+    full = _full_fsync_flag() if device else None
     if full is not None:
         try:
             fcntl.fcntl(fd, full)
             return
-        except OSError:
-            pass  # not supported by this file system: fall back to fsync
+        except OSError as e:
+            # Not supported by this file system: fall back to fsync. Any other error
+            # (EIO, ENOSPC) is the write failing: never hidden by a later fsync.
+            if e.errno not in _NO_FULLFSYNC:
+                raise
     os.fsync(fd)
 
 
-def fsync_dir(path: str) -> None:
+def fsync_dir(path: str, *, device: bool = True) -> None:
     """Make a directory's entries (created, linked, renamed files) durable.
 
     Some file systems refuse to open or fsync a directory; they order metadata
-    updates themselves, so that is not an error.
+    updates themselves, so that is not an error. ``device`` as in :func:`fsync`.
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
         return
     try:
-        fsync(fd)
+        fsync(fd, device=device)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
             raise
     finally:
         os.close(fd)
+
+
+def iov_max() -> int:
+    """Buffers one vectored read may take (``IOV_MAX``: 1024 on Linux and macOS).
+
+    ``os.sysconf`` may not know the name or may answer -1 (no limit stated); the
+    POSIX minimum, 16, is then used.
+    """
+    try:
+        return max(16, os.sysconf("SC_IOV_MAX"))
+    except (ValueError, OSError, AttributeError):
+        return 16
+
+
+# Errors of a hard link the file system cannot make (FAT/exFAT, some network mounts).
+_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
+# Errors of a no-replace rename the file system or kernel does not offer.
+_NO_RENAME_FLAGS = (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP)
+_RENAME_NOREPLACE = 1  # Linux renameat2 flag
+_RENAME_EXCL = 0x4  # macOS renamex_np flag
+_AT_FDCWD = -100  # Linux
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _rename_noreplace(src: str, dst: str) -> bool:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists, atomically (Linux
+    ``renameat2(RENAME_NOREPLACE)``, macOS ``renamex_np(RENAME_EXCL)``).
+
+    Returns:
+        False when neither call is available here (nothing was done).
+
+    Raises:
+        FileExistsError: ``dst`` exists (``src`` is left in place).
+    """
+    libc = _libc()
+    call = None
+    if libc is not None and hasattr(libc, "renamex_np"):
+        call = lambda a, b: libc.renamex_np(a, b, _RENAME_EXCL)  # noqa: E731
+    elif libc is not None and hasattr(libc, "renameat2"):
+        call = lambda a, b: libc.renameat2(  # noqa: E731
+            _AT_FDCWD, a, _AT_FDCWD, b, _RENAME_NOREPLACE
+        )
+    if call is None:
+        return False
+    if call(os.fsencode(src), os.fsencode(dst)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_RENAME_FLAGS:
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def link_noreplace(src: str, dst: str) -> None:
+    """Give the complete file ``src`` the name ``dst``, never replacing a file there.
+
+    A hard link where the file system has them (``src`` stays, the caller removes
+    it). Else an atomic no-replace rename (``src`` goes). Where neither exists, an
+    existence check then ``os.replace``: two writers publishing the same name in the
+    same instant could then replace one another's file; the loser's index entry then
+    names a checksum the file does not have, which every read checks (a miss and a
+    quarantine, never wrong KV).
+
+    Raises:
+        FileExistsError: ``dst`` exists.
+    """
+    try:
+        os.link(src, dst)
+        return
+    except FileExistsError:
+        raise
+    except AttributeError:  # no os.link at all
+        pass
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+    if _rename_noreplace(src, dst):
+        return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "File exists", dst)
+    os.replace(src, dst)
 
 
 # -- paths inside a store ----------------------------------------------------------

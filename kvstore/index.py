@@ -27,6 +27,10 @@ FORMAT_VERSION = 1  # of the store directory (meta db); records carry their own
 RECORD_VERSION = 2  # 2 added the optional state (checkpoint) file; 1 still decodes
 KINDS = ("assistant", "user", "system")  # eviction order: first goes first
 CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
+# In the meta database: a model key (kvstore.namespace.model_key) -> its namespace.
+# Kept there rather than in a database of its own, which kvstore versions that do not
+# know it would take for another program's.
+MODEL_KEY_PREFIX = b"model-key:"
 _PAD = b"\xff\xff\xff\xff"  # sorts after every big-endian token id < 2**31
 _MAX_MAP = 1 << 40
 
@@ -341,13 +345,49 @@ class Index:
 
     # -- namespaces and counters ---------------------------------------------
 
-    def register_namespace(self, ns: bytes, description: dict):
+    def register_namespace(
+        self,
+        ns: bytes,
+        description: dict,
+        *,
+        model_key: Optional[bytes] = None,
+        replace: bool = False,
+    ):
+        """Record namespace ``ns`` (a record already there is kept, unless
+        ``replace``: the caller knows the record must hold these very bytes) and,
+        with ``model_key``, that the model of that key has it
+        (:func:`kvstore.namespace.model_key`)."""
         blob = json.dumps(description, sort_keys=True).encode()
 
         def put(txn):
-            txn.put(ns, blob, db=self.db["namespaces"], overwrite=False)
+            if replace and txn.get(ns, db=self.db["namespaces"]) != blob:
+                txn.put(ns, blob, db=self.db["namespaces"])
+            else:
+                txn.put(ns, blob, db=self.db["namespaces"], overwrite=False)
+            if model_key is not None:
+                txn.put(MODEL_KEY_PREFIX + model_key, ns, db=self.db["meta"])
 
         self.write(put)
+
+    def namespace_for_model(self, model_key: bytes) -> Optional[Tuple[bytes, dict]]:
+        """``(namespace, description)`` registered for ``model_key``, or None (never
+        seen, its namespace dropped since, or an undecodable record)."""
+
+        def get(txn):
+            ns = txn.get(MODEL_KEY_PREFIX + model_key, db=self.db["meta"])
+            if ns is None or len(ns) != HASH_BYTES:
+                return None
+            raw = txn.get(bytes(ns), db=self.db["namespaces"])
+            return None if raw is None else (bytes(ns), bytes(raw))
+
+        found = self.read(get)
+        if found is None:
+            return None
+        try:
+            description = json.loads(found[1])
+        except ValueError:
+            return None
+        return (found[0], description) if isinstance(description, dict) else None
 
     def namespaces(self) -> Dict[bytes, dict]:
         def get(txn):

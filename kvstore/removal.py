@@ -6,7 +6,6 @@ broken nodes, and cleaning up after failed or superseded saves.
 """
 
 import logging
-import os
 from typing import Optional, Sequence
 
 from . import maintenance
@@ -32,24 +31,21 @@ class _Removal:
                 self._unreserve(reservation)
 
     def _remove_written(self, attempts: list) -> None:
-        """Remove the files of ``attempts``, ``(hash, part, bytes)`` of writes tried, that
-        no index record names.
+        """Remove the files of ``attempts``, ``(hash, part, bytes, inode)`` of files a
+        save may have published, that no index record names.
 
-        A file is removed only if it holds those very bytes (published by us, maybe
-        before an error). :func:`kvstore.maintenance.release_files` keeps any file the
-        index refers to.
+        A file is removed only if it is the very file the save wrote (its inode: a
+        file another writer published there first, and this save adopted, stays).
+        :func:`kvstore.maintenance.release_files` keeps any file the index refers to.
         """
         if not attempts:
             return
         ns = self.namespace
-        keys = []
-        for h, part, data in attempts:
-            try:
-                with os.fdopen(self.blobs.open_file(ns, h, part), "rb") as f:
-                    if f.read(len(data) + 1) == data:
-                        keys.append((ns, h))
-            except OSError:  # NotRegularFile too: never follow or block
-                pass  # no file (or an unreadable one, left to `kvstore gc`)
+        keys = [
+            (ns, h)
+            for h, part, _, inode in attempts
+            if self.blobs.published_inode(ns, h, part) == inode
+        ]
         try:
             maintenance.release_files(self.index, self.blobs, keys)
         except Exception:

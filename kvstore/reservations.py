@@ -5,11 +5,19 @@ reservation in the transaction that indexes them, so the budget arithmetic
 (:func:`kvstore.maintenance.make_room`) sees files that exist on disk but not yet in
 the index. A reservation is keyed by its process (pid and start time) and a counter;
 one whose process is gone, or older than :data:`STALE_SECONDS`, no longer counts.
+
+Start times come from ``/proc`` on Linux and from ``sysctl(KERN_PROC_PID)`` on macOS,
+so a pid reused by another process is told apart. Where neither answers, the start
+time is 0 and only the pid is checked: a dead writer's reservation whose pid was
+reused keeps counting until :data:`STALE_SECONDS` after it was made (the budget is
+stricter for that long; nothing is lost).
 """
 
+import ctypes
 import itertools
 import os
 import struct
+import sys
 import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
@@ -39,10 +47,19 @@ class Reservation(NamedTuple):
 
 
 def process_start_time(pid: int) -> Optional[int]:
-    """The start time of process ``pid`` in clock ticks since boot, None if unknown.
+    """An identifier of when process ``pid`` started, None if unknown or gone.
 
-    Linux only (``/proc/<pid>/stat`` field 22); None elsewhere or if ``pid`` is gone.
+    Linux: clock ticks since boot (``/proc/<pid>/stat`` field 22). macOS:
+    microseconds since the epoch (``kinfo_proc``'s ``p_starttime``). Compared only
+    with values read on the same machine.
     """
+    start = _proc_start_time(pid)
+    if start is None and sys.platform == "darwin":
+        start = _parse_kinfo(_darwin_kinfo(pid))
+    return start
+
+
+def _proc_start_time(pid: int) -> Optional[int]:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -55,6 +72,40 @@ def process_start_time(pid: int) -> Optional[int]:
         return None
 
 
+# sysctl(CTL_KERN, KERN_PROC, KERN_PROC_PID, pid) fills a struct kinfo_proc (648
+# bytes on 64-bit macOS) whose first field, kp_proc.p_un.__p_starttime, is a struct
+# timeval: tv_sec (8 bytes), tv_usec (4 bytes). The same field psutil reads.
+_KINFO_MIB = (1, 14, 1)
+_KINFO_SIZE = 648
+_TIMEVAL = struct.Struct("=qi")
+
+
+def _darwin_kinfo(pid: int) -> bytes:
+    """The ``kinfo_proc`` of ``pid`` (empty: no such process, or sysctl failed)."""
+    from .fsutil import _libc
+
+    libc = _libc()
+    if libc is None or not hasattr(libc, "sysctl"):
+        return b""
+    mib = (ctypes.c_int * 4)(*_KINFO_MIB, pid)
+    buf = ctypes.create_string_buffer(_KINFO_SIZE)
+    size = ctypes.c_size_t(_KINFO_SIZE)
+    if libc.sysctl(mib, 4, buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return b""
+    return buf.raw[: size.value]
+
+
+def _parse_kinfo(raw: bytes) -> Optional[int]:
+    """Start time (microseconds since the epoch) from a ``kinfo_proc``; None when
+    there is none (sysctl returns no bytes for a pid that does not exist)."""
+    if len(raw) < _TIMEVAL.size:
+        return None
+    sec, usec = _TIMEVAL.unpack_from(raw, 0)
+    if sec <= 0 or not 0 <= usec < 1_000_000:
+        return None
+    return sec * 1_000_000 + usec
+
+
 def _own_identity() -> Tuple[int, int]:
     pid = os.getpid()
     if pid not in _identity:
@@ -65,7 +116,7 @@ def _own_identity() -> Tuple[int, int]:
 def process_alive(pid: int, start: int) -> bool:
     """Whether the process that made a reservation still runs.
 
-    Compares start times where ``/proc`` shows them (a reused pid is another
+    Compares start times where the platform shows them (a reused pid is another
     process), otherwise only asks whether some process has the pid.
     """
     now_start = process_start_time(pid) if start else None
@@ -155,10 +206,17 @@ def drop_stale(index: Index, *, now: Optional[float] = None) -> int:
     many went."""
     now = time.time() if now is None else now
 
+    def find(txn):
+        return [res for res in listed(index, txn) if is_stale(res, now=now)]
+
     def drop(txn):
-        stale = [res for res in listed(index, txn) if is_stale(res, now=now)]
+        stale = find(txn)
         for res in stale:
             delete(index, txn, res.key)
         return len(stale)
 
+    # Mostly there are none: a read transaction does not wait for LMDB's writer lock
+    # (held by another process's commit, say) as opening a store would.
+    if not index.read(find):
+        return 0
     return index.write(drop)

@@ -13,10 +13,11 @@ import mlx.core as mx
 import numpy as np
 
 from . import maintenance, reservations
-from .blobs import DELTA_PART, STATE_PART, node_metadata, parse_header, serialize_node
+from .blobs import DELTA_PART, STATE_PART, NodeFile, node_metadata, parse_header
 from .chunking import chain_hashes, split_spans
 from .index import NodeRecord
 from .policy import stronger_kind
+from .publish import WriteBatch
 from .ram import RamEntry
 from .restore import MLX_LOCK, _state_key
 
@@ -31,7 +32,7 @@ class _NewNode:
     parent: bytes
     start: int
     tokens: np.ndarray
-    slices: Optional[Dict[str, mx.array]]
+    slices: Optional[Dict[str, np.ndarray]]  # views of the cache's buffers
     state: Optional[Dict[str, Tuple[str, mx.array]]] = None
     raw: Optional[Dict[str, bytes]] = None  # files by part, validated (remote tier)
 
@@ -41,6 +42,12 @@ def _with_state(rec: NodeRecord, published) -> NodeRecord:
     fields = {**rec.__dict__, "state_nbytes": published.nbytes}
     fields["state_checksum"] = published.checksum
     return NodeRecord(**fields)
+
+
+def _attempts(batch: WriteBatch) -> List[Tuple[bytes, str, int, int]]:
+    """``(hash, part, bytes, inode)`` of the files ``batch`` may have put under their
+    final names: what a failed or partly skipped save removes again."""
+    return [(s.h, s.part, s.nbytes, s.inode) for s in batch.staged if s.link_tried]
 
 
 class _WritePath:
@@ -55,30 +62,38 @@ class _WritePath:
         parent = path[-1].h if path else self.root
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
         hashes = chain_hashes(parent, arr, spans)
-        nodes, nbytes = [], 0
+        nodes, nbytes, state = [], 0, None
         with MLX_LOCK:
-            for (s, e), h in zip(spans, hashes):
-                slices = self.layout.node_slices(cache, s, e)
-                nbytes += sum(x.nbytes for x in slices.values())
-                nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
-                parent = h
-            if self.layout.has_state and (nodes or not path[-1].rec.has_state):
-                # The checkpoint of the state layers at the end of ``arr``.
-                if not nodes:
-                    last = path[-1]
-                    nodes.append(
-                        _NewNode(
-                            last.h,
-                            last.rec.parent,
-                            last.rec.start,
-                            last.rec.tokens,
-                            None,
-                        )
+            # One view per delta tensor over all the new tokens (a node's slice of it
+            # is taken in numpy below: a few MLX ops per save, not per node), and the
+            # checkpoint of the state layers at the end of ``arr``.
+            views = (
+                self.layout.node_slices(cache, spans[0][0], spans[-1][1])
+                if spans
+                else {}
+            )
+            if self.layout.has_state and (spans or not path[-1].rec.has_state):
+                state = self.layout.state_arrays(cache)
+            # Views of the cache's buffers: no copy, and immune to the caller's
+            # updates (while these arrays hold a buffer, MLX copies it to update it).
+            mx.eval(views, state)
+            held = {name: np.asarray(v) for name, v in views.items()}
+        for (s, e), h in zip(spans, hashes):
+            a, b = s - spans[0][0], e - spans[0][0]
+            slices = {name: x[:, :, a:b] for name, x in held.items()}
+            nbytes += sum(x.nbytes for x in slices.values())
+            nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
+            parent = h
+        if state is not None:
+            if not nodes:  # a checkpoint for the stored node ``arr`` ends at
+                last = path[-1]
+                nodes.append(
+                    _NewNode(
+                        last.h, last.rec.parent, last.rec.start, last.rec.tokens, None
                     )
-                nodes[-1].state = self.layout.state_arrays(cache)
-                nbytes += sum(a.nbytes for _, a in nodes[-1].state.values())
-            # Views of the cache's buffers: no copy, and immune to the caller's updates.
-            mx.eval([(n.slices, n.state) for n in nodes])
+                )
+            nodes[-1].state = state
+            nbytes += sum(a.nbytes for _, a in state.values())
         existing = [step.h for step in path]
         self._touch(existing)
 
@@ -95,52 +110,60 @@ class _WritePath:
             return 0
         return len(nodes)
 
-    def _serialize(self, node: _NewNode) -> Tuple[Optional[bytes], Optional[bytes]]:
-        """Writer thread: the bytes of the files of ``node`` that the index lacks, its
-        delta file and its state file (None: nothing to write)."""
+    def _serialize(
+        self, node: _NewNode
+    ) -> Tuple[Optional[NodeFile], Optional[NodeFile]]:
+        """Writer thread: the files of ``node`` that the index lacks, its delta file and
+        its state file (None: nothing to write), as views of the cache's arrays (no
+        copy: :class:`kvstore.blobs.NodeFile`)."""
         ns = self.namespace
         rec = self.index.get_node(ns, node.h)
         if node.raw is not None:  # downloaded and validated by the remote tier
             raw, node.raw = node.raw, None
+            delta, state = raw.get(DELTA_PART), raw.get(STATE_PART)
             return (
-                raw.get(DELTA_PART) if rec is None else None,
-                raw.get(STATE_PART) if rec is None or not rec.has_state else None,
+                NodeFile.from_bytes(delta) if delta and rec is None else None,
+                (
+                    NodeFile.from_bytes(state)
+                    if state and (rec is None or not rec.has_state)
+                    else None
+                ),
             )
         delta = state = None
         if rec is None and node.slices is not None:
             expected = self._expected(len(node.tokens))
             tensors = {
-                name: (*expected[name], np.ascontiguousarray(np.asarray(x)))
+                name: (*expected[name], np.asarray(x))
                 for name, x in node.slices.items()
             }
-            delta = serialize_node(tensors, node_metadata(ns))
+            delta = NodeFile.from_tensors(tensors, node_metadata(ns))
         if node.state is not None and (rec is None or not rec.has_state):
             tensors = {
-                name: (dtype, a.shape, np.ascontiguousarray(np.asarray(a)))
+                name: (dtype, a.shape, np.asarray(a))
                 for name, (dtype, a) in node.state.items()
             }
-            state = serialize_node(tensors, node_metadata(ns))
-        node.slices = node.state = None  # release the cache's buffers early
+            state = NodeFile.from_tensors(tensors, node_metadata(ns))
+        node.slices = node.state = None  # the files' buffers keep what they need
         return delta, state
 
     def _publish(
-        self, node: _NewNode, files: tuple, attempts: list
-    ) -> Tuple[Optional[tuple], Optional[tuple]]:
-        """Writer thread: write the ``(delta, state)`` bytes of :meth:`_serialize`, as
-        ``(data, Published)`` pairs (None where there were no bytes).
-
-        Every write is first noted in ``attempts`` as ``(hash, part, bytes)``, so that
-        a failed save can remove what it published (:meth:`_release_failed_save`).
-        """
-        ns, (delta_data, state_data) = self.namespace, files
-        delta = state = None
-        if delta_data is not None:
-            attempts.append((node.h, DELTA_PART, delta_data))
-            delta = (delta_data, self.blobs.write(ns, node.h, delta_data))
-        if state_data is not None:
-            attempts.append((node.h, STATE_PART, state_data))
-            state = (state_data, self.blobs.write(ns, node.h, state_data, STATE_PART))
-        return delta, state
+        self, nodes: List[_NewNode], files: List[tuple], batch: WriteBatch
+    ) -> List[tuple]:
+        """Writer thread: write every file of :meth:`_serialize` into ``batch`` and
+        publish them together (durable before any is linked, see
+        :mod:`kvstore.publish`). Returns ``(node, delta, state)`` per node, each file
+        as a ``(NodeFile, Published)`` pair or None."""
+        ns, parts = self.namespace, []
+        for node, pair in zip(nodes, files):
+            for part, data in zip((DELTA_PART, STATE_PART), pair):
+                if data is not None:
+                    batch.add(ns, node.h, data, part)
+                    parts.append(data)
+        published = iter(zip(parts, batch.publish()))
+        return [
+            (node, *(None if data is None else next(published) for data in pair))
+            for node, pair in zip(nodes, files)
+        ]
 
     def _reserve(self, nodes: List[_NewNode], files: List[tuple]) -> Optional[bytes]:
         """Writer thread: reserve the disk bytes of ``files`` in the index, evicting what
@@ -150,7 +173,7 @@ class _WritePath:
             The reservation's key (the commit deletes it), or None when nothing is
             to be written.
         """
-        nbytes = sum(len(data) for pair in files for data in pair if data is not None)
+        nbytes = sum(f.nbytes for pair in files for f in pair if f is not None)
         if nbytes == 0:
             return None
         ns = self.namespace
@@ -193,17 +216,19 @@ class _WritePath:
         """
         ns = self.namespace
         files = [self._serialize(node) for node in nodes]
-        written, attempts, reservation = [], [], None
+        reservation, batch = None, WriteBatch(self.blobs)
         try:
             # Reserve (evicting), unlink the evicted files, only then write: files on
             # disk stay <= indexed + reserved bytes, and reserving keeps that <= budget.
             if self.disk_bytes is not None:
                 reservation = self._reserve(nodes, files)
-            for node, pair in zip(nodes, files):
-                written.append((node, *self._publish(node, pair, attempts)))
+            written = self._publish(nodes, files, batch)
         except BaseException:
-            self._release_failed_save(attempts, reservation)
+            self._release_failed_save(_attempts(batch), reservation)
             raise
+        finally:
+            batch.close()
+        attempts = _attempts(batch)
         now = time.time()
         evicted, unindexed, late, skipped = [], [], [0], [0]
 
@@ -270,7 +295,7 @@ class _WritePath:
                 # Files this commit leaves unindexed stay reserved until unlinked.
                 late[0] = sum(rec.total_bytes for _, rec in evicted if rec is not None)
                 late[0] += sum(rec.total_bytes for _, rec in superseded)
-                late[0] += sum(len(data) for _, _, data in unindexed)
+                late[0] += sum(nbytes for _, _, nbytes, _ in unindexed)
                 if late[0]:
                     reservations.put(self.index, txn, reservation, late[0])
             return added, superseded
@@ -291,11 +316,7 @@ class _WritePath:
                 self._unreserve(reservation)
             elif reservation is not None:
                 reservations.forget(reservation)  # the commit deleted it
-        for h, rec, data, state_data in added:
-            for key, raw in ((h, data), (_state_key(h), state_data)):
-                if raw is not None and self.ram.max_bytes >= len(raw):
-                    _, tensors, _ = parse_header(raw, len(raw))
-                    self.ram.put(key, RamEntry(raw, tensors, rec.kind, rec.pinned))
+        self._fill_ram(added)
         with self._lock:
             self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
@@ -304,6 +325,21 @@ class _WritePath:
         if self.remote is not None and added:
             self.remote.after_commit(added)  # queues uploads; returns at once
         self._enforce_disk_budget()
+
+    def _fill_ram(self, added: List[tuple]) -> None:
+        """Put the files of ``added`` (``(hash, record, delta, state)``, NodeFiles) into
+        the RAM tier. Only the last ``ram_bytes`` of them: earlier ones would be
+        evicted by later ones of the same save, after a copy for nothing."""
+        room, chosen = self.ram.max_bytes, []
+        for h, rec, data, state_data in reversed(added):
+            for key, f in ((_state_key(h), state_data), (h, data)):
+                if f is not None and f.nbytes <= room:
+                    room -= f.nbytes
+                    chosen.append((key, f, rec))
+        for key, f, rec in reversed(chosen):
+            raw = f.tobytes()
+            _, tensors, _ = parse_header(raw, len(raw))
+            self.ram.put(key, RamEntry(raw, tensors, rec.kind, rec.pinned))
 
     def _supersede(
         self, txn, h: bytes, rec: NodeRecord

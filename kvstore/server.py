@@ -394,6 +394,10 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     SIGINT, then flushes and closes the stores. With ``hard_exit`` (the default) the
     process then ends with ``os._exit(0)``; otherwise returns the exit status.
     """
+    from .compat import check_server
+
+    if not check_server():  # before a model loads: a missing mlx-lm internal
+        return 2
     import mlx_lm.server as mls
 
     argv = list(sys.argv[1:] if argv is None else argv)

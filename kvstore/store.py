@@ -23,6 +23,7 @@ from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
 from .maintenance.common import check_int
+from .namespace import open_namespace
 from .ram import RamTier
 from .removal import _Removal
 from .restore import MLX_LOCK, _ReadPath, _state_key, _Step
@@ -65,6 +66,7 @@ class _Counters:
     nodes_evicted: int = 0
     nodes_skipped: int = 0  # a commit found their parent gone (evicted meanwhile)
     writes_dropped: int = 0
+    saves_refused: int = 0  # the cache's layout differed from the one probed at open
     quarantined: List[str] = field(default_factory=list)
 
 
@@ -150,18 +152,22 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         self.tokenizer = tokenizer
         self.chunk_tokens = chunk_tokens
         self.disk_bytes = disk_bytes
-        self.layout = adapters.probe_layout(
-            model, _cache_maker(model, kv_bits, kv_group_size)
-        )
-        from .namespace import fingerprint
-
-        self.namespace, self.description = fingerprint(
-            model, tokenizer, self.layout, chunk_tokens=chunk_tokens
-        )
-        self.root = root_hash(self.namespace)
-
         self.index = Index(os.path.join(self.path, "index"))
-        self.index.register_namespace(self.namespace, self.description)
+        try:
+            # A model seen before: its layout from the namespace record, no probe.
+            opened = open_namespace(
+                self.index,
+                model,
+                tokenizer,
+                _cache_maker(model, kv_bits, kv_group_size),
+                chunk_tokens=chunk_tokens,
+            )
+        except BaseException:
+            self.index.close()
+            raise
+        self.layout, self.namespace = opened.layout, opened.namespace
+        self.description = opened.description
+        self.root = root_hash(self.namespace)
         # Reservations of saves that died with their process (or this one) free up.
         reservations.drop_stale(self.index)
         if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
@@ -278,10 +284,16 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             boundaries: Token positions that must end a node (message ends).
 
         Returns:
-            The number of new nodes queued for writing.
+            The number of new nodes queued for writing; 0 too when ``cache``'s layers
+            differ from the layout probed at open (logged, ``stats()["saves_refused"]``).
+
+        Raises:
+            TypeError, ValueError: bad arguments, or ``cache`` does not hold
+                ``len(tokens)`` tokens or has another number of layers.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
-        self.layout.check_cache(cache, len(arr))
+        if not self._storable(cache, len(arr), exact=True):
+            return 0
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
 
     def save_prefix(
@@ -293,8 +305,22 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save", pin=pin)
-        self.layout.check_cache(cache, len(arr), exact=False)
+        if not self._storable(cache, len(arr), exact=False):
+            return 0
         return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+
+    def _storable(self, cache: Sequence[Any], ntokens: int, *, exact: bool) -> bool:
+        """Check ``cache`` against the layout. A wrong call (token count, layer count)
+        raises; a cache whose layers differ from the layout probed at open is logged,
+        counted (``saves_refused``) and not saved."""
+        try:
+            self.layout.check_cache(cache, ntokens, exact=exact)
+        except adapters.LayoutMismatch as e:
+            log.warning("kvstore: not saved: %s", e)
+            with self._lock:
+                self._counters.saves_refused += 1
+            return False
+        return True
 
     def _checked(
         self, tokens, kind: str, what: str, *, pin=False, boundaries=()
@@ -505,6 +531,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
                 "nodes_evicted": c.nodes_evicted,
                 "nodes_skipped": c.nodes_skipped,
                 "writes_dropped": c.writes_dropped + self.writer.dropped,
+                "saves_refused": c.saves_refused,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
                 "store_problem": self._store_problem(),

@@ -284,6 +284,12 @@ def _open_dbs(
             f"{store}: not a kvstore store: its index holds data but no format version"
         )
     elif readonly:
+        if not keys:
+            # Made, then killed before its first commit (a crash while the store was
+            # being created): an empty store. Every database reads as LMDB's main one,
+            # which holds nothing either.
+            main = env.open_db(None, create=False)
+            return {name: main for name in names}
         raise StoreError(f"{store}: no kvstore index here (the index is empty)")
     missing = [n for n in names if n not in handles]
     if missing and not readonly:

@@ -1,8 +1,29 @@
-import mlx.core as mx
-import numpy as np
-import pytest
-from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
+import os
+import sys
+
+# macOS mode (KVSTORE_TEST_PLATFORM=macos): Linux-only calls are hidden before kvstore
+# is imported, here and, through sitecustomize on PYTHONPATH, in every child process.
+_MACOS_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "macos_site")
+if os.environ.get("KVSTORE_TEST_PLATFORM") == "macos":
+    sys.path.insert(0, _MACOS_SITE)
+    import macos_shim
+
+    macos_shim.apply()
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_MACOS_SITE, os.environ.get("PYTHONPATH")) if p
+    )
+elif os.environ.get("KVSTORE_TEST_PLATFORM"):
+    raise RuntimeError(
+        f"KVSTORE_TEST_PLATFORM={os.environ['KVSTORE_TEST_PLATFORM']!r}: only 'macos' "
+        "is known"
+    )
+
+# isort: split
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 VOCAB = 512
 
@@ -133,3 +154,11 @@ def smollm2(tmp_path_factory):
     home = os.environ.get("KVSTORE_HOME")
     root = home if home else str(tmp_path_factory.mktemp("kvstore-home"))
     return load(ensure_default_model(root=root))
+
+
+def pytest_report_header(config):
+    if os.environ.get("KVSTORE_TEST_PLATFORM") == "macos":
+        return (
+            "kvstore test platform: macos (os.preadv, posix_fadvise, /proc, ... hidden; "
+            "F_FULLFSYNC faked present)"
+        )

@@ -3,8 +3,10 @@
 Each builder returns an mlx-lm model whose cache is: plain ``KVCache`` (llama),
 sliding window + global (Gemma 3: ``RotatingKVCache`` and ``KVCache``), recurrent +
 attention (Qwen3-Next: ``ArraysCache`` and ``KVCache``), recurrent only (Mamba 2),
-chunked attention (Llama 4: ``ChunkedKVCache`` and ``KVCache``) and nested
-(Falcon-H1: ``CacheList(ArraysCache, KVCache)``). Quantized KV is llama with
+chunked attention (Llama 4: ``ChunkedKVCache`` and ``KVCache``), nested
+(Falcon-H1: ``CacheList(ArraysCache, KVCache)``) and token-shaped state (LongCat
+Flash n-gram: an ``ArraysCache`` of the last token ids, then ``CacheList``s of
+``KVCache``). Quantized KV is llama with
 ``KVStore(kv_bits=...)``.
 """
 
@@ -102,6 +104,33 @@ CONFIGS = {
         mamba_d_head=16,
         mamba_d_state=16,
         mamba_chunk_size=16,
+    ),
+    # From mlx-lm 0.32.2's tests/test_models.py: its n-gram embedding keeps the last
+    # n - 1 token ids in an ArraysCache entry whose length grows with the tokens seen.
+    "longcat_flash_ngram": dict(
+        attention_method="MLA",
+        zero_expert_type="identity",
+        hidden_size=128,
+        ffn_hidden_size=128,
+        moe_topk=2,
+        expert_ffn_hidden_size=128,
+        n_routed_experts=2,
+        zero_expert_num=2,
+        num_layers=2,
+        num_hidden_layers=2,
+        max_position_embeddings=1000,
+        num_attention_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        routed_scaling_factor=1.0,
+        rms_norm_eps=1e-5,
+        rope_theta=1000,
+        mla_scale_q_lora=True,
+        mla_scale_kv_lora=True,
+        attention_bias=False,
     ),
 }
 

@@ -8,6 +8,7 @@ checkpoint (a node end where the state was saved), falling back to the longest o
 import os
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import greedy, next_logits, random_tokens, tiny_llama
@@ -15,7 +16,7 @@ from families import WINDOW, build
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache
 
 from kvstore import KVStore
-from kvstore.adapters import STATE
+from kvstore.adapters import STATE, Layout
 
 C = 32  # chunk tokens
 SYSTEM = 40  # a message boundary: the "system prompt" ends here
@@ -37,6 +38,7 @@ FAMILIES = {
     "mamba2": (lambda: build("mamba2"), {}),
     "llama4": (lambda: build("llama4"), {}),
     "falcon-h1": (lambda: build("falcon_h1"), {}),
+    "longcat-ngram": (lambda: build("longcat_flash_ngram"), {}),
 }
 
 
@@ -102,10 +104,14 @@ def test_layout_and_namespace_record_the_cache_types(family):
         "mamba2": {"ArraysCache"},
         "llama4": {"ChunkedKVCache", "KVCache"},
         "falcon-h1": {"ArraysCache", "KVCache"},
+        "longcat-ngram": {"ArraysCache", "KVCache"},
     }[name]
     assert classes == expected
     described = store.description["layout"]["leaves"]
     assert {leaf["cls"] for leaf in described} == expected
+    if name == "longcat-ngram":  # the last token ids: a length that grows to n - 1
+        assert described[0]["tensors"] == [["0", "int64", [1, -1]]]
+        assert Layout.from_json(store.layout.to_json()).leaves == store.layout.leaves
     if name.startswith("llama-q"):
         assert {leaf["params"]["bits"] for leaf in described} == {int(name[-1])}
     if name == "gemma3":
@@ -237,13 +243,19 @@ def test_cache_list_nesting_is_rebuilt(tmp_path):
         assert [leaf.mode for leaf in store.layout.leaves][0] == STATE
 
 
-def test_wrong_cache_for_the_layout_is_refused(tmp_path):
+def test_wrong_cache_for_the_layout_is_refused(tmp_path, caplog):
+    """A cache of other classes than the layout's is not saved, and not an exception
+    in the caller's loop: logged and counted. Wrong calls (token counts) raise."""
     model = build("gemma3_text")
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
         plain = [KVCache() for _ in model.layers]
         model(mx.array(PROMPT)[None], cache=plain)
-        with pytest.raises(ValueError, match="expected RotatingKVCache"):
-            store.save(PROMPT, plain)
+        assert store.save(PROMPT, plain) == 0
+        assert store.save_prefix(PROMPT, plain) == 0
+        assert "expected RotatingKVCache" in caplog.text
+        store.flush()
+        assert store.stats()["saves_refused"] == 2
+        assert store.stats()["nodes"] == 0
         cache = store.new_cache()
         model(mx.array(PROMPT)[None], cache=cache)
         with pytest.raises(ValueError, match="holds 100 tokens but 90"):
@@ -262,8 +274,8 @@ def test_quantized_store_refuses_plain_cache(tmp_path):
     ) as store:
         cache = [KVCache() for _ in model.layers]
         model(mx.array(PROMPT)[None], cache=cache)
-        with pytest.raises(ValueError, match="expected QuantizedKVCache"):
-            store.save(PROMPT, cache)
+        assert store.save(PROMPT, cache) == 0  # logged and counted, not raised
+        assert store.stats()["saves_refused"] == 1
         cache, _ = store.fetch(PROMPT)
         assert all(type(c) is QuantizedKVCache for c in cache)
 
@@ -393,3 +405,63 @@ def _all_files(path):
         for d, _, fs in os.walk(os.path.join(path, "blobs"))
         for f in fs
     ]
+
+
+class _StateModel(nn.Module):
+    """A stand-in model with one ArraysCache layer whose entry ``state(seen)`` gives."""
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+        self.w = mx.zeros((2,))
+
+    def make_cache(self):
+        return [ArraysCache(1)]
+
+    def __call__(self, x, cache):
+        c = cache[0]
+        seen = x.shape[1] + (0 if c[0] is None else int(c[0].reshape(-1)[0].item()))
+        c[0] = self._state(seen)
+        return mx.zeros((1, x.shape[1], 8))
+
+
+@pytest.mark.parametrize(
+    "state, why",
+    [
+        (
+            lambda n: mx.full((1,) * min(n, 3), n),
+            r"int32\[1\] after one token but int32\[1, 1, 1\]",
+        ),
+        (
+            lambda n: mx.full((1, 2), n, mx.int32 if n == 1 else mx.float32),
+            "dtype or rank depends on the tokens",
+        ),
+        (
+            lambda n: mx.full((1, 2), n, mx.float64),
+            "tensor 0 is float64; kvstore stores",
+        ),
+    ],
+    ids=["rank-grows", "dtype-changes", "dtype-unstorable"],
+)
+def test_state_that_cannot_be_described_is_refused_at_open(tmp_path, state, why):
+    from kvstore import UnsupportedCacheError
+
+    with pytest.raises(
+        UnsupportedCacheError, match=r"layer 0 \(ArraysCache\): .*" + why
+    ):
+        KVStore(tmp_path / "s", _StateModel(state), chunk_tokens=C)
+
+
+def test_state_whose_length_grows_round_trips(tmp_path):
+    """An entry of shape (1, min(seen, 3)) is stored with -1 on its last axis."""
+    model = _StateModel(lambda n: mx.full((1, min(n, 3)), n, mx.int64))
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        assert store.layout.leaves[0].tensors == (("0", "int64", (1, -1)),)
+        for n in (1, 2, 40):
+            cache = store.new_cache()
+            model(mx.zeros((1, n), mx.int32), cache)
+            store.save(list(range(n)), cache)
+        store.flush()
+        assert store.stats()["saves_refused"] == 0
+        cache, n = store.fetch(list(range(40)) + [7])
+    assert n == 40 and cache[0][0].tolist() == [[40, 40, 40]]

@@ -470,12 +470,12 @@ def test_failed_writes_fail_the_prompt(tmp_path, capsys, tiny_model_dir, monkeyp
     """Nothing stored (here: every file write fails) is not "1 prompts: 1 prefilled"."""
     import errno
 
-    from kvstore.blobs import Blobs
+    from kvstore.publish import WriteBatch
 
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Blobs, "write", no_space)
+    monkeypatch.setattr(WriteBatch, "add", no_space)  # every file a save writes
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"tokens": PROMPTS[0]}) + "\n")
     status, out, err = run_cli(
@@ -569,6 +569,8 @@ def test_serve_refuses_bad_stores_before_the_model_loads(
         raise AssertionError("kvstore serve got past its store checks")
 
     monkeypatch.setattr(mlx_lm.server, "main", serve)
+    # The stub is no mlx-lm main: skip the start-up check of mlx-lm's internals.
+    monkeypatch.setattr("kvstore.compat.check_server", lambda **kw: True)
     for store, message in (
         (tmp_path / "theirs", "not a kvstore store"),
         (other, "format version 1.5"),

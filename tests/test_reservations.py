@@ -17,6 +17,7 @@ from conftest import compute_cache, random_tokens
 import kvstore.maintenance as m
 from kvstore import KVStore, reservations
 from kvstore.index import Index
+from kvstore.publish import WriteBatch
 
 C = 32
 LINUX = os.path.isdir("/proc/self")
@@ -59,13 +60,13 @@ def test_a_save_reserves_its_bytes_while_writing(tmp_path, model, monkeypatch):
     chunk = chunk_bytes(model, tmp_path / "probe")
     with KVStore(tmp_path / "s", model, chunk_tokens=C, disk_bytes=10 * chunk) as s:
         seen = []
-        real = s.blobs.write
+        real = WriteBatch.add
 
-        def write(*args, **kw):
+        def add(*args, **kw):  # each file of the save, before it is written
             seen.append([(r.pid, r.nbytes) for r in listed(s)])
             return real(*args, **kw)
 
-        monkeypatch.setattr(s.blobs, "write", write)
+        monkeypatch.setattr(WriteBatch, "add", add)
         save(s, model, 1, 3 * C)
         # Before the first file is written the whole save is reserved, once.
         assert seen == [[(os.getpid(), 3 * chunk)]] * 3
@@ -154,15 +155,15 @@ def test_failed_save_leaves_no_reservation(tmp_path, model, monkeypatch, caplog,
         save(s, model, 1)
         calls = []
         if at == "write":
-            real = s.blobs.write
+            real = WriteBatch.add
 
-            def write(*args, **kw):
+            def add(*args, **kw):
                 calls.append(1)
                 if len(calls) == 2:  # the second node of the save: disk full
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 return real(*args, **kw)
 
-            monkeypatch.setattr(s.blobs, "write", write)
+            monkeypatch.setattr(WriteBatch, "add", add)
         else:
             real = type(s.index).write
 
@@ -228,9 +229,9 @@ def test_files_of_nodes_the_commit_skips_are_removed(tmp_path, model, monkeypatc
     with KVStore(path, model, chunk_tokens=C, disk_bytes=1 << 30) as s:
         first = save(s, model, 1)
         (parent,) = s.index.read(lambda txn: s.index.children(s.namespace, s.root, txn))
-        real = s.blobs.write
+        real = WriteBatch.publish
 
-        def write(*args, **kw):
+        def publish(*args, **kw):  # the files have their final names: evict
             published = real(*args, **kw)
             gone = s.index.write(
                 lambda txn: m.delete_subtree(s.index, txn, s.namespace, parent)
@@ -238,7 +239,7 @@ def test_files_of_nodes_the_commit_skips_are_removed(tmp_path, model, monkeypatc
             m.release_files(s.index, s.blobs, [(s.namespace, h) for h, _ in gone])
             return published
 
-        monkeypatch.setattr(s.blobs, "write", write)
+        monkeypatch.setattr(WriteBatch, "publish", publish)
         tokens = first + random_tokens(2 * C, seed=2)
         s.save(tokens, compute_cache(model, tokens))
         s.flush()

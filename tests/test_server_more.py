@@ -14,7 +14,7 @@ import pytest
 from conftest import compute_cache, random_tokens, save_tiny_model
 from test_server import KEY, SYSTEM, Server, answer, chat_body, provider, request
 
-import kvstore.blobs
+import kvstore.fsutil
 from kvstore.prompts import render_messages
 from kvstore.server import PersistentPromptCache
 
@@ -252,7 +252,7 @@ def test_disk_full_at_write_time(tmp_path, model, tokenizer, monkeypatch, caplog
     assert before["nodes"] >= 1 and before["writes_failed"] == 0
     files_before = store_files(root, "*.safetensors")
 
-    # os.write in kvstore.blobs: a few bytes land, then the disk is full.
+    # Writes of chunk files (kvstore.fsutil): a few bytes land, then the disk is full.
     real_os, calls = os, {"n": 0}
 
     def full_write(fd, data):
@@ -261,11 +261,14 @@ def test_disk_full_at_write_time(tmp_path, model, tokenizer, monkeypatch, caplog
             return real_os.write(fd, bytes(data[:100]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    def full_writev(fd, buffers):
+        return full_write(fd, b"".join(bytes(b) for b in buffers))
+
     fake_os = SimpleNamespace(
         **{k: getattr(real_os, k) for k in dir(real_os) if not k.startswith("__")}
     )
-    fake_os.write = full_write
-    monkeypatch.setattr(kvstore.blobs, "os", fake_os)
+    fake_os.write, fake_os.writev = full_write, full_writev
+    monkeypatch.setattr(kvstore.fsutil, "os", fake_os)
 
     tokens = random_tokens(300, seed=11)
     cache = compute_cache(model, tokens)

@@ -10,7 +10,6 @@ import errno
 import glob
 import logging
 import os
-import stat
 from types import SimpleNamespace
 
 import lmdb
@@ -20,6 +19,7 @@ from conftest import compute_cache, random_tokens
 
 import kvstore.blobs
 import kvstore.fsutil
+import kvstore.publish
 from kvstore import KVStore
 
 C = 32
@@ -36,48 +36,66 @@ def files(root, pattern):
 
 
 def failing_os(op: str, err: int, at_node: int):
-    """A stand-in for ``os`` in kvstore.blobs whose ``op`` fails with ``err`` while the
-    ``at_node``-th file of the save is written (1-based); everything else is real."""
+    """A stand-in for ``os`` in kvstore.blobs, kvstore.publish and kvstore.fsutil whose
+    ``op`` fails with ``err`` for the ``at_node``-th file of the save (1-based): that
+    file's write, fsync or link, or the fsync of its directory; everything else is
+    real. Files are told apart by descriptor and path, not by the moment: a save
+    writes all its files before it fsyncs or links any of them."""
     real = os
-    state = {"node": 0, "failed": 0}
+    state = {"node": 0, "failed": 0, "failed_at": set()}
+    fd_node, tmp_node, dir_nodes, dir_fd = {}, {}, {}, {}
     fake = SimpleNamespace(
         **{k: getattr(real, k) for k in dir(real) if not k.startswith("__")}
     )
 
-    def fail():
+    def fail(node):
         state["failed"] += 1
+        state["failed_at"].add(node)
         raise OSError(err, os.strerror(err))
 
     def open_(path, flags, *a, **kw):
-        if flags & real.O_EXCL:  # a new temp file: the next node's write begins
+        fd = real.open(path, flags, *a, **kw)
+        if flags & real.O_EXCL:  # a new temp file: the save's next file
             state["node"] += 1
-        return real.open(path, flags, *a, **kw)
+            fd_node[fd] = tmp_node[path] = state["node"]
+            dir_nodes.setdefault(real.path.dirname(path), set()).add(state["node"])
+        elif flags & real.O_DIRECTORY:
+            dir_fd[fd] = path
+        return fd
 
-    def now() -> bool:
-        return state["node"] == at_node
+    def close(fd):
+        fd_node.pop(fd, None)
+        dir_fd.pop(fd, None)
+        return real.close(fd)
 
-    def write(fd, data):
-        if op == "write" and now():
-            fail()
-        if op == "write-partial" and now():
-            if not state.get("landed") and len(data) > 100:
+    def write_op(fd, data, call):
+        node = fd_node.get(fd)
+        if op == "write" and node == at_node:
+            fail(node)
+        if op == "write-partial" and node == at_node:
+            raw = b"".join(bytes(b) for b in data) if call is real.writev else data
+            if not state.get("landed") and len(raw) > 100:
                 state["landed"] = True  # the first call lands 100 bytes
-                return real.write(fd, bytes(data[:100]))
-            fail()
-        return real.write(fd, data)
+                return real.write(fd, bytes(raw[:100]))
+            fail(node)
+        return call(fd, data)
 
     def fsync(fd):
-        is_dir = stat.S_ISDIR(real.fstat(fd).st_mode)
-        if now() and op == ("fsync-dir" if is_dir else "fsync-file"):
-            fail()
+        if op == "fsync-dir" and fd in dir_fd:
+            if at_node in dir_nodes.get(dir_fd[fd].rstrip("/"), ()):
+                fail(at_node)
+        elif op == "fsync-file" and fd_node.get(fd) == at_node:
+            fail(at_node)
         return real.fsync(fd)
 
     def link(src, dst):
-        if op == "link" and now():
-            fail()
+        if op == "link" and tmp_node.get(src) == at_node:
+            fail(at_node)
         return real.link(src, dst)
 
-    fake.open, fake.write, fake.fsync, fake.link = open_, write, fsync, link
+    fake.open, fake.close, fake.fsync, fake.link = open_, close, fsync, link
+    fake.write = lambda fd, data: write_op(fd, data, real.write)
+    fake.writev = lambda fd, buffers: write_op(fd, buffers, real.writev)
     return fake, state
 
 
@@ -126,14 +144,22 @@ def test_write_error(tmp_path, model, monkeypatch, caplog, op, err, at_node, how
         before = snapshot(store)
         fake, state = failing_os(op, err, at_node)
         monkeypatch.setattr(kvstore.blobs, "os", fake)
+        monkeypatch.setattr(kvstore.publish, "os", fake)
         monkeypatch.setattr(kvstore.fsutil, "os", fake)  # fsyncs go through fsutil
+        full = getattr(kvstore.fsutil.fcntl, "F_FULLFSYNC", None)
+        if full is not None:  # macOS (or the tests' macOS mode): fsync is this fcntl
+            monkeypatch.setattr(
+                kvstore.fsutil,
+                "fcntl",
+                SimpleNamespace(F_FULLFSYNC=full, fcntl=lambda fd, cmd: fake.fsync(fd)),
+            )
 
         if how == "save":
             assert store.save(NEW, compute_cache(model, NEW)) == 5
         else:
             assert store.prefill(NEW)["computed"] == len(NEW)
         store.flush()
-        assert state["failed"] >= 1 and state["node"] == at_node
+        assert state["failed"] >= 1 and state["failed_at"] == {at_node}
 
         stats = store.stats()
         assert stats["writes_failed"] == 1 and stats["errors"] == 0

@@ -26,6 +26,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache
 
+from .. import fsutil
+
 GB = 1e9
 MB = 1e6
 
@@ -297,7 +299,7 @@ def raw_read(paths: Sequence[str], buf: bytearray) -> float:
         try:
             pos = 0
             while True:
-                got = os.preadv(fd, [view], pos)
+                got = fsutil.preadv(fd, [view], pos, nbytes=len(view))
                 pos += got
                 if got < len(view):
                     break

@@ -13,7 +13,7 @@ from .. import reservations
 from ..adapters import Layout
 from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
-from ..index import CorruptRecord, Index, NodeRecord
+from ..index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
 from ..policy import DiskNode, disk_victims
 from ..storecheck import check_store_dirs
 
@@ -219,6 +219,10 @@ def _delete_namespace(
             txn.delete(key, db=index.db[name])
     txn.delete(ns, db=index.db["counters"])
     txn.delete(ns, db=index.db["namespaces"])
+    # Model keys naming it (kvstore.namespace.model_key): few, one per model setup.
+    for key, value in _prefixed(txn, index.db["meta"], MODEL_KEY_PREFIX):
+        if value == ns:
+            txn.delete(key, db=index.db["meta"])
     return gone
 
 
