@@ -1,10 +1,10 @@
 """``kvstore bench``: does kvstore beat recomputation and its peers, on this machine?
 
-Cases (issue 8): cold prefill; RAM-hot; disk-hot in the same process and after a
+Cases: cold prefill; RAM-hot; disk-hot in the same process and after a
 restart (a fresh process, open time included); nearest prefix; mlx-lm's
 ``load_prompt_cache`` of the same KV; a raw sequential read of the same bytes; the
 write cost of saving while prefilling; open and lookup times against the number of
-stored chunks. Prints a table and the issue's targets as PASS/MISS ratios measured in
+stored chunks. Prints a table and the project's targets as PASS/MISS ratios measured in
 this one run; ``--json`` and ``--plot`` write the numbers and a chart.
 """
 
