@@ -255,6 +255,16 @@ def test_kvstore_commands_in_the_docs_parse(path, mlx_server_parser):
             pytest.fail(f"{path.relative_to(ROOT)}: `{line}` does not parse ({e})")
 
 
+def test_every_test_file_is_in_the_design_docs_test_table():
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = [
+        p.name
+        for p in sorted((ROOT / "tests").glob("test_*.py"))
+        if p.name not in design
+    ]
+    assert not missing, f"docs/design.md's test table does not name {missing}"
+
+
 def test_readme_test_command_is_what_ci_runs():
     assert TEST_COMMAND in README.read_text()
     assert TEST_COMMAND in (ROOT / ".ci" / "run").read_text()
