@@ -1,6 +1,6 @@
 """Measuring helpers shared by ``kvstore bench`` and ``tools/bench_core.py``.
 
-Pitfalls these helpers exist for (see the README's Benchmarks section):
+Pitfalls these helpers exist for (see docs/benchmarks.md):
 
 - ``mx.load`` is lazy: a restore is timed up to ``mx.eval`` of every array it produced.
 - A fresh process's first evaluation of new arrays pays page faults: restarts are
