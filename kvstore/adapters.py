@@ -272,7 +272,9 @@ SUPPORTED_CACHES = {name: codec.cls for name, codec in CODECS.items()}
 SUPPORTED_CACHES["CacheList"] = CacheList
 
 
-def _codec(layer, where: str):
+def layer_codec(layer, where: str):
+    """The codec of ``layer`` (named ``where`` in errors); UnsupportedCacheError for a
+    class outside the allow-list, subclasses included."""
     name = type(layer).__name__
     codec = CODECS.get(name)
     if codec is None or type(layer) is not codec.cls:
@@ -283,21 +285,21 @@ def _codec(layer, where: str):
     return codec
 
 
-def _leaves(cache: Sequence[Any], prefix: str = "") -> List[Tuple[str, Any]]:
+def cache_leaves(cache: Sequence[Any], prefix: str = "") -> List[Tuple[str, Any]]:
     """``(name, layer)`` of every non-CacheList layer, depth first."""
     out = []
     for i, layer in enumerate(cache):
         name = f"{prefix}{i}"
         if type(layer) is CacheList:
-            out += _leaves(layer.caches, name + ".")
+            out += cache_leaves(layer.caches, name + ".")
         else:
             out.append((name, layer))
     return out
 
 
-def _tree(cache: Sequence[Any]) -> list:
+def cache_tree(cache: Sequence[Any]) -> list:
     """The nesting of ``cache``: None for a leaf, a list for a CacheList."""
-    return [_tree(c.caches) if type(c) is CacheList else None for c in cache]
+    return [cache_tree(c.caches) if type(c) is CacheList else None for c in cache]
 
 
 # -- the layout of a whole model ------------------------------------------------------
@@ -308,7 +310,7 @@ class Layout:
 
     Args:
         leaves: One :class:`Leaf` per non-CacheList layer, depth first.
-        tree: The nesting (see :func:`_tree`).
+        tree: The nesting (see :func:`cache_tree`).
         make_cache: Builds the model's empty cache (the classes the store returns).
     """
 
@@ -412,7 +414,7 @@ class Layout:
         does; recurrent state does not know how many tokens it has seen)."""
         known = [
             CODECS[leaf.cls].held(layer)
-            for (_, layer), leaf in zip(_leaves(cache), self.leaves)
+            for (_, layer), leaf in zip(cache_leaves(cache), self.leaves)
             if type(layer).__name__ == leaf.cls
         ]
         known = [n for n in known if n is not None]
@@ -433,10 +435,10 @@ class Layout:
             raise ValueError(
                 f"cache has {len(cache)} layers, the model has {len(self.tree)}"
             )
-        if _tree(cache) != self.tree:
+        if cache_tree(cache) != self.tree:
             raise ValueError("cache nesting (CacheList) differs from the model's")
         counted = False
-        for (name, layer), leaf in zip(_leaves(cache), self.leaves):
+        for (name, layer), leaf in zip(cache_leaves(cache), self.leaves):
             codec = CODECS[leaf.cls]
             if type(layer) is not codec.cls:
                 raise LayoutMismatch(
@@ -476,7 +478,7 @@ class Layout:
         """Lazy views of tokens ``[start, end)`` of every delta tensor, as unsigned ints
         (evaluated, they share the cache's buffers)."""
         out = {}
-        for (name, layer), leaf in zip(_leaves(cache), self.leaves):
+        for (name, layer), leaf in zip(cache_leaves(cache), self.leaves):
             if leaf.mode != DELTA:
                 continue
             for (suffix, _, _), a in zip(leaf.tensors, CODECS[leaf.cls].arrays(layer)):
@@ -488,7 +490,7 @@ class Layout:
     def state_arrays(self, cache: Sequence[Any]) -> Dict[str, Tuple[str, mx.array]]:
         """``name -> (dtype, array)`` of every state tensor (unsigned views, ints as int32)."""
         out = {}
-        for (name, layer), leaf in zip(_leaves(cache), self.leaves):
+        for (name, layer), leaf in zip(cache_leaves(cache), self.leaves):
             if leaf.mode != STATE:
                 continue
             arrays, ints = CODECS[leaf.cls].state(layer)
@@ -544,8 +546,8 @@ def _brief(tensors) -> str:
 def _describe_all(cache) -> List[Tuple[str, Any, tuple, tuple]]:
     """``(name, codec, tensors, params)`` of every leaf of ``cache``."""
     out = []
-    for name, layer in _leaves(cache):
-        codec = _codec(layer, name)
+    for name, layer in cache_leaves(cache):
+        codec = layer_codec(layer, name)
         try:
             tensors, params = codec.describe(layer)
         except (UnsupportedCacheError, LayoutMismatch) as e:
@@ -596,14 +598,14 @@ def probe_layout(model, make_cache=None) -> Layout:
     """
     make_cache = make_cache or (lambda: make_prompt_cache(model))
     cache = make_cache()
-    for name, layer in _leaves(cache):
-        _codec(layer, name)
+    for name, layer in cache_leaves(cache):
+        layer_codec(layer, name)
     model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for _, c in _leaves(cache)])
+    mx.eval([c.state for _, c in cache_leaves(cache)])
     described = _describe_all(cache)
     if any(codec.cls is ArraysCache for _, codec, _, _ in described):
         model(mx.array([[0, 0]]), cache=cache)
-        mx.eval([c.state for _, c in _leaves(cache)])
+        mx.eval([c.state for _, c in cache_leaves(cache)])
         later = _describe_all(cache)
         described = [
             (
@@ -617,4 +619,4 @@ def probe_layout(model, make_cache=None) -> Layout:
         Leaf(name, codec.cls.__name__, codec.mode, tensors, params)
         for name, codec, tensors, params in described
     ]
-    return Layout(leaves, _tree(cache), make_cache)
+    return Layout(leaves, cache_tree(cache), make_cache)

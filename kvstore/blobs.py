@@ -82,7 +82,7 @@ class CorruptBlob(Exception):
 
 @dataclass(frozen=True)
 class Published:
-    """The file at a node's path after :meth:`Blobs.write`."""
+    """The file at a node's path after a publish (:mod:`kvstore.publish`)."""
 
     nbytes: int
     checksum: int
@@ -364,17 +364,19 @@ class Blobs:
         if create:
             fsutil.makedirs(root)
 
-    def _parts(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> List[str]:
+    def path_parts(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> List[str]:
+        """Node ``h``'s file path below :attr:`root`: namespace directory, fan-out
+        directory, file name."""
         hx = h.hex()
         return [ns.hex(), hx[:2], hx + part + self.SUFFIX]
 
     def path(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> str:
-        return os.path.join(self.root, *self._parts(ns, h, part))
+        return os.path.join(self.root, *self.path_parts(ns, h, part))
 
     def _real_dirs(self, ns: bytes, h: bytes) -> bool:
         """Whether node ``h``'s directories are real ones (or missing), not links."""
         try:
-            fsutil.check_real_dirs(self.root, self._parts(ns, h)[:2])
+            fsutil.check_real_dirs(self.root, self.path_parts(ns, h)[:2])
         except fsutil.NotRegularFile:
             return False
         return True
@@ -386,22 +388,11 @@ class Blobs:
             FileNotFoundError: no file.
             fsutil.NotRegularFile: a symlink, FIFO... in its place or on its path.
         """
-        return fsutil.open_regular_beneath(self.root, self._parts(ns, h, part))
+        return fsutil.open_regular_beneath(self.root, self.path_parts(ns, h, part))
 
     # -- writing -----------------------------------------------------------
 
-    def write(self, ns: bytes, h: bytes, data, part: str = DELTA_PART) -> "Published":
-        """Publish ``data`` (bytes or a :class:`NodeFile`) as the file of node ``h``,
-        atomically and durably: a batch of one file (see :mod:`kvstore.publish`).
-
-        A crash leaves either no file or the whole file, never a torn one; a file
-        another writer published there first is adopted, never replaced.
-        """
-        from .publish import write_one
-
-        return write_one(self, ns, h, data, part)
-
-    def _adopt(self, final: str) -> "Published":
+    def adopt(self, final: str) -> "Published":
         """Size, checksum and inode of a complete file another writer published."""
         try:
             f = os.fdopen(fsutil.open_regular(final), "rb")
@@ -556,7 +547,9 @@ class Blobs:
             update = digest.update
             # Hash each batch right after reading it, while it is still in the CPU
             # cache: a second pass over the whole node would cost memory bandwidth.
-            for i, j, want in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
+            for i, j, want in buffer_batches(
+                tuple(map(len, buffers)), HASH_BATCH_BYTES
+            ):
                 batch = buffers[i:j]
                 if fsutil.preadv(opened.fd, batch, pos, nbytes=want) != want:
                     raise CorruptBlob("file shrank while being read")
@@ -610,7 +603,7 @@ class Blobs:
         if not self._real_dirs(ns, h):
             return
         for part in (DELTA_PART, STATE_PART):
-            _unlink(self.path(ns, h, part))
+            fsutil.unlink_if_exists(self.path(ns, h, part))
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
         """Move a broken node's files aside (with a note saying why); None if gone."""
@@ -665,7 +658,9 @@ class Blobs:
 
 
 @functools.lru_cache(maxsize=64)
-def _batches(lengths: Tuple[int, ...], nbytes: int) -> Tuple[Tuple[int, int, int], ...]:
+def buffer_batches(
+    lengths: Tuple[int, ...], nbytes: int
+) -> Tuple[Tuple[int, int, int], ...]:
     """``(i, j, bytes)``: buffers ``[i, j)`` of the given lengths in runs of about
     ``nbytes`` (at least one buffer, at most IOV_MAX). Cached: nodes of one size are
     cut the same way, and a node has hundreds of buffers."""
@@ -681,10 +676,3 @@ def _batches(lengths: Tuple[int, ...], nbytes: int) -> Tuple[Tuple[int, int, int
 
 def file_checksum(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
-
-
-def _unlink(path: str):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -2,11 +2,18 @@
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from typing import List, Optional
+
+from .options import (
+    add_size_options,
+    default_store,
+    int_at_least,
+    parse_size,
+    store_disk_budget,
+)
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_ERROR = 0, 1, 2
 EXIT_BROKEN_PIPE = 128 + 13  # as a command killed by SIGPIPE
@@ -16,73 +23,9 @@ class CLIError(Exception):
     """A problem that ends the command with one clear message."""
 
 
-def default_store() -> str:
-    """``$KVSTORE_DIR``, else ``<user cache>/kvstore/store``."""
-    env = os.environ.get("KVSTORE_DIR")
-    if env:
-        return env
-    from .default_model import cache_root
-
-    return os.path.join(cache_root(), "store")
-
-
-MAX_SIZE = 1 << 60  # 1 EiB: no disk (or RAM) holds more; larger sizes are typos
-
-
-def _size(text: str) -> int:
-    """Parse ``123``, ``10K``, ``512M``, ``2G`` (binary units) into bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-    t = text.strip().upper().rstrip("B").rstrip("I")
-    try:
-        if t and t[-1] in units:
-            number, scale = float(t[:-1]), units[t[-1]]
-        else:
-            number, scale = int(t), 1
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number):  # also inf and nan
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 2G)")
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"size must not be negative: {text!r}")
-    if number * scale > MAX_SIZE:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r} is larger than any disk (at most 1024P)"
-        )
-    return int(number * scale)
-
-
-def _budget(text: str) -> int:
-    """A disk budget: a size above 0 (a budget of 0 would keep nothing)."""
-    value = _size(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(
-            "a budget of 0 would keep nothing: give a size, or leave the option out "
-            "to keep the store's budget"
-        )
-    return value
-
-
-def _int_at_least(minimum: int, maximum: int = 1 << 30):
-    """An argparse type: an integer from ``minimum`` to ``maximum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
-        return value
-
-    return parse
-
-
-_positive = _int_at_least(1)
-_non_negative = _int_at_least(0)
-_chunk = _int_at_least(1, 1 << 20)  # tokens per node: past any context length
-_bits = _int_at_least(1, 32)
+_positive = int_at_least(1)
+_chunk = int_at_least(1, 1 << 20)  # tokens per node: past any context length
+_bits = int_at_least(1, 32)
 
 
 # -- model and store ---------------------------------------------------------
@@ -144,48 +87,6 @@ def check_store(path: str) -> None:
         from .store import check_store as check
 
         check(path)
-
-
-def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
-    """``--disk-bytes`` if given, else the budget the store recorded when one was last
-    given (a store keeps its budget across runs, as ``kvstore gc`` does)."""
-    if given is not None:
-        return given
-    from . import StoreError, maintenance
-
-    try:
-        return maintenance.disk_budget(path)
-    except StoreError:  # not a store yet: no budget recorded
-        return None
-
-
-def add_size_options(p: argparse.ArgumentParser) -> None:
-    """``--disk-bytes``, ``--ram-bytes`` and ``--restore-room`` (shared by prefill
-    and serve)."""
-    p.add_argument(
-        "--disk-bytes",
-        type=_budget,
-        default=None,
-        metavar="SIZE",
-        help="disk budget of the store, e.g. 20G: least recently used unpinned "
-        "prefixes are evicted (default: the budget last given to this store, if any)",
-    )
-    p.add_argument(
-        "--ram-bytes",
-        type=_size,
-        default=None,
-        metavar="SIZE",
-        help="budget of the in-memory tier, e.g. 2G (default: 512M)",
-    )
-    p.add_argument(
-        "--restore-room",
-        type=_non_negative,
-        default=None,
-        metavar="TOKENS",
-        help="room left in a restored cache for the prompt's rest, so the next "
-        "forward pass writes in place instead of copying every layer (default: "
-        "2048; 0 allocates exactly the restored tokens)",
-    )
 
 
 def remote_tier(url: Optional[str], **options):
@@ -583,16 +484,16 @@ def _push_namespaces(args) -> Optional[List[bytes]]:
     if not args.namespace and args.model is None:
         return None
     from .index import Index
-    from .maintenance.common import _known_namespaces, _resolve_namespace
+    from .maintenance.common import known_namespaces, resolve_namespace
 
     out = []
     if args.namespace:
         index = Index(os.path.join(args.store, "index"), create=False)
         try:
-            known = index.read(lambda txn: _known_namespaces(index, txn))
+            known = index.read(lambda txn: known_namespaces(index, txn))
             for spec in args.namespace:
                 try:
-                    out.append(_resolve_namespace(known, spec))
+                    out.append(resolve_namespace(known, spec))
                 except ValueError as e:
                     raise CLIError(f"--namespace: {e}") from None
         finally:
@@ -639,6 +540,7 @@ def cmd_pull(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore`` parser; ``serve`` and ``bench`` parse their own arguments."""
     parser = argparse.ArgumentParser(
         prog="kvstore",
         description="Persistent KV caches for mlx-lm: prefill once, reuse forever.",
@@ -654,39 +556,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark against recomputation and mlx-lm (see `kvstore bench -h`)",
         add_help=False,
     )
+    for add in (
+        _add_prefill,
+        _add_stats,
+        _add_ls,
+        _add_verify,
+        _add_gc,
+        _add_push,
+        _add_pull,
+        _add_pin,
+    ):
+        add(sub)
+    return parser
 
-    def common(p, *, model=False):
+
+def _common_options(p: argparse.ArgumentParser, *, model: bool = False) -> None:
+    """``--store`` and ``--json``; with ``model``, the model and cache options."""
+    p.add_argument(
+        "--store",
+        default=default_store(),
+        help="store directory (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    if model:
         p.add_argument(
-            "--store",
-            default=default_store(),
-            help="store directory (default: %(default)s)",
+            "--model",
+            default=None,
+            help="mlx-lm model path or hub id (default: SmolLM2-135M-Instruct)",
         )
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-        if model:
-            p.add_argument(
-                "--model",
-                default=None,
-                help="mlx-lm model path or hub id (default: SmolLM2-135M-Instruct)",
-            )
-            p.add_argument(
-                "--chunk-tokens",
-                type=_chunk,
-                default=256,
-                help="tokens per node (default: 256)",
-            )
-            p.add_argument(
-                "--kv-bits",
-                type=_bits,
-                default=None,
-                help="store quantized KV of this many bits (as mlx_lm.server --kv-bits)",
-            )
-            p.add_argument(
-                "--kv-group-size",
-                type=_positive,
-                default=64,
-                help="quantization group size with --kv-bits (default: 64)",
-            )
+        p.add_argument(
+            "--chunk-tokens",
+            type=_chunk,
+            default=256,
+            help="tokens per node (default: 256)",
+        )
+        p.add_argument(
+            "--kv-bits",
+            type=_bits,
+            default=None,
+            help="store quantized KV of this many bits (as mlx_lm.server --kv-bits)",
+        )
+        p.add_argument(
+            "--kv-group-size",
+            type=_positive,
+            default=64,
+            help="quantization group size with --kv-bits (default: 64)",
+        )
 
+
+def _add_prefill(sub) -> None:
+    """``kvstore prefill``."""
     p = sub.add_parser(
         "prefill", help="compute and store the KV of prompts from a JSONL file"
     )
@@ -694,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts",
         help="JSONL: {messages|prompt|tokens, id?, kind?, pin?} per line (- for stdin)",
     )
-    common(p, model=True)
+    _common_options(p, model=True)
     p.add_argument(
         "--kind",
         default="user",
@@ -716,12 +635,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_prefill)
 
+
+def _add_stats(sub) -> None:
+    """``kvstore stats``."""
     p = sub.add_parser("stats", help="what the store holds, per model")
-    common(p)
+    _common_options(p)
     p.set_defaults(func=cmd_stats)
 
+
+def _add_ls(sub) -> None:
+    """``kvstore ls``."""
     p = sub.add_parser("ls", help="the stored prefixes as a tree")
-    common(p)
+    _common_options(p)
     p.add_argument("--depth", type=_positive, default=4)
     p.add_argument("--no-decode", action="store_true", help="show token ids, not text")
     p.add_argument(
@@ -729,18 +654,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_ls)
 
+
+def _add_verify(sub) -> None:
+    """``kvstore verify``."""
     p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")
-    common(p)
+    _common_options(p)
     p.add_argument("--fix", action="store_true", help="quarantine what is broken")
     p.set_defaults(func=cmd_verify)
 
+
+def _add_gc(sub) -> None:
+    """``kvstore gc``."""
     p = sub.add_parser(
         "gc", help="remove orphans, temp files, broken nodes; evict to a budget"
     )
-    common(p)
+    _common_options(p)
     p.add_argument(
         "--max-bytes",
-        type=_size,
+        type=parse_size,
         default=None,
         help="evict down to this size (e.g. 2G)",
     )
@@ -752,10 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_gc)
 
+
+def _add_push(sub) -> None:
+    """``kvstore push``."""
     p = sub.add_parser(
         "push", help="upload the store's nodes that a remote tier (s3://) lacks"
     )
-    common(p)
+    _common_options(p)
     p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
     p.add_argument(
         "--namespace",
@@ -771,25 +705,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-group-size", type=_positive, default=64)
     p.set_defaults(func=cmd_push)
 
+
+def _add_pull(sub) -> None:
+    """``kvstore pull``."""
     p = sub.add_parser(
         "pull",
         help="download (and validate) every node of a model that a remote tier has",
     )
-    common(p, model=True)
+    _common_options(p, model=True)
     p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
     p.set_defaults(func=cmd_pull)
 
+
+def _add_pin(sub) -> None:
+    """``kvstore pin`` and ``kvstore unpin``."""
     for name, pinned in (("pin", True), ("unpin", False)):
         p = sub.add_parser(
             name, help=f"{name} a stored prefix (by text, JSONL file or node id)"
         )
-        common(p, model=True)
+        _common_options(p, model=True)
         p.add_argument("text", nargs="?", default=None, help="prompt text")
         p.add_argument("--file", help="JSONL file of prompts")
         p.add_argument("--node", help="node id (hex) with --namespace")
         p.add_argument("--namespace", help="namespace id (hex) for --node")
         p.set_defaults(func=lambda a, _p=pinned: cmd_pin(a, _p))
-    return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:

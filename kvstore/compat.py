@@ -234,16 +234,18 @@ def _prompt_cache_problems(lru: type, ours: type) -> List[str]:
     return problems
 
 
-def server_problems(mls=None, lru: Optional[type] = None) -> List[str]:
+def server_problems(
+    mls=None, lru: Optional[type] = None, *, cache_class: type
+) -> List[str]:
     """Every mlx-lm name or signature ``kvstore serve`` relies on that is missing or
     changed in the installed mlx-lm (empty when all is there).
 
     Args:
         mls: The ``mlx_lm.server`` module (default: imported).
         lru: ``mlx_lm.models.cache.LRUPromptCache`` (default: imported).
+        cache_class: What stands in for ``lru``
+            (:class:`kvstore.server.PersistentPromptCache`).
     """
-    from .server import PersistentPromptCache
-
     problems = []
     if mls is None:
         try:
@@ -257,7 +259,7 @@ def server_problems(mls=None, lru: Optional[type] = None) -> List[str]:
             problems.append("mlx_lm.models.cache.LRUPromptCache is missing")
     problems += _server_module_problems(mls)
     if lru is not None:
-        problems += _prompt_cache_problems(lru, PersistentPromptCache)
+        problems += _prompt_cache_problems(lru, cache_class)
     return problems
 
 
@@ -274,14 +276,14 @@ def server_refusal(problems: Iterable[str], version: Optional[str] = None) -> st
     return "\n".join(lines)
 
 
-def check_server(*, out=None) -> bool:
+def check_server(*, cache_class: type, out=None) -> bool:
     """Run :func:`server_problems`; print the refusal (to ``out``, default stderr) and
     return False when something is missing. A version outside the declared range that
     passes every check gets a one-line warning and True."""
     import sys
 
     out = out or sys.stderr
-    problems = server_problems()
+    problems = server_problems(cache_class=cache_class)
     version = mlx_lm_version()
     if problems:
         print(server_refusal(problems, version), file=out)

@@ -252,7 +252,8 @@ _AT_FDCWD = -100  # Linux
 
 
 @functools.lru_cache(maxsize=None)
-def _libc():
+def load_libc():
+    """The C library through ctypes (loaded once), None where it cannot be loaded."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     except OSError:
@@ -269,7 +270,7 @@ def _rename_noreplace(src: str, dst: str) -> bool:
     Raises:
         FileExistsError: ``dst`` exists (``src`` is left in place).
     """
-    libc = _libc()
+    libc = load_libc()
     call = None
     if libc is not None and hasattr(libc, "renamex_np"):
         call = lambda a, b: libc.renamex_np(a, b, _RENAME_EXCL)  # noqa: E731
@@ -427,3 +428,11 @@ def unlock_byte(fd: int, offset: int) -> None:
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset, os.SEEK_SET)
         except OSError:
             pass
+
+
+def unlink_if_exists(path: str) -> None:
+    """Remove the file at ``path``; nothing when there is none."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -397,13 +397,13 @@ class Index:
 
         return self.read(get)
 
-    _COUNTERS = struct.Struct("<qqqq")  # nodes, tokens, bytes, pinned bytes
+    COUNTERS = struct.Struct("<qqqq")  # nodes, tokens, bytes, pinned bytes
 
     def counters(self, ns: bytes, txn=None) -> Tuple[int, int, int, int]:
         if txn is None:
             return self.read(lambda t: self.counters(ns, t))
         raw = txn.get(ns, db=self.db["counters"])
-        return self._COUNTERS.unpack(raw) if raw else (0, 0, 0, 0)
+        return self.COUNTERS.unpack(raw) if raw else (0, 0, 0, 0)
 
     def _add_counters(self, txn, ns: bytes, rec: NodeRecord, sign: int):
         nodes, tokens, nbytes, pinned = self.counters(ns, txn)
@@ -413,7 +413,7 @@ class Index:
             nbytes + sign * rec.total_bytes,
             pinned + sign * rec.total_bytes * rec.pinned,
         )
-        txn.put(ns, self._COUNTERS.pack(*new), db=self.db["counters"])
+        txn.put(ns, self.COUNTERS.pack(*new), db=self.db["counters"])
 
     # -- nodes -----------------------------------------------------------------
 
@@ -625,5 +625,5 @@ class Index:
         if txn is None:
             return self.read(self.total_bytes)
         return sum(
-            self._COUNTERS.unpack(v)[2] for _, v in txn.cursor(db=self.db["counters"])
+            self.COUNTERS.unpack(v)[2] for _, v in txn.cursor(db=self.db["counters"])
         )

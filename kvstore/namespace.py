@@ -33,9 +33,9 @@ from mlx_lm.models.cache import CacheList
 from .adapters import (
     Layout,
     UnsupportedCacheError,
-    _codec,
-    _leaves,
-    _tree,
+    cache_leaves,
+    cache_tree,
+    layer_codec,
     probe_layout,
 )
 from .index import FORMAT_VERSION, Index
@@ -289,8 +289,8 @@ def open_namespace(
         UnsupportedCacheError: a layer's cache class is not supported.
     """
     empty = make_cache()
-    for name, layer in _leaves(empty):
-        _codec(layer, name)  # unsupported classes fail here, as in the probe
+    for name, layer in cache_leaves(empty):
+        layer_codec(layer, name)  # unsupported classes fail here, as in the probe
     weights = weights_digest(model)
     key = model_key(model, tokenizer, empty, chunk_tokens=chunk_tokens, weights=weights)
     if key is not None:
@@ -317,8 +317,8 @@ def _known(index: Index, key: bytes, empty: list, make_cache) -> Optional[Opened
         if namespace_id(description) != ns:
             raise ValueError("the record does not hash to its namespace")
         layout = Layout.from_json(description["layout"], make_cache=make_cache)
-        if layout.tree != _tree(empty) or [leaf.cls for leaf in layout.leaves] != [
-            type(layer).__name__ for _, layer in _leaves(empty)
+        if layout.tree != cache_tree(empty) or [leaf.cls for leaf in layout.leaves] != [
+            type(layer).__name__ for _, layer in cache_leaves(empty)
         ]:
             raise ValueError("its layout has other cache classes")
     except (UnsupportedCacheError, KeyError, TypeError, ValueError) as e:

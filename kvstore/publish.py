@@ -48,8 +48,7 @@ from .blobs import (
     Blobs,
     NodeFile,
     Published,
-    _batches,
-    _unlink,
+    buffer_batches,
 )
 
 # Temp files open at once (written, or being fsynced): older ones are fsynced (their
@@ -101,7 +100,7 @@ class WriteBatch:
         root = self.blobs.root
         if not os.path.isdir(root):  # the store was deleted: do not remake it
             raise FileNotFoundError(errno.ENOENT, "the blobs directory is gone", root)
-        fsutil.check_real_dirs(root, self.blobs._parts(ns, h)[:2])  # never write out
+        fsutil.check_real_dirs(root, self.blobs.path_parts(ns, h)[:2])  # never write out
         self._make_dir(directory)
         tmp = os.path.join(
             directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -112,7 +111,7 @@ class WriteBatch:
         self._open.append(staged)
         digest = xxhash.xxh3_64()
         buffers = data.buffers
-        for i, j, _ in _batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
+        for i, j, _ in buffer_batches(tuple(map(len, buffers)), HASH_BATCH_BYTES):
             batch = buffers[i:j]
             collections.deque(map(digest.update, batch), 0)  # while in the CPU cache
             fsutil.write_all(fd, batch)
@@ -146,7 +145,7 @@ class WriteBatch:
             _sync_file(fd, device=True)
         out = [self._link(s) for s in self.staged]
         for s in self.staged:
-            _unlink(s.tmp)
+            fsutil.unlink_if_exists(s.tmp)
         dirs = list(self._dirs)
         for d in dirs[:-1]:
             self._syncing.append(_pool().submit(fsutil.fsync_dir, d, device=False))
@@ -169,7 +168,7 @@ class WriteBatch:
                     os.close(fd)
                 except OSError:
                     pass
-            _unlink(s.tmp)
+            fsutil.unlink_if_exists(s.tmp)
         self._open.clear()
 
     def __enter__(self) -> "WriteBatch":
@@ -222,7 +221,7 @@ class WriteBatch:
                 fsutil.link_noreplace(s.tmp, s.final)  # see there without hard links
             except FileExistsError:
                 try:
-                    return self.blobs._adopt(s.final)
+                    return self.blobs.adopt(s.final)
                 except FileNotFoundError:
                     continue  # removed (evicted) since: publish ours after all
             return Published(s.nbytes, s.checksum, s.inode, True)
@@ -252,8 +251,15 @@ def _pool() -> ThreadPoolExecutor:
         return pool
 
 
-def write_one(blobs: Blobs, ns: bytes, h: bytes, data, part: str) -> Published:
-    """One file published alone (a batch of one)."""
+def write_one(
+    blobs: Blobs, ns: bytes, h: bytes, data, part: str = DELTA_PART
+) -> Published:
+    """Publish ``data`` (bytes or a :class:`NodeFile`) as the file of node ``h``,
+    atomically and durably: a batch of one file.
+
+    A crash leaves either no file or the whole file, never a torn one; a file
+    another writer published there first is adopted, never replaced.
+    """
     with WriteBatch(blobs) as batch:
         batch.add(ns, h, data, part)
         (published,) = batch.publish()

@@ -1,7 +1,7 @@
 """Removing node files for ``KVStore``: eviction under the disk budget, quarantine of
 broken nodes, and cleaning up after failed or superseded saves.
 
-``_Removal`` is a mixin of :class:`kvstore.store.KVStore`. Files are unlinked through
+``Removal`` is a mixin of :class:`kvstore.store.KVStore`. Files are unlinked through
 :func:`kvstore.maintenance.release_files`, which re-checks the index first.
 """
 
@@ -9,12 +9,12 @@ import logging
 from typing import Optional, Sequence
 
 from . import maintenance
-from .restore import _state_key
+from .restore import state_key
 
 log = logging.getLogger("kvstore")
 
 
-class _Removal:
+class Removal:
     """Evicting, quarantining and unlinking the node files of a
     :class:`kvstore.store.KVStore`, and forgetting them in its RAM tier."""
 
@@ -130,4 +130,4 @@ class _Removal:
     def _forget(self, h: bytes) -> None:
         """Drop node ``h``'s files from the RAM tier."""
         self.ram.discard(h)
-        self.ram.discard(_state_key(h))
+        self.ram.discard(state_key(h))

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
+from .fsutil import load_libc
 from .index import Index
 
 # A save reserved this long ago is taken for a leftover even if its process lives.
@@ -82,9 +83,7 @@ _TIMEVAL = struct.Struct("=qi")
 
 def _darwin_kinfo(pid: int) -> bytes:
     """The ``kinfo_proc`` of ``pid`` (empty: no such process, or sysctl failed)."""
-    from .fsutil import _libc
-
-    libc = _libc()
+    libc = load_libc()
     if libc is None or not hasattr(libc, "sysctl"):
         return b""
     mib = (ctypes.c_int * 4)(*_KINFO_MIB, pid)

@@ -1,6 +1,6 @@
 """The read path of ``KVStore``: walking the trie, reading and checking node files.
 
-``_ReadPath`` is a mixin of :class:`kvstore.store.KVStore`; its methods use the
+``ReadPath`` is a mixin of :class:`kvstore.store.KVStore`; its methods use the
 store's index, chunk files, RAM tier and layout, and report broken nodes.
 """
 
@@ -43,7 +43,7 @@ _Opened = Union[OpenFile, BaseException, None]  # a node's file, opened ahead or
 
 
 @dataclass
-class _Step:
+class Step:
     """One node on a walked path and how many of its tokens are used."""
 
     h: bytes
@@ -78,12 +78,12 @@ def _capacity(n: int, query: int, room: int) -> int:
     return -(-want // KVCache.step) * KVCache.step
 
 
-def _state_key(h: bytes) -> bytes:
+def state_key(h: bytes) -> bytes:
     """The RAM tier's key for node ``h``'s state file (``h`` is its delta file's)."""
     return h + STATE_PART.encode()
 
 
-class _ReadPath:
+class ReadPath:
     """Restores of :class:`kvstore.store.KVStore`: the trie walk, the parallel node
     reads into an :class:`~kvstore.assemble.AssemblyPlan`, and broken-node reports."""
 
@@ -119,7 +119,7 @@ class _ReadPath:
             return self.layout.build(plan.delta_arrays(), state or {}, n), n
 
     def _read_path(
-        self, path: List[_Step], query: int
+        self, path: List[Step], query: int
     ) -> Tuple["_Failures", Optional[Future], AssemblyPlan]:
         """Allocate the restore of ``path`` and read its nodes (and the last node's
         state file, if the layout has state) on the reader threads and this one.
@@ -169,7 +169,7 @@ class _ReadPath:
 
     def _walk(
         self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
-    ) -> List[_Step]:
+    ) -> List[Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
 
         With ``full_only`` the walk stops before a node that is not wholly used. A
@@ -178,8 +178,8 @@ class _ReadPath:
         """
         checkpoints = self.layout.has_state and not full_only
         full_only = full_only or checkpoints
-        path: List[_Step] = []
-        best: List[_Step] = []  # the longest path ending at a checkpoint
+        path: List[Step] = []
+        best: List[Step] = []  # the longest path ending at a checkpoint
         best_end = 0
         parent, pos, C = self.root, 0, self.chunk_tokens
         while pos < limit:
@@ -209,7 +209,7 @@ class _ReadPath:
 
     def _candidates(
         self, txn, parent: bytes, query: np.ndarray, checkpoints: bool
-    ) -> List[_Step]:
+    ) -> List[Step]:
         """Children of ``parent`` matching a prefix of ``query``, longest match first.
 
         With ``checkpoints``, every child whose tokens are a prefix of the query: a
@@ -221,11 +221,11 @@ class _ReadPath:
             h = chain_hash(parent, query)
             rec = self._get_node(txn, h)
             if rec is not None and np.array_equal(rec.tokens, query):
-                out.append(_Step(h, rec, len(query)))
+                out.append(Step(h, rec, len(query)))
                 if not checkpoints:
                     return out
         out += [
-            _Step(h, rec, common)
+            Step(h, rec, common)
             for h, rec, common in self.index.nearest_children(
                 self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
             )
@@ -236,7 +236,7 @@ class _ReadPath:
         unique = {step.h: step for step in reversed(out)}  # keep the first of each
         return sorted(unique.values(), key=lambda step: -step.take)
 
-    def _shorter_children(self, txn, parent: bytes, query: np.ndarray) -> List[_Step]:
+    def _shorter_children(self, txn, parent: bytes, query: np.ndarray) -> List[Step]:
         """Children whose tokens are a strict prefix of ``query`` (found by hash)."""
         out = []
         for h, rec in self.index.prefix_children(
@@ -245,7 +245,7 @@ class _ReadPath:
             if h not in self._broken and np.array_equal(
                 rec.tokens, query[: rec.ntokens]
             ):
-                out.append(_Step(h, rec, rec.ntokens))
+                out.append(Step(h, rec, rec.ntokens))
         return out
 
     def _get_node(self, txn, h: bytes) -> Optional[NodeRecord]:
@@ -291,7 +291,7 @@ class _ReadPath:
             known = self._node_files[ntokens] = (expected, data)
         return known
 
-    def _open_node(self, step: _Step) -> OpenFile:
+    def _open_node(self, step: Step) -> OpenFile:
         """Open a whole node's file, its record and header checked."""
         self._check_sizes(step.rec)
         return self.blobs.open_checked(
@@ -301,7 +301,7 @@ class _ReadPath:
             expected=self._expected(step.rec.ntokens),
         )
 
-    def _open_ahead(self, path: List[_Step], opened: Dict[int, _Opened]) -> None:
+    def _open_ahead(self, path: List[Step], opened: Dict[int, _Opened]) -> None:
         """Open the first :data:`OPEN_AHEAD` whole nodes' files into ``opened``: runs
         while the fetch allocates the restore's arrays, which is otherwise idle time
         for the readers. A failure is kept for the node's reader to raise."""
@@ -315,7 +315,7 @@ class _ReadPath:
 
     def _read_nodes(
         self,
-        path: List[_Step],
+        path: List[Step],
         plan: AssemblyPlan,
         offsets: List[int],
         pending: "queue.SimpleQueue[int]",
@@ -341,7 +341,7 @@ class _ReadPath:
                 failures.add(i, e)
 
     def _read_node(
-        self, step: _Step, plan: AssemblyPlan, offset: int, opened: _Opened = None
+        self, step: Step, plan: AssemblyPlan, offset: int, opened: _Opened = None
     ) -> None:
         """Copy the first ``step.take`` tokens of one node to row ``offset`` of the plan.
 
@@ -387,12 +387,12 @@ class _ReadPath:
             data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens
         )
 
-    def _read_state(self, step: _Step):
+    def _read_state(self, step: Step):
         """The decoded checkpoint of ``step``'s node (see ``Layout.decode_state``).
 
         Raises CorruptBlob or OSError when the node's state file is broken.
         """
-        rec, key = step.rec, _state_key(step.h)
+        rec, key = step.rec, state_key(step.h)
         entry = self.ram.get(key)
         if entry is not None:
             data, tensors = memoryview(entry.data), entry.tensors
@@ -444,7 +444,7 @@ class _ReadPath:
                 if rec.has_state:
                     parts.append(
                         (
-                            _state_key(h),
+                            state_key(h),
                             rec.state_nbytes,
                             rec.state_checksum,
                             STATE_PART,

@@ -1,7 +1,7 @@
 """The write path of ``KVStore``: capturing a cache's nodes, then (writer thread)
 serializing, reserving disk bytes, publishing the files and committing their nodes.
 
-``_WritePath`` is a mixin of :class:`kvstore.store.KVStore`.
+``WritePath`` is a mixin of :class:`kvstore.store.KVStore`.
 """
 
 import logging
@@ -19,13 +19,13 @@ from .index import NodeRecord
 from .policy import stronger_kind
 from .publish import WriteBatch
 from .ram import RamEntry
-from .restore import MLX_LOCK, _state_key
+from .restore import MLX_LOCK, state_key
 
 log = logging.getLogger("kvstore")
 
 
 @dataclass
-class _NewNode:
+class NewNode:
     """A node to write: its delta slices (None: already stored) and maybe a state."""
 
     h: bytes
@@ -50,7 +50,7 @@ def _attempts(batch: WriteBatch) -> List[Tuple[bytes, str, int, int]]:
     return [(s.h, s.part, s.nbytes, s.inode) for s in batch.staged if s.link_tried]
 
 
-class _WritePath:
+class WritePath:
     """Saves of :class:`kvstore.store.KVStore`: :meth:`_save` captures the nodes and
     queues :meth:`_write_nodes` on the background writer."""
 
@@ -82,13 +82,13 @@ class _WritePath:
             a, b = s - spans[0][0], e - spans[0][0]
             slices = {name: x[:, :, a:b] for name, x in held.items()}
             nbytes += sum(x.nbytes for x in slices.values())
-            nodes.append(_NewNode(h, parent, s, arr[s:e].copy(), slices))
+            nodes.append(NewNode(h, parent, s, arr[s:e].copy(), slices))
             parent = h
         if state is not None:
             if not nodes:  # a checkpoint for the stored node ``arr`` ends at
                 last = path[-1]
                 nodes.append(
-                    _NewNode(
+                    NewNode(
                         last.h, last.rec.parent, last.rec.start, last.rec.tokens, None
                     )
                 )
@@ -111,7 +111,7 @@ class _WritePath:
         return len(nodes)
 
     def _serialize(
-        self, node: _NewNode
+        self, node: NewNode
     ) -> Tuple[Optional[NodeFile], Optional[NodeFile]]:
         """Writer thread: the files of ``node`` that the index lacks, its delta file and
         its state file (None: nothing to write), as views of the cache's arrays (no
@@ -147,7 +147,7 @@ class _WritePath:
         return delta, state
 
     def _publish(
-        self, nodes: List[_NewNode], files: List[tuple], batch: WriteBatch
+        self, nodes: List[NewNode], files: List[tuple], batch: WriteBatch
     ) -> List[tuple]:
         """Writer thread: write every file of :meth:`_serialize` into ``batch`` and
         publish them together (durable before any is linked, see
@@ -165,7 +165,7 @@ class _WritePath:
             for node, pair in zip(nodes, files)
         ]
 
-    def _reserve(self, nodes: List[_NewNode], files: List[tuple]) -> Optional[bytes]:
+    def _reserve(self, nodes: List[NewNode], files: List[tuple]) -> Optional[bytes]:
         """Writer thread: reserve the disk bytes of ``files`` in the index, evicting what
         the budget needs, and unlink the evicted nodes' files.
 
@@ -208,7 +208,7 @@ class _WritePath:
             reservations.forget(key)
 
     def _write_nodes(
-        self, nodes: List[_NewNode], *, kind: str, pin: bool, existing: List[bytes]
+        self, nodes: List[NewNode], *, kind: str, pin: bool, existing: List[bytes]
     ):
         """Writer thread: serialize the files, reserve their bytes under the disk budget
         (:meth:`_reserve`), write them, then commit their nodes in one transaction that
@@ -232,60 +232,13 @@ class _WritePath:
         now = time.time()
         evicted, unindexed, late, skipped = [], [], [0], [0]
 
-        def is_ours(h: bytes, published, part: str = "") -> bool:
-            # Index only the very file we checked: one removed (or replaced) by another
-            # process since then must not be indexed with our checksum.
-            return self.blobs.published_inode(ns, h, part) == published.inode
-
         def commit(txn):
-            added, superseded = [], []
             if reservation is not None:
                 reservations.delete(self.index, txn, reservation)
             evicted[:] = self._make_room(txn, written)
-            for at, (node, delta, state) in enumerate(written):
-                if state is not None and not is_ours(node.h, state[1], STATE_PART):
-                    state = None
-                if delta is None:
-                    rec = self.index.get_node(ns, node.h, txn)
-                    if state is None or rec is None or rec.has_state:
-                        continue
-                    # A checkpoint for a node stored without one.
-                    rec = _with_state(rec, state[1])
-                    self.index.replace_node(txn, ns, node.h, rec)
-                    added.append((node.h, rec, None, state[0]))
-                    continue
-                parent_ok = node.parent == self.root or self.index.get_node(
-                    ns, node.parent, txn
-                )
-                if not parent_ok or not is_ours(node.h, delta[1]):
-                    # Its parent was evicted, or its file replaced, meanwhile: this
-                    # node and the ones after it stay unsaved (counted, not raised).
-                    skipped[0] = sum(1 for w in written[at:] if w[1] is not None)
-                    break
-                rec = NodeRecord(
-                    node.parent,
-                    node.start,
-                    node.tokens,
-                    delta[1].nbytes,
-                    delta[1].checksum,
-                    kind,
-                    pin,
-                    now,
-                )
-                if state is not None:
-                    rec = _with_state(rec, state[1])
-                if self.index.put_node(txn, ns, node.h, rec):
-                    if not added and not self.layout.has_state:
-                        superseded = self._supersede(txn, node.h, rec)
-                    # The RAM tier holds our bytes only if they are the file's.
-                    added.append(
-                        (
-                            node.h,
-                            rec,
-                            delta[0] if delta[1].ours else None,
-                            state[0] if state is not None and state[1].ours else None,
-                        )
-                    )
+            added, superseded, skipped[0] = self._index_nodes(
+                txn, written, kind=kind, pin=pin, now=now
+            )
             if pin:
                 for h in existing + [node.h for node, _, _ in written]:
                     self.index.set_pinned(txn, ns, h, True)
@@ -316,11 +269,78 @@ class _WritePath:
                 self._unreserve(reservation)
             elif reservation is not None:
                 reservations.forget(reservation)  # the commit deleted it
+        self._record_written(added, skipped[0])
+
+    def _is_ours(self, h: bytes, published, part: str = "") -> bool:
+        # Index only the very file we checked: one removed (or replaced) by another
+        # process since then must not be indexed with our checksum.
+        return self.blobs.published_inode(self.namespace, h, part) == published.inode
+
+    def _index_nodes(
+        self, txn, written: List[tuple], *, kind: str, pin: bool, now: float
+    ) -> Tuple[List[tuple], List[tuple], int]:
+        """Inside the commit: index the ``written`` nodes, parents first.
+
+        Returns ``(hash, record, delta, state)`` of each node added (delta and state:
+        the NodeFiles for the RAM tier, None where the file is another writer's), the
+        nodes it superseded, and how many nodes were skipped (their parent evicted or
+        their file replaced meanwhile)."""
+        ns = self.namespace
+        added, superseded, skipped = [], [], 0
+        for at, (node, delta, state) in enumerate(written):
+            if state is not None and not self._is_ours(node.h, state[1], STATE_PART):
+                state = None
+            if delta is None:
+                rec = self.index.get_node(ns, node.h, txn)
+                if state is None or rec is None or rec.has_state:
+                    continue
+                # A checkpoint for a node stored without one.
+                rec = _with_state(rec, state[1])
+                self.index.replace_node(txn, ns, node.h, rec)
+                added.append((node.h, rec, None, state[0]))
+                continue
+            parent_ok = node.parent == self.root or self.index.get_node(
+                ns, node.parent, txn
+            )
+            if not parent_ok or not self._is_ours(node.h, delta[1]):
+                # Its parent was evicted, or its file replaced, meanwhile: this
+                # node and the ones after it stay unsaved (counted, not raised).
+                skipped = sum(1 for w in written[at:] if w[1] is not None)
+                break
+            rec = NodeRecord(
+                node.parent,
+                node.start,
+                node.tokens,
+                delta[1].nbytes,
+                delta[1].checksum,
+                kind,
+                pin,
+                now,
+            )
+            if state is not None:
+                rec = _with_state(rec, state[1])
+            if self.index.put_node(txn, ns, node.h, rec):
+                if not added and not self.layout.has_state:
+                    superseded = self._supersede(txn, node.h, rec)
+                # The RAM tier holds our bytes only if they are the file's.
+                added.append(
+                    (
+                        node.h,
+                        rec,
+                        delta[0] if delta[1].ours else None,
+                        state[0] if state is not None and state[1].ours else None,
+                    )
+                )
+        return added, superseded, skipped
+
+    def _record_written(self, added: List[tuple], skipped: int) -> None:
+        """After the commit: the RAM tier, the counters, the remote tier's uploads
+        and the disk budget."""
         self._fill_ram(added)
         with self._lock:
             self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
-            self._counters.nodes_skipped += skipped[0]
+            self._counters.nodes_skipped += skipped
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
         if self.remote is not None and added:
             self.remote.after_commit(added)  # queues uploads; returns at once
@@ -332,7 +352,7 @@ class _WritePath:
         evicted by later ones of the same save, after a copy for nothing."""
         room, chosen = self.ram.max_bytes, []
         for h, rec, data, state_data in reversed(added):
-            for key, f in ((_state_key(h), state_data), (h, data)):
+            for key, f in ((state_key(h), state_data), (h, data)):
                 if f is not None and f.nbytes <= room:
                     room -= f.nbytes
                     chosen.append((key, f, rec))

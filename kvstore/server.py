@@ -32,7 +32,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .compat import check_server
+from .options import add_size_options, default_store, store_disk_budget
 
 log = logging.getLogger("kvstore.server")
 
@@ -375,8 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove matches (re.MULTILINE) from message contents and prompts before "
         "tokenization; repeatable. E.g. '^x-anthropic-billing-header: .*\\n?'",
     )
-    from .cli import add_size_options
-
     add_size_options(p)
     p.add_argument(
         "--remote",
@@ -394,9 +395,8 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     SIGINT, then flushes and closes the stores. With ``hard_exit`` (the default) the
     process then ends with ``os._exit(0)``; otherwise returns the exit status.
     """
-    from .compat import check_server
-
-    if not check_server():  # before a model loads: a missing mlx-lm internal
+    # Before a model loads: a missing mlx-lm internal.
+    if not check_server(cache_class=PersistentPromptCache):
         return 2
     import mlx_lm.server as mls
 
@@ -407,32 +407,57 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         print("\nmlx_lm.server options:\n")
     args, rest = parser.parse_known_args(argv)
     try:
+        patterns, store_dir = _check_options(args)
+    except _BadOption as e:
+        print(f"kvstore serve: {e}", file=sys.stderr)
+        return 2
+    caches, saved = _install(mls, args, store_dir, patterns)
+    status = _run(mls, rest, caches, saved)
+    if caches and hard_exit:
+        # After mlx_lm.server's shutdown, the interpreter's teardown sometimes aborts in
+        # MLX's C++ threads ("terminate called without an active exception", exit -6;
+        # plain mlx_lm.server on SIGINT does the same). Everything is on disk by now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+class _BadOption(Exception):
+    """An option of ``kvstore serve`` that cannot work (exit status 2)."""
+
+
+def _check_options(args) -> Tuple[List["re.Pattern"], str]:
+    """The compiled ``--strip-pattern`` expressions and the store directory. What
+    would fail only after the model loaded fails now (_BadOption with the message)."""
+    try:
         patterns = [re.compile(p, re.MULTILINE) for p in args.strip_pattern]
     except re.error as e:
-        print(f"kvstore serve: bad --strip-pattern: {e}", file=sys.stderr)
-        return 2
+        raise _BadOption(f"bad --strip-pattern: {e}") from None
     if args.store is None:
-        from .cli import default_store
-
         args.store = default_store()
     store_dir = os.path.expanduser(args.store)
-    from .cli import store_disk_budget
     from .store import StoreError, check_store
 
     try:
         check_store(store_dir)  # a bad --store fails now, before the model loads
     except StoreError as e:
-        print(f"kvstore serve: bad --store: {e}", file=sys.stderr)
-        return 2
+        raise _BadOption(f"bad --store: {e}") from None
     if args.remote is not None:
         from .remote import RemoteTier
 
         try:
             RemoteTier(args.remote)  # a bad URL or no boto3 fails now (no request)
         except (TypeError, ValueError, ImportError) as e:
-            print(f"kvstore serve: bad --remote: {e}", file=sys.stderr)
-            return 2
+            raise _BadOption(f"bad --remote: {e}") from None
+    return patterns, store_dir
 
+
+def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
+    """Replace ``mlx_lm.server``'s prompt cache, model provider and HTTP handler with
+    kvstore's. Returns the caches made (filled once the server builds them) and the
+    replaced names' originals, for :func:`_run` to put back."""
     caches: List[PersistentPromptCache] = []
     providers: List[Any] = []
 
@@ -476,6 +501,13 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     mls._run_http_server = functools.partial(
         saved["_run_http_server"], handler_class=handler
     )
+    return caches, saved
+
+
+def _run(mls, rest: List[str], caches: List[PersistentPromptCache], saved) -> int:
+    """Run ``mlx_lm.server.main()`` with ``rest`` as its arguments until SIGTERM or
+    SIGINT, then restore what :func:`_install` replaced and close the stores.
+    Returns the exit status."""
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt  # mlx-lm's serve_forever shutdown path
@@ -504,14 +536,6 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
             cache.close()  # waits for pending writes
         if caches:
             log.info("kvstore: stores flushed and closed")
-    if caches and hard_exit:
-        # After mlx_lm.server's shutdown, the interpreter's teardown sometimes aborts in
-        # MLX's C++ threads ("terminate called without an active exception", exit -6;
-        # plain mlx_lm.server on SIGINT does the same). Everything is on disk by now.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
     return status
 
 

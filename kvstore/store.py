@@ -25,25 +25,19 @@ from .index import KINDS, Index, StoreError
 from .maintenance.common import check_int
 from .namespace import open_namespace
 from .ram import RamTier
-from .removal import _Removal
-from .restore import MLX_LOCK, _ReadPath, _state_key, _Step
-from .saving import _NewNode, _with_state, _WritePath
+from .remote import RemoteTier
+from .removal import Removal
+from .restore import ReadPath, Step
+from .saving import WritePath
 from .storecheck import check_store_dirs
 from .writer import BackgroundWriter
 
-# What the package imports from here (kvstore.remote: _NewNode; kvstore.server:
-# _prepare_dir), and the names that moved to restore/saving in the split.
 __all__ = [
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_RAM_BYTES",
-    "MLX_LOCK",
     "KVStore",
     "StoreError",
-    "_NewNode",
-    "_Step",
-    "_prepare_dir",
-    "_state_key",
-    "_with_state",
+    "check_store",
 ]
 
 log = logging.getLogger("kvstore")
@@ -70,7 +64,7 @@ class _Counters:
     quarantined: List[str] = field(default_factory=list)
 
 
-class KVStore(_ReadPath, _WritePath, _Removal):
+class KVStore(ReadPath, WritePath, Removal):
     """A persistent store of KV snapshots for one mlx-lm model.
 
     Args:
@@ -405,7 +399,7 @@ class KVStore(_ReadPath, _WritePath, _Removal):
             self._save(arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds)
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
 
-    def _intact(self, steps: List[_Step]) -> bool:
+    def _intact(self, steps: List[Step]) -> bool:
         """Whether the stored nodes' files read back whole (checksums), so a prefill
         may skip them; the first broken one is reported and quarantined as a fetch
         would, and the prefill computes it again."""
@@ -483,8 +477,6 @@ class KVStore(_ReadPath, _WritePath, _Removal):
         keeps ancestors that another pinned prompt still needs. Returns the number of
         nodes changed.
         """
-        from . import maintenance
-
         arr = self._checked(tokens, "user", "pin")
         _check_bool("pinned", pinned)
         self.flush()
@@ -568,8 +560,6 @@ def _remote_tier(remote):
     """``KVStore``'s ``remote`` argument as an unbound RemoteTier, or None."""
     if remote is None:
         return None
-    from .remote import RemoteTier
-
     if isinstance(remote, RemoteTier):
         if remote._store is not None:
             raise ValueError(f"remote {remote!r} already serves another KVStore")

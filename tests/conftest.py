@@ -162,3 +162,29 @@ def pytest_report_header(config):
             "kvstore test platform: macos (os.preadv, posix_fadvise, /proc, ... hidden; "
             "F_FULLFSYNC faked present)"
         )
+
+
+def run_cli(capsys, *argv) -> tuple:
+    """``kvstore ARGV`` in this process: ``(status, stdout, stderr)``; an argparse
+    error's SystemExit gives its status."""
+    from kvstore import cli
+
+    try:
+        status = cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_same_as_cold(model, store, prompt, expect_n, steps=20):
+    """Restored + rest of the prompt gives the logits and greedy tokens of a cold run."""
+    cache, n = store.fetch(prompt)
+    assert n == expect_n
+    assert all(c.offset == n for c in cache) if n else True
+    warm_logits = next_logits(model, cache, prompt[n:])
+    cold = compute_cache(model, [])
+    cold_logits = next_logits(model, cold, prompt)
+    assert mx.allclose(warm_logits, cold_logits, atol=1e-4, rtol=1e-4).item()
+    warm = greedy(model, store.fetch(prompt)[0], prompt[n:], steps)
+    assert warm == greedy(model, compute_cache(model, []), prompt, steps)

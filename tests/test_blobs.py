@@ -21,6 +21,7 @@ from kvstore.blobs import (
     parse_header,
     serialize_node,
 )
+from kvstore.publish import write_one
 
 NS = bytes(range(16))
 H = bytes(range(100, 116))
@@ -54,7 +55,7 @@ def written(blobs):
     """A valid node file on disk: ``(blobs, tensors, data, checksum, path)``."""
     tensors = make_tensors()
     data = serialize_node(tensors, META)
-    blobs.write(NS, H, data)
+    write_one(blobs, NS, H, data)
     return blobs, tensors, data, file_checksum(data), blobs.path(NS, H)
 
 
@@ -211,7 +212,7 @@ def test_read_staged_with_large_header(blobs):
     meta = dict(META, padding="x" * 20000)
     data = serialize_node(tensors, meta)
     assert struct.unpack_from("<Q", data)[0] > 16384
-    blobs.write(NS, H, data)
+    write_one(blobs, NS, H, data)
     _, _, got = blobs.read_staged(
         NS,
         H,
@@ -232,8 +233,8 @@ def test_write_leaves_no_temp_files(blobs):
     for i in range(5):
         h = bytes([i]) * 16
         data = serialize_node(make_tensors(i), META)
-        blobs.write(NS, h, data)
-        blobs.write(NS, h, data)  # rewriting the same node is fine
+        write_one(blobs, NS, h, data)
+        write_one(blobs, NS, h, data)  # rewriting the same node is fine
     files = [os.path.join(d, f) for d, _, names in os.walk(blobs.root) for f in names]
     assert len(files) == 5
     assert all(f.endswith(".safetensors") for f in files)
@@ -247,8 +248,8 @@ def test_write_never_replaces_a_published_file(blobs):
     first = serialize_node(tensors, META)
     other = serialize_node(make_tensors(4), META)  # same node, other numerics
     assert len(first) == len(other) and first != other
-    a = blobs.write(NS, H, first)
-    b = blobs.write(NS, H, other)
+    a = write_one(blobs, NS, H, first)
+    b = write_one(blobs, NS, H, other)
     assert a.ours and not b.ours
     assert (b.nbytes, b.checksum, b.inode) == (
         len(first),
@@ -265,16 +266,16 @@ def test_write_publishes_when_the_file_it_would_adopt_vanishes(blobs, monkeypatc
     publish ours instead of failing the save."""
     first = serialize_node(make_tensors(3), META)
     mine = serialize_node(make_tensors(4), META)
-    blobs.write(NS, H, first)
-    adopt = Blobs._adopt
+    write_one(blobs, NS, H, first)
+    adopt = Blobs.adopt
 
     def vanish_once(self, final):
-        monkeypatch.setattr(Blobs, "_adopt", adopt)
+        monkeypatch.setattr(Blobs, "adopt", adopt)
         os.unlink(final)
         return adopt(self, final)  # raises FileNotFoundError, as in the race
 
-    monkeypatch.setattr(Blobs, "_adopt", vanish_once)
-    got = blobs.write(NS, H, mine)
+    monkeypatch.setattr(Blobs, "adopt", vanish_once)
+    got = write_one(blobs, NS, H, mine)
     assert got.ours and got.checksum == file_checksum(mine)
     assert got.inode == os.stat(blobs.path(NS, H)).st_ino
     with open(blobs.path(NS, H), "rb") as f:
@@ -284,7 +285,7 @@ def test_write_publishes_when_the_file_it_would_adopt_vanishes(blobs, monkeypatc
 
 def test_failed_write_cleans_up_temp_file(blobs):
     with pytest.raises(TypeError):
-        blobs.write(NS, H, 12345)  # not a bytes-like object
+        write_one(blobs, NS, H, 12345)  # not a bytes-like object
     assert not os.path.exists(blobs.path(NS, H))
     assert list(blobs.iter_files()) == []
 

@@ -11,9 +11,14 @@ import pytest
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore import compat, server
-from kvstore.compat import SUPPORTED_RANGE, server_problems
+from kvstore.compat import SUPPORTED_RANGE
+from kvstore.server import PersistentPromptCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def server_problems(**kw):
+    return compat.server_problems(cache_class=PersistentPromptCache, **kw)
 
 
 def test_installed_mlx_lm_has_everything():
@@ -165,7 +170,7 @@ def test_prompt_cache_constructor_changes():
 
 def test_outside_the_range_but_complete_warns(monkeypatch, capsys):
     monkeypatch.setattr(compat, "mlx_lm_version", lambda: "0.40.0")
-    assert compat.check_server() is True
+    assert compat.check_server(cache_class=PersistentPromptCache) is True
     assert "outside the tested range" in capsys.readouterr().err
 
 

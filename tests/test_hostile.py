@@ -19,23 +19,13 @@ import time
 
 import lmdb
 import pytest
-from conftest import compute_cache, random_tokens
+from conftest import compute_cache, random_tokens, run_cli
 
-from kvstore import KVStore, cli, maintenance, server
+from kvstore import KVStore, maintenance, server
 from kvstore.index import FORMAT_VERSION, Index, StoreError
 
 C = 8  # tokens per chunk
 PROMPTS = [random_tokens(40, seed) for seed in range(3)]
-
-
-def run_cli(capsys, *argv) -> tuple:
-    """``kvstore ARGV`` in this process: (status, stdout, stderr)."""
-    try:
-        status = cli.main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def run_kvstore(*argv, timeout=120, input=None, pre=()):
@@ -570,7 +560,7 @@ def test_serve_refuses_bad_stores_before_the_model_loads(
 
     monkeypatch.setattr(mlx_lm.server, "main", serve)
     # The stub is no mlx-lm main: skip the start-up check of mlx-lm's internals.
-    monkeypatch.setattr("kvstore.compat.check_server", lambda **kw: True)
+    monkeypatch.setattr("kvstore.server.check_server", lambda **kw: True)
     for store, message in (
         (tmp_path / "theirs", "not a kvstore store"),
         (other, "format version 1.5"),

@@ -353,7 +353,7 @@ def test_unreachable_nodes_are_removed(store, model):
 
 
 def test_verify_repairs_index_tables(store):
-    packer = Index._COUNTERS
+    packer = Index.COUNTERS
 
     def damage(idx, txn):
         txn.put(store.ns, packer.pack(1, 2, 3, 4), db=idx.db["counters"])

@@ -21,9 +21,15 @@ import mlx.core as mx
 import moto.server as moto_server
 import numpy as np
 import pytest
-from conftest import compute_cache, greedy, next_logits, random_tokens
+from conftest import (
+    assert_same_as_cold,
+    compute_cache,
+    next_logits,
+    random_tokens,
+    run_cli,
+)
 
-from kvstore import KVStore, cli, maintenance, server
+from kvstore import KVStore, maintenance, server
 from kvstore.blobs import node_metadata, serialize_node
 from kvstore.chunking import chain_hash
 from kvstore.remote import RemoteTier, decode_manifest, encode_manifest, parse_url
@@ -204,17 +210,6 @@ def machine_a(path, model, url, prompts=(SYSTEM,)):
         stats = a.stats()
         assert stats["upload_errors"] == 0 and stats["remote_errors"] == 0
         return stats
-
-
-def assert_same_as_cold(model, store, prompt, expect_n, steps=20):
-    """Restored + the rest of the prompt = a cold run (logits, greedy tokens)."""
-    cache, n = store.fetch(prompt)
-    assert n == expect_n
-    warm_logits = next_logits(model, cache, prompt[n:])
-    cold_logits = next_logits(model, compute_cache(model, []), prompt)
-    assert mx.allclose(warm_logits, cold_logits, atol=1e-4, rtol=1e-4).item()
-    warm = greedy(model, store.fetch(prompt)[0], prompt[n:], steps)
-    assert warm == greedy(model, compute_cache(model, []), prompt, steps)
 
 
 def assert_clean(path):
@@ -661,7 +656,7 @@ def test_misconfigured_remote_is_reported_not_raised(
 def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
     """``kvstore serve --remote`` as real processes on two stores: B answers with the
     system prompt A computed, restored through the remote."""
-    from test_server import Server, answer, chat_body, request
+    from serving import Server, answer, chat_body, request
 
     def serve(name):
         store = str(tmp_path / name)
@@ -689,12 +684,6 @@ def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
 # -- push, pull and the command line --------------------------------------------------------
 
 
-def run_cli(capsys, argv):
-    status = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return status, out.out, out.err
-
-
 def test_push_pull_and_prefill_with_remote(tmp_path, tiny_model_dir, url, s3, capsys):
     from mlx_lm import load
 
@@ -707,20 +696,20 @@ def test_push_pull_and_prefill_with_remote(tmp_path, tiny_model_dir, url, s3, ca
         nodes = a.stats()["nodes"]
 
     status, out, err = run_cli(
-        capsys, ["push", "--remote", url, "--store", tmp_path / "a", "--json"]
+        capsys, *["push", "--remote", url, "--store", tmp_path / "a", "--json"]
     )
     assert status == 0, err
     report = json.loads(out)
     assert report["uploaded"] == report["nodes"] == nodes and not report["problems"]
     status, out, _ = run_cli(
-        capsys, ["push", "--remote", url, "--store", tmp_path / "a", "--json"]
+        capsys, *["push", "--remote", url, "--store", tmp_path / "a", "--json"]
     )
     assert status == 0 and json.loads(out)["uploaded"] == 0
     assert json.loads(out)["present"] == nodes
 
     model_args = ["--model", tiny_model_dir, "--chunk-tokens", C]
     argv = ["pull", "--remote", url, "--store", tmp_path / "c", *model_args, "--json"]
-    status, out, err = run_cli(capsys, argv)
+    status, out, err = run_cli(capsys, *argv)
     assert status == 0, err
     report = json.loads(out)
     assert report["pulled"] == nodes and report["invalid"] == 0
@@ -728,14 +717,14 @@ def test_push_pull_and_prefill_with_remote(tmp_path, tiny_model_dir, url, s3, ca
         for p in prompts:
             assert c.fetch(p)[1] == len(p) - 1
     assert_clean(tmp_path / "c")
-    status, out, _ = run_cli(capsys, argv)  # again: nothing to do
+    status, out, _ = run_cli(capsys, *argv)  # again: nothing to do
     assert status == 0 and json.loads(out)["present"] == nodes
 
     # A broken object: pull reports it, skips its subtree, keeps the rest.
     mkey = next(k for k in keys(s3, url) if k.endswith(".json") and "/nodes/" in k)
     _rewrite(s3, url, _blob_key(s3, url, mkey), _flip)
     argv[4] = tmp_path / "d"
-    status, out, err = run_cli(capsys, argv)
+    status, out, err = run_cli(capsys, *argv)
     report = json.loads(out)
     assert status == 1 and report["invalid"] == 1
     assert "checksum mismatch" in report["problems"][0]
@@ -746,7 +735,7 @@ def test_push_pull_and_prefill_with_remote(tmp_path, tiny_model_dir, url, s3, ca
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"tokens": SYSTEM}) + "\n")
     argv = ["prefill", jsonl, "--store", tmp_path / "e", "--remote", url, *model_args]
-    status, out, err = run_cli(capsys, argv + ["--json", "--quiet"])
+    status, out, err = run_cli(capsys, *argv + ["--json", "--quiet"])
     assert status == 0, err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["tokens_computed"] == 1 and summary["remote_nodes_down"] == 3
@@ -784,7 +773,7 @@ def test_cli_remote_arguments(tmp_path, model, s3, capsys, argv, message):
     (tmp_path / "p.jsonl").write_text('{"tokens": [5, 6]}\n')
     argv = [a.format(tmp=tmp_path, a=tmp_path / "a") for a in argv]
     try:
-        status, _, err = run_cli(capsys, argv)
+        status, _, err = run_cli(capsys, *argv)
     except SystemExit as e:  # argparse
         status, err = e.code, capsys.readouterr().err
     assert status == 2, err
@@ -829,7 +818,7 @@ def test_without_boto3_the_library_works_and_remote_says_what_to_install(
     with pytest.raises(ImportError, match=r"pip install 'kvstore\[remote\]'"):
         KVStore(tmp_path / "s", model, remote="s3://bucket/p")
     status, _, err = run_cli(
-        capsys, ["push", "--remote", "s3://bucket/p", "--store", tmp_path / "s"]
+        capsys, *["push", "--remote", "s3://bucket/p", "--store", tmp_path / "s"]
     )
     assert status == 2 and "--remote: " in err and "pip install" in err
 

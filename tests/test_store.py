@@ -6,7 +6,14 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import compute_cache, greedy, next_logits, random_tokens, tiny_llama
+from conftest import (
+    assert_same_as_cold,
+    compute_cache,
+    greedy,
+    next_logits,
+    random_tokens,
+    tiny_llama,
+)
 from mlx_lm.models import llama
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
@@ -16,19 +23,6 @@ from kvstore import KVStore, StoreError, UnsupportedCacheError
 C = 64  # chunk tokens in these tests
 STORED = random_tokens(300, seed=1)  # 4 full chunks and a 44-token tail
 FRESH = random_tokens(200, seed=2)
-
-
-def assert_same_as_cold(model, store, prompt, expect_n, steps=20):
-    """Restored + rest of the prompt gives the logits and greedy tokens of a cold run."""
-    cache, n = store.fetch(prompt)
-    assert n == expect_n
-    assert all(c.offset == n for c in cache) if n else True
-    warm_logits = next_logits(model, cache, prompt[n:])
-    cold = compute_cache(model, [])
-    cold_logits = next_logits(model, cold, prompt)
-    assert mx.allclose(warm_logits, cold_logits, atol=1e-4, rtol=1e-4).item()
-    warm = greedy(model, store.fetch(prompt)[0], prompt[n:], steps)
-    assert warm == greedy(model, compute_cache(model, []), prompt, steps)
 
 
 @pytest.fixture

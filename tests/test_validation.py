@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import VOCAB, compute_cache, random_tokens
+from conftest import VOCAB, compute_cache, random_tokens, run_cli
 
-from kvstore import KVStore, StoreError, cli, server
+from kvstore import KVStore, StoreError, server
 
 C = 32
 TOKENS = random_tokens(50, seed=40)
@@ -151,15 +151,6 @@ def test_method_arguments(store, model, method, args, kwargs, error, message):
 # -- command line ----------------------------------------------------------------------
 
 
-def run_cli(capsys, argv) -> tuple:
-    try:
-        status = cli.main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, err
-
-
 def cli_cases(files, model_dir):
     store, missing = files / "store", files / "missing.jsonl"
     prompts = files / "prompts.jsonl"
@@ -216,7 +207,7 @@ def cli_cases(files, model_dir):
 
 def test_cli_arguments(files, tiny_model_dir, capsys):
     for argv, message in cli_cases(files, tiny_model_dir):
-        status, err = run_cli(capsys, argv)
+        status, _, err = run_cli(capsys, *argv)
         assert status == 2, (argv, err)
         assert "Traceback" not in err, (argv, err)
         assert re.search(message, err), (argv, err)
@@ -243,9 +234,9 @@ def test_unreadable_prompts_file_and_store(files, tiny_model_dir, capsys, model)
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        status, err = run_cli(
+        status, _, err = run_cli(
             capsys,
-            ["prefill", secret, "--model", tiny_model_dir, "--store", files / "s2"],
+            *["prefill", secret, "--model", tiny_model_dir, "--store", files / "s2"],
         )
         assert status == 2 and "secret.jsonl: cannot read" in err
         with pytest.raises(StoreError, match="cannot create the store directory"):

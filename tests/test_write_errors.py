@@ -16,11 +16,13 @@ import lmdb
 import mlx.core as mx
 import pytest
 from conftest import compute_cache, random_tokens
+from serving import KEY, provider
 
 import kvstore.blobs
 import kvstore.fsutil
 import kvstore.publish
 from kvstore import KVStore
+from kvstore.server import PersistentPromptCache
 
 C = 32
 KEPT = random_tokens(70, seed=20)  # stored before the failure: must survive it
@@ -206,3 +208,85 @@ def test_index_commit_error_removes_the_published_files(tmp_path, model, monkeyp
         store.save(NEW, compute_cache(model, NEW))
         store.flush()
         assert_restores(model, store, NEW)
+
+
+# -- kvstore serve's prompt cache ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_disk_full_at_write_time(tmp_path, model, tokenizer, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING)
+    root = str(tmp_path / "s")
+    pc = PersistentPromptCache(root, provider(model, tokenizer))
+    store = pc.open_store(KEY)
+
+    # Keep what an earlier save stored: a failed write must not touch it.
+    kept = random_tokens(40, seed=10)
+    pc.insert_cache(KEY, kept, compute_cache(model, kept))
+    pc.flush()
+    before = store.stats()
+    assert before["nodes"] >= 1 and before["writes_failed"] == 0
+    files_before = files(root, "*.safetensors")
+
+    # Writes of chunk files (kvstore.fsutil): a few bytes land, then the disk is full.
+    real_os, calls = os, {"n": 0}
+
+    def full_write(fd, data):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_os.write(fd, bytes(data[:100]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_writev(fd, buffers):
+        return full_write(fd, b"".join(bytes(b) for b in buffers))
+
+    fake_os = SimpleNamespace(
+        **{k: getattr(real_os, k) for k in dir(real_os) if not k.startswith("__")}
+    )
+    fake_os.write, fake_os.writev = full_write, full_writev
+    monkeypatch.setattr(kvstore.fsutil, "os", fake_os)
+
+    tokens = random_tokens(300, seed=11)
+    cache = compute_cache(model, tokens)
+    pc.insert_cache(KEY, tokens, cache)  # must not raise
+    pc.flush()
+    assert calls["n"] >= 2  # the write really was attempted
+
+    after = store.stats()
+    assert after["writes_failed"] == before["writes_failed"] + 1
+    assert (after["nodes"], after["stored_tokens"], after["bytes_on_disk"]) == (
+        before["nodes"],
+        before["stored_tokens"],
+        before["bytes_on_disk"],
+    )
+    assert files(root, "*.tmp") == []
+    assert files(root, "*.safetensors") == files_before
+    failures = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and r.exc_info
+    ]
+    assert any(
+        "No space left on device" in str(r.exc_info[1]) for r in failures
+    ), caplog.text
+    # The RAM cache still serves the prompt.
+    got, rest = pc.fetch_nearest_cache(KEY, tokens + [5])
+    assert rest == [5] and got[0].offset == 300
+
+    # Space again: a later save is stored.
+    monkeypatch.undo()
+    later = random_tokens(200, seed=12)
+    pc.insert_cache(KEY, later, compute_cache(model, later))
+    pc.flush()
+    final = store.stats()
+    assert (
+        final["nodes"] > before["nodes"]
+        and final["writes_failed"] == after["writes_failed"]
+    )
+    assert files(root, "*.tmp") == []
+    pc.close()
+
+    fresh = PersistentPromptCache(root, provider(model, tokenizer))  # from disk alone
+    got, rest = fresh.fetch_nearest_cache(KEY, later + [7])
+    assert rest == [7] and got[0].offset == 200
+    got, rest = fresh.fetch_nearest_cache(KEY, tokens + [7])
+    assert got is None and len(rest) == 301  # the failed save left nothing behind
+    fresh.close()

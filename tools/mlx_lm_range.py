@@ -33,7 +33,7 @@ DEFAULT_TESTS = [
     "tests/test_store.py",
     "tests/test_cache_types.py",
     "tests/test_server.py",
-    "tests/test_server_more.py",
+    "tests/test_serve_processes.py",
     "tests/test_compat.py",
 ]
 
@@ -41,7 +41,8 @@ DEFAULT_TESTS = [
 _PROBE = """
 import json, importlib.metadata as md
 from kvstore import compat
-problems = compat.server_problems()
+from kvstore.server import PersistentPromptCache
+problems = compat.server_problems(cache_class=PersistentPromptCache)
 print(json.dumps({
     "mlx_lm": md.version("mlx-lm"), "mlx": md.version("mlx"),
     "transformers": md.version("transformers"), "problems": problems}))

@@ -31,7 +31,7 @@ _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
 
 
 @contextmanager
-def _opened(path, *, readonly: bool = False) -> Iterator[Tuple[Index, Blobs]]:
+def opened(path, *, readonly: bool = False) -> Iterator[Tuple[Index, Blobs]]:
     """The store's index (never created here) and chunk files; the index is closed
     after. ``readonly``: nothing is written (LMDB's read-only mode, no directory made).
     """
@@ -88,7 +88,7 @@ def disk_budget(path) -> Optional[int]:
     Raises:
         StoreError: ``path`` is not a kvstore directory.
     """
-    with _opened(path, readonly=True) as (index, _):
+    with opened(path, readonly=True) as (index, _):
         return read_disk_budget(index)
 
 
@@ -104,7 +104,7 @@ def set_disk_budget(path, nbytes: Optional[int]) -> None:
     """
     if nbytes is not None:  # 0 would keep nothing: None is "no budget"
         check_int("nbytes", nbytes, minimum=1)
-    with _opened(path) as (index, _):
+    with opened(path) as (index, _):
         write_disk_budget(index, nbytes)
 
 
@@ -200,7 +200,7 @@ def release_files(
     return out
 
 
-def _delete_namespace(
+def delete_namespace(
     index: Index, txn, ns: bytes
 ) -> List[Tuple[bytes, Optional[NodeRecord]]]:
     """Remove everything of namespace ``ns`` from the index, in a write transaction.
@@ -208,25 +208,26 @@ def _delete_namespace(
     Returns ``(hash, record)`` of its nodes (record None where it did not decode).
     """
     gone = []
-    for key, raw in _prefixed(txn, index.db["nodes"], ns):
+    for key, raw in prefixed_items(txn, index.db["nodes"], ns):
         try:
             rec = NodeRecord.decode(raw)
         except CorruptRecord:
             rec = None
         gone.append((key[len(ns) :], rec))
     for name in ("nodes", "children", "atime", "pins"):
-        for key, _ in _prefixed(txn, index.db[name], ns):
+        for key, _ in prefixed_items(txn, index.db[name], ns):
             txn.delete(key, db=index.db[name])
     txn.delete(ns, db=index.db["counters"])
     txn.delete(ns, db=index.db["namespaces"])
     # Model keys naming it (kvstore.namespace.model_key): few, one per model setup.
-    for key, value in _prefixed(txn, index.db["meta"], MODEL_KEY_PREFIX):
+    for key, value in prefixed_items(txn, index.db["meta"], MODEL_KEY_PREFIX):
         if value == ns:
             txn.delete(key, db=index.db["meta"])
     return gone
 
 
-def _prefixed(txn, db, prefix: bytes) -> List[Tuple[bytes, bytes]]:
+def prefixed_items(txn, db, prefix: bytes) -> List[Tuple[bytes, bytes]]:
+    """Every ``(key, value)`` of ``db`` whose key starts with ``prefix``, in order."""
     cur = txn.cursor(db=db)
     out = []
     if cur.set_range(prefix):
@@ -419,7 +420,7 @@ def reserve_room(
 # -- namespaces and names --------------------------------------------------------------
 
 
-def _descriptions(index: Index, txn) -> Dict[bytes, Any]:
+def namespace_descriptions(index: Index, txn) -> Dict[bytes, Any]:
     """Namespace descriptions by id: the parsed JSON, or a string saying why it is unusable."""
     out = {}
     for k, v in txn.cursor(db=index.db["namespaces"]):
@@ -433,7 +434,7 @@ def _descriptions(index: Index, txn) -> Dict[bytes, Any]:
     return out
 
 
-def _layout(desc: Any) -> Layout:
+def description_layout(desc: Any) -> Layout:
     """The cache layout a namespace description records; ValueError when unusable."""
     if isinstance(desc, str):
         raise ValueError(desc)
@@ -451,7 +452,7 @@ def _layout(desc: Any) -> Layout:
     return layout
 
 
-def _known_namespaces(index: Index, txn) -> Set[bytes]:
+def known_namespaces(index: Index, txn) -> Set[bytes]:
     """Namespaces with a description, counters or nodes (one cursor seek per namespace)."""
     out = {bytes(k) for k, _ in txn.cursor(db=index.db["namespaces"])}
     out |= {bytes(k) for k, _ in txn.cursor(db=index.db["counters"])}
@@ -488,7 +489,9 @@ def _hex_spec(spec, what: str) -> str:
     return s
 
 
-def _resolve_namespace(known: Iterable[bytes], spec) -> bytes:
+def resolve_namespace(known: Iterable[bytes], spec) -> bytes:
+    """The namespace of ``known`` that the hex id or prefix ``spec`` names (as given
+    to ``kvstore gc --namespace``); ValueError for none or several, TypeError."""
     s = _hex_spec(spec, "namespace")
     matches = sorted(ns for ns in known if ns.hex().startswith(s))
     if not matches:
@@ -500,11 +503,13 @@ def _resolve_namespace(known: Iterable[bytes], spec) -> bytes:
     return matches[0]
 
 
-def _resolve_node(index: Index, txn, ns: bytes, spec) -> bytes:
+def resolve_node(index: Index, txn, ns: bytes, spec) -> bytes:
+    """The node of namespace ``ns`` that the hex id or prefix ``spec`` names;
+    ValueError for none or several, TypeError."""
     s = _hex_spec(spec, "node")
     start = ns + bytes.fromhex(s[: len(s) // 2 * 2])
     matches = []
-    for key, _ in _prefixed(txn, index.db["nodes"], start):
+    for key, _ in prefixed_items(txn, index.db["nodes"], start):
         h = key[len(ns) :]
         if h.hex().startswith(s):
             matches.append(h)
@@ -526,12 +531,15 @@ def check_int(name: str, value, *, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_optional_int(name: str, value) -> None:
+def check_optional_int(name: str, value) -> None:
+    """:func:`check_int` with ``minimum=0``, unless ``value`` is None."""
     if value is not None:
         check_int(name, value, minimum=0)
 
 
-def _spec_list(name: str, specs) -> list:
+def spec_list(name: str, specs) -> list:
+    """``specs`` (hex ids of namespaces or nodes) as a list; TypeError for a single
+    string or a non-iterable."""
     if isinstance(specs, (str, bytes)) or not isinstance(specs, _IterableABC):
         raise TypeError(f"{name} must be a list of hex ids, got {type(specs).__name__}")
     return list(specs)

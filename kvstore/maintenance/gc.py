@@ -9,19 +9,19 @@ from ..chunking import HASH_BYTES, root_hash
 from ..index import CorruptRecord, Index, StoreError
 from .common import (
     Eviction,
-    _check_optional_int,
-    _delete_namespace,
-    _known_namespaces,
-    _opened,
-    _prefixed,
-    _resolve_namespace,
-    _resolve_node,
-    _spec_list,
+    check_optional_int,
+    delete_namespace,
     evict_to_budget,
+    known_namespaces,
+    opened,
+    prefixed_items,
     read_disk_budget,
     release_files,
+    resolve_namespace,
+    resolve_node,
+    spec_list,
 )
-from .verify import _Fixed, _scan_files, _verify
+from .verify import Fixed, scan_files, verify_open_store
 
 # -- gc --------------------------------------------------------------------------------
 
@@ -75,127 +75,149 @@ def gc(
         ValueError: a namespace is unknown or ambiguous, or named both to drop and to
             keep; bad budgets or ages.
     """
-    _check_optional_int("max_bytes", max_bytes)
+    check_optional_int("max_bytes", max_bytes)
     if isinstance(temp_age_seconds, bool) or not isinstance(
         temp_age_seconds, (int, float)
     ):
         raise TypeError(f"temp_age_seconds must be a number, got {temp_age_seconds!r}")
     if temp_age_seconds < 0:
         raise ValueError(f"temp_age_seconds must be >= 0, got {temp_age_seconds}")
-    drop_specs = _spec_list("drop_namespaces", drop_namespaces)
+    drop_specs = spec_list("drop_namespaces", drop_namespaces)
     keep_specs = (
         None
         if keep_namespaces is None
-        else _spec_list("keep_namespaces", keep_namespaces)
+        else spec_list("keep_namespaces", keep_namespaces)
     )
     now = time.time() if now is None else now
     path = os.fspath(path)
-    with _opened(path) as (index, blobs):
+    with opened(path) as (index, blobs):
         report: Dict[str, Any] = {"path": path, "bytes_before": index.total_bytes()}
-
-        # 1. Whole namespaces.
-        known = index.read(lambda txn: _known_namespaces(index, txn))
-        drop = {_resolve_namespace(known, s) for s in drop_specs}
-        if keep_specs is not None:
-            keep = {_resolve_namespace(known, s) for s in keep_specs}
-            if drop & keep:
-                both = ", ".join(sorted(ns.hex() for ns in drop & keep))
-                raise ValueError(f"namespaces named both to drop and to keep: {both}")
-            drop |= known - keep
-        dropped_nodes = dropped_bytes = 0
-        for ns in sorted(drop):
-            gone = index.write(lambda txn, ns=ns: _delete_namespace(index, txn, ns))
-            dropped_nodes += len(gone)
-            dropped_bytes += sum(rec.total_bytes for _, rec in gone if rec is not None)
-            release_files(
-                index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES]
-            )
-        report.update(
-            namespaces_dropped=sorted(ns.hex() for ns in drop),
-            dropped_nodes=dropped_nodes,
-            dropped_bytes=dropped_bytes,
-        )
-
-        # 2. Broken nodes.
-        checked = _verify(
-            index, blobs, fix=True, check_data=check_data, walk_files=False, now=now
-        )
-        fixed = checked["fixed"] or _Fixed().report()
-        report.update(
-            problems=checked["problems"],
-            broken_nodes=fixed["nodes_removed"],
-            broken_bytes=fixed["bytes_removed"],
-            quarantined=fixed["quarantined"],
-            index_repairs=fixed["index_repairs"],
-        )
-
-        # 3. The budget: unpinned leaves first, pinned only when nothing else is left.
-        budget = max_bytes if max_bytes is not None else read_disk_budget(index)
-        evicted = (
-            evict_to_budget(index, blobs, budget, pinned_last=True)
-            if budget is not None
-            else Eviction()
-        )
-        report.update(
-            budget=budget,
-            evicted_nodes=evicted.nodes,
-            evicted_bytes=evicted.bytes,
-            evicted_pinned=evicted.pinned,
-            over_budget=evicted.excess,
-        )
-
-        # 4. Orphan and temp files.
-        orphans = [
-            f
-            for f in _scan_files(index, blobs, now=now)
-            if f.problem["kind"] == "orphan"
-        ]
-        released = release_files(
-            index, blobs, [f.key for f in orphans if f.key is not None]
-        )
-        for f in orphans:
-            if f.key is None:  # no node can ever name it: no index check needed
-                try:
-                    size = os.lstat(f.problem["file"]).st_size
-                    os.unlink(f.problem["file"])
-                except FileNotFoundError:
-                    continue
-                released.unlinked += 1
-                released.bytes += size
-        temp_removed = temp_bytes = temp_kept = 0
-        for kind, p in blobs.iter_files():
-            if kind != "temp":
-                continue
-            try:
-                st = os.lstat(p)
-                if now - st.st_mtime <= temp_age_seconds:
-                    temp_kept += 1
-                    continue
-                os.unlink(p)
-            except FileNotFoundError:
-                continue
-            temp_removed += 1
-            temp_bytes += st.st_size
+        drop = _namespaces_to_drop(index, drop_specs, keep_specs)
+        report.update(_drop_namespaces(index, blobs, drop))
+        report.update(_remove_broken(index, blobs, check_data=check_data, now=now))
+        report.update(_evict(index, blobs, max_bytes))
+        report.update(_remove_orphans(index, blobs, now=now))
+        report.update(_remove_temp_files(blobs, now=now, min_age=temp_age_seconds))
         for ns in drop:
             _remove_empty_dirs(os.path.join(blobs.root, ns.hex()))
         report.update(
-            orphans_removed=released.unlinked,
-            orphan_bytes=released.bytes,
-            temp_removed=temp_removed,
-            temp_bytes=temp_bytes,
-            temp_kept=temp_kept,
             # Real time, not ``now``: a reservation's age says whether its save lives.
             reservations_dropped=reservations.drop_stale(index),
             bytes_after=index.total_bytes(),
         )
     report["bytes_freed"] = (
-        dropped_bytes
-        + fixed["bytes_removed"]
-        + evicted.bytes
-        + released.bytes
-        + temp_bytes
+        report["dropped_bytes"]
+        + report["broken_bytes"]
+        + report["evicted_bytes"]
+        + report["orphan_bytes"]
+        + report["temp_bytes"]
     )
     return report
+
+
+def _namespaces_to_drop(
+    index: Index, drop_specs: list, keep_specs: Optional[list]
+) -> Set[bytes]:
+    """Step 1: the namespaces ``drop_specs`` name, and all not in ``keep_specs``."""
+    known = index.read(lambda txn: known_namespaces(index, txn))
+    drop = {resolve_namespace(known, s) for s in drop_specs}
+    if keep_specs is not None:
+        keep = {resolve_namespace(known, s) for s in keep_specs}
+        if drop & keep:
+            both = ", ".join(sorted(ns.hex() for ns in drop & keep))
+            raise ValueError(f"namespaces named both to drop and to keep: {both}")
+        drop |= known - keep
+    return drop
+
+
+def _drop_namespaces(index: Index, blobs, drop: Set[bytes]) -> Dict[str, Any]:
+    """Step 1: remove whole namespaces, index first, then their files."""
+    dropped_nodes = dropped_bytes = 0
+    for ns in sorted(drop):
+        gone = index.write(lambda txn, ns=ns: delete_namespace(index, txn, ns))
+        dropped_nodes += len(gone)
+        dropped_bytes += sum(rec.total_bytes for _, rec in gone if rec is not None)
+        release_files(index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES])
+    return dict(
+        namespaces_dropped=sorted(ns.hex() for ns in drop),
+        dropped_nodes=dropped_nodes,
+        dropped_bytes=dropped_bytes,
+    )
+
+
+def _remove_broken(
+    index: Index, blobs, *, check_data: bool, now: float
+) -> Dict[str, Any]:
+    """Step 2: broken nodes, removed as ``verify(fix=True)`` does."""
+    checked = verify_open_store(
+        index, blobs, fix=True, check_data=check_data, walk_files=False, now=now
+    )
+    fixed = checked["fixed"] or Fixed().report()
+    return dict(
+        problems=checked["problems"],
+        broken_nodes=fixed["nodes_removed"],
+        broken_bytes=fixed["bytes_removed"],
+        quarantined=fixed["quarantined"],
+        index_repairs=fixed["index_repairs"],
+    )
+
+
+def _evict(index: Index, blobs, max_bytes: Optional[int]) -> Dict[str, Any]:
+    """Step 3: the budget; unpinned leaves first, pinned only when nothing else is
+    left."""
+    budget = max_bytes if max_bytes is not None else read_disk_budget(index)
+    evicted = (
+        evict_to_budget(index, blobs, budget, pinned_last=True)
+        if budget is not None
+        else Eviction()
+    )
+    return dict(
+        budget=budget,
+        evicted_nodes=evicted.nodes,
+        evicted_bytes=evicted.bytes,
+        evicted_pinned=evicted.pinned,
+        over_budget=evicted.excess,
+    )
+
+
+def _remove_orphans(index: Index, blobs, *, now: float) -> Dict[str, Any]:
+    """Step 4: chunk files no index record names."""
+    orphans = [
+        f for f in scan_files(index, blobs, now=now) if f.problem["kind"] == "orphan"
+    ]
+    released = release_files(
+        index, blobs, [f.key for f in orphans if f.key is not None]
+    )
+    for f in orphans:
+        if f.key is None:  # no node can ever name it: no index check needed
+            try:
+                size = os.lstat(f.problem["file"]).st_size
+                os.unlink(f.problem["file"])
+            except FileNotFoundError:
+                continue
+            released.unlinked += 1
+            released.bytes += size
+    return dict(orphans_removed=released.unlinked, orphan_bytes=released.bytes)
+
+
+def _remove_temp_files(blobs, *, now: float, min_age: float) -> Dict[str, Any]:
+    """Step 4: temp files older than ``min_age`` seconds (younger ones may be writes
+    in progress)."""
+    temp_removed = temp_bytes = temp_kept = 0
+    for kind, p in blobs.iter_files():
+        if kind != "temp":
+            continue
+        try:
+            st = os.lstat(p)
+            if now - st.st_mtime <= min_age:
+                temp_kept += 1
+                continue
+            os.unlink(p)
+        except FileNotFoundError:
+            continue
+        temp_removed += 1
+        temp_bytes += st.st_size
+    return dict(temp_removed=temp_removed, temp_bytes=temp_bytes, temp_kept=temp_kept)
 
 
 def _remove_empty_dirs(root: str) -> None:
@@ -228,12 +250,12 @@ def set_pinned(path, namespace_hex, node_hexes: Iterable, pinned: bool) -> int:
         StoreError: ``path`` is not a kvstore directory.
         ValueError: an unknown or ambiguous namespace or node (nothing is changed).
     """
-    specs = _spec_list("node_hexes", node_hexes)
-    with _opened(path) as (index, _):
+    specs = spec_list("node_hexes", node_hexes)
+    with opened(path) as (index, _):
 
         def apply(txn):
-            ns = _resolve_namespace(_known_namespaces(index, txn), namespace_hex)
-            hashes = [_resolve_node(index, txn, ns, s) for s in specs]
+            ns = resolve_namespace(known_namespaces(index, txn), namespace_hex)
+            hashes = [resolve_node(index, txn, ns, s) for s in specs]
             return sum(
                 _set_pin(index, txn, ns, h, pinned) for h in dict.fromkeys(hashes)
             )
@@ -266,11 +288,11 @@ def pin_path(path, namespace_hex, leaf_hex, pinned: bool) -> int:
             corrupt (run ``verify(fix=True)``).
         ValueError: an unknown or ambiguous namespace or node.
     """
-    with _opened(path) as (index, _):
+    with opened(path) as (index, _):
 
         def apply(txn):
-            ns = _resolve_namespace(_known_namespaces(index, txn), namespace_hex)
-            h = _resolve_node(index, txn, ns, leaf_hex)
+            ns = resolve_namespace(known_namespaces(index, txn), namespace_hex)
+            h = resolve_node(index, txn, ns, leaf_hex)
             path_up = _ancestry(index, txn, ns, h)  # h first
             if pinned:
                 targets = path_up
@@ -284,7 +306,7 @@ def pin_path(path, namespace_hex, leaf_hex, pinned: bool) -> int:
                 # Pinned nodes off the released path and subtree keep their ancestors.
                 released = set(below) | set(path_up)
                 needed: Set[bytes] = set()
-                for key, _ in _prefixed(txn, index.db["pins"], ns):
+                for key, _ in prefixed_items(txn, index.db["pins"], ns):
                     other = key[len(ns) :]
                     if other not in released and other not in needed:
                         needed.update(_ancestry(index, txn, ns, other))

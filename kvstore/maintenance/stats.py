@@ -8,13 +8,13 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import root_hash
 from ..index import CorruptRecord, Index, NodeRecord
 from .common import (
-    _descriptions,
-    _known_namespaces,
-    _layout,
-    _opened,
-    _resolve_namespace,
     check_int,
+    description_layout,
+    known_namespaces,
+    namespace_descriptions,
+    opened,
     read_disk_budget,
+    resolve_namespace,
 )
 
 # -- stats -----------------------------------------------------------------------------
@@ -86,92 +86,116 @@ def store_stats(path) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
-    with _opened(path, readonly=True) as (index, blobs):
-
-        def scan(txn):
-            meta = index.db["meta"]
-            created = txn.get(b"created", db=meta)
-            head = {
-                "path": path,
-                "format_version": int(txn.get(b"format_version", db=meta)),
-                "created": float(created) if created is not None else None,
-                "disk_budget": read_disk_budget(index, txn),
-            }
-            descs = _descriptions(index, txn)
-            per: Dict[bytes, Dict[str, Any]] = {}
-            keys, parents = [], set()
-            for ns, h, raw in index.iter_nodes(txn):
-                acc = per.setdefault(ns, _new_acc())
-                try:
-                    rec = NodeRecord.decode(raw)
-                except CorruptRecord:
-                    acc["corrupt_records"] += 1
-                    continue
-                keys.append((ns, h))
-                parents.add((ns, rec.parent))
-                acc["pinned_nodes"] += rec.pinned
-                acc["created"].append(rec.created)
-                atime = index.atime(txn, ns, h)
-                acc["last_access"] = max(acc["last_access"] or atime, atime)
-            for key in keys:
-                per[key[0]]["prompts"] += key not in parents
-            counters = {
-                ns: index.counters(ns, txn) for ns in _known_namespaces(index, txn)
-            }
-            return head, descs, per, counters
-
-        head, descs, per, counters = index.read(scan)
+    with opened(path, readonly=True) as (index, blobs):
+        head, descs, per, counters = index.read(
+            lambda txn: _scan_index(index, txn, path)
+        )
         files = _file_sizes(blobs)
         index_bytes = os.lstat(os.path.join(path, "index", "data.mdb")).st_size
-        q_files, q_bytes = _dir_size(blobs.quarantine_dir)
-
-    namespaces = []
-    for ns in sorted(set(counters) | set(descs)):
-        desc = descs.get(ns)
-        desc = desc if isinstance(desc, dict) else {}
-        try:
-            layout = _layout(desc)
-        except ValueError:
-            layout = None
-        acc = per.get(ns, _new_acc())
-        nodes, tokens, nbytes, pinned = counters.get(ns, (0, 0, 0, 0))
-        nfiles, fbytes = files["per_namespace"].get(ns, (0, 0))
-        namespaces.append(
-            {
-                "id": ns.hex(),
-                "model_type": desc.get("model_type"),
-                "chunk_tokens": desc.get("chunk_tokens"),
-                "layers": len(layout.tree) if layout else None,
-                "cache_types": (
-                    ",".join(sorted({leaf.cls for leaf in layout.leaves}))
-                    if layout
-                    else None
-                ),
-                "dtype": (
-                    ",".join(
-                        sorted(
-                            {d for leaf in layout.leaves for _, d, _ in leaf.tensors}
-                        )
-                    )
-                    if layout
-                    else None
-                ),
-                "bytes_per_token": _bytes_per_token(layout) if layout else None,
-                "tokenizer": desc.get("vocab") is not None,
-                "nodes": nodes,
-                "prompts": acc["prompts"],
-                "tokens": tokens,
-                "bytes": nbytes,
-                "pinned_bytes": pinned,
-                "pinned_nodes": acc["pinned_nodes"],
-                "corrupt_records": acc["corrupt_records"],
-                "oldest": min(acc["created"]) if acc["created"] else None,
-                "newest": max(acc["created"]) if acc["created"] else None,
-                "last_access": acc["last_access"],
-                "files": nfiles,
-                "file_bytes": fbytes,
-            }
+        quarantine = _dir_size(blobs.quarantine_dir)
+    namespaces = [
+        _namespace_entry(
+            ns,
+            descs.get(ns),
+            per.get(ns, _new_acc()),
+            counters.get(ns, (0, 0, 0, 0)),
+            files["per_namespace"].get(ns, (0, 0)),
         )
+        for ns in sorted(set(counters) | set(descs))
+    ]
+    totals = _totals(namespaces, files, index_bytes, quarantine)
+    return {
+        **head,
+        "bytes_on_disk": totals["bytes"],  # chunk files, by the index's counters
+        "file_bytes": totals["file_bytes"],  # chunk files found on disk
+        "namespaces": namespaces,
+        "totals": totals,
+    }
+
+
+def _scan_index(index: Index, txn, path: str) -> tuple:
+    """The store's header fields, namespace descriptions, per-namespace tallies of
+    the node records, and the index's counters, in one read transaction."""
+    meta = index.db["meta"]
+    created = txn.get(b"created", db=meta)
+    head = {
+        "path": path,
+        "format_version": int(txn.get(b"format_version", db=meta)),
+        "created": float(created) if created is not None else None,
+        "disk_budget": read_disk_budget(index, txn),
+    }
+    descs = namespace_descriptions(index, txn)
+    per: Dict[bytes, Dict[str, Any]] = {}
+    keys, parents = [], set()
+    for ns, h, raw in index.iter_nodes(txn):
+        acc = per.setdefault(ns, _new_acc())
+        try:
+            rec = NodeRecord.decode(raw)
+        except CorruptRecord:
+            acc["corrupt_records"] += 1
+            continue
+        keys.append((ns, h))
+        parents.add((ns, rec.parent))
+        acc["pinned_nodes"] += rec.pinned
+        acc["created"].append(rec.created)
+        atime = index.atime(txn, ns, h)
+        acc["last_access"] = max(acc["last_access"] or atime, atime)
+    for key in keys:
+        per[key[0]]["prompts"] += key not in parents
+    counters = {ns: index.counters(ns, txn) for ns in known_namespaces(index, txn)}
+    return head, descs, per, counters
+
+
+def _namespace_entry(
+    ns: bytes, desc: Any, acc: Dict[str, Any], counts: tuple, file_counts: tuple
+) -> Dict[str, Any]:
+    """One namespace of :func:`store_stats`: its description, the tallies of its node
+    records, its index counters and the files found on disk."""
+    desc = desc if isinstance(desc, dict) else {}
+    try:
+        layout = description_layout(desc)
+    except ValueError:
+        layout = None
+    nodes, tokens, nbytes, pinned = counts
+    nfiles, fbytes = file_counts
+    return {
+        "id": ns.hex(),
+        "model_type": desc.get("model_type"),
+        "chunk_tokens": desc.get("chunk_tokens"),
+        "layers": len(layout.tree) if layout else None,
+        "cache_types": (
+            ",".join(sorted({leaf.cls for leaf in layout.leaves})) if layout else None
+        ),
+        "dtype": (
+            ",".join(sorted({d for leaf in layout.leaves for _, d, _ in leaf.tensors}))
+            if layout
+            else None
+        ),
+        "bytes_per_token": _bytes_per_token(layout) if layout else None,
+        "tokenizer": desc.get("vocab") is not None,
+        "nodes": nodes,
+        "prompts": acc["prompts"],
+        "tokens": tokens,
+        "bytes": nbytes,
+        "pinned_bytes": pinned,
+        "pinned_nodes": acc["pinned_nodes"],
+        "corrupt_records": acc["corrupt_records"],
+        "oldest": min(acc["created"]) if acc["created"] else None,
+        "newest": max(acc["created"]) if acc["created"] else None,
+        "last_access": acc["last_access"],
+        "files": nfiles,
+        "file_bytes": fbytes,
+    }
+
+
+def _totals(
+    namespaces: List[Dict[str, Any]],
+    files: Dict[str, Any],
+    index_bytes: int,
+    quarantine: Tuple[int, int],
+) -> Dict[str, Any]:
+    """The totals of :func:`store_stats`: the namespaces' sums and the files found."""
+    q_files, q_bytes = quarantine
     totals = {
         key: sum(n[key] for n in namespaces)
         for key in (
@@ -195,13 +219,7 @@ def store_stats(path) -> Dict[str, Any]:
         quarantine_files=q_files,
         quarantine_bytes=q_bytes,
     )
-    return {
-        **head,
-        "bytes_on_disk": totals["bytes"],  # chunk files, by the index's counters
-        "file_bytes": totals["file_bytes"],  # chunk files found on disk
-        "namespaces": namespaces,
-        "totals": totals,
-    }
+    return totals
 
 
 def _new_acc() -> Dict[str, Any]:
@@ -244,7 +262,7 @@ def list_tree(
     """
     check_int("max_depth", max_depth, minimum=0)
     check_int("max_children", max_children, minimum=0)
-    with _opened(path, readonly=True) as (index, _):
+    with opened(path, readonly=True) as (index, _):
 
         def kids(txn, ns: bytes, parent: bytes, depth: int) -> Tuple[List[dict], int]:
             hashes = index.children(ns, parent, txn)
@@ -259,13 +277,13 @@ def list_tree(
             return shown, len(hashes) - len(hashes[:max_children])
 
         def build(txn):
-            known = _known_namespaces(index, txn)
+            known = known_namespaces(index, txn)
             spaces = (
-                [_resolve_namespace(known, namespace)]
+                [resolve_namespace(known, namespace)]
                 if namespace is not None
                 else known
             )
-            descs = _descriptions(index, txn)
+            descs = namespace_descriptions(index, txn)
             out = []
             for ns in sorted(spaces):
                 desc = descs.get(ns)

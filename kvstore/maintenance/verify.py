@@ -22,11 +22,11 @@ from ..fsutil import NotRegularFile
 from ..index import CorruptRecord, Index, NodeRecord, child_key
 from .common import (
     Key,
-    _delete_namespace,
-    _descriptions,
-    _layout,
-    _opened,
+    delete_namespace,
     delete_subtree,
+    description_layout,
+    namespace_descriptions,
+    opened,
     release_files,
 )
 
@@ -77,11 +77,11 @@ class _IndexScan:
 
 def _scan_index(index: Index, txn) -> _IndexScan:
     """Check every record and description; no file is read."""
-    descs = _descriptions(index, txn)
+    descs = namespace_descriptions(index, txn)
     layouts, findings = {}, []
     for ns, desc in descs.items():
         try:
-            layouts[ns] = _layout(desc)
+            layouts[ns] = description_layout(desc)
         except ValueError as e:
             findings.append(
                 _Finding(
@@ -172,28 +172,39 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         if rec is not None and k[0] not in skip
     }
     raw_keys = {ns + h for ns, h in scan.nodes}
-    out: List[_Finding] = []
+    return (
+        _edge_diffs(index, txn, good, skip)
+        + _atime_diffs(index, txn, good, skip, raw_keys)
+        + _pin_diffs(index, txn, good, skip)
+        + _counter_diffs(index, txn, good, skip)
+    )
 
-    def diff(
-        db: str,
-        key: bytes,
-        value: Optional[bytes],
-        ns: bytes,
-        h: Optional[bytes],
-        detail,
-    ):
-        def apply(t, db=db, key=key, value=value):
-            if value is None:
-                t.delete(key, db=index.db[db])
-            else:
-                t.put(key, value, db=index.db[db])
 
-        out.append(
-            _Finding(
-                _problem("index", ns, h, detail=detail), action="repair", apply=apply
-            )
-        )
+def _repair(
+    index: Index,
+    db: str,
+    key: bytes,
+    value: Optional[bytes],
+    ns: bytes,
+    h: Optional[bytes],
+    detail,
+) -> _Finding:
+    """An index finding whose fix sets ``key`` of ``db`` to ``value`` (None: deletes)."""
 
+    def apply(t, db=db, key=key, value=value):
+        if value is None:
+            t.delete(key, db=index.db[db])
+        else:
+            t.put(key, value, db=index.db[db])
+
+    return _Finding(
+        _problem("index", ns, h, detail=detail), action="repair", apply=apply
+    )
+
+
+def _edge_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
+    """Trie edges without their node, and nodes without their edge."""
+    out = []
     edges = {
         child_key(ns, rec.parent, rec.tokens, h): (ns, h)
         for (ns, h), rec in good.items()
@@ -205,22 +216,39 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         if k in edges:
             seen.add(k)
         elif ns not in skip:
-            diff("children", k, None, ns, k[-HASH_BYTES:], "trie edge without its node")
+            detail = "trie edge without its node"
+            out.append(_repair(index, "children", k, None, ns, k[-HASH_BYTES:], detail))
     for k in edges.keys() - seen:
         ns, h = edges[k]
-        diff("children", k, b"", ns, h, "node has no trie edge")
+        out.append(_repair(index, "children", k, b"", ns, h, "node has no trie edge"))
+    return out
+
+
+def _atime_diffs(
+    index: Index, txn, good: dict, skip: set, raw_keys: set
+) -> List[_Finding]:
+    """Access times of no node, and nodes without a (readable) access time."""
+    out = []
     with_atime = set()
     for k, v in txn.cursor(db=index.db["atime"]):
         k = bytes(k)
         ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
         if k not in raw_keys and ns not in skip:
-            diff("atime", k, None, ns, h, "access time of a node not in the index")
+            detail = "access time of a node not in the index"
+            out.append(_repair(index, "atime", k, None, ns, h, detail))
         elif len(v) == 8:
             with_atime.add(k)
     for (ns, h), rec in good.items():
         if ns + h not in with_atime:
             when = struct.pack("<d", rec.created)  # as Index.put_node writes it
-            diff("atime", ns + h, when, ns, h, "node has no (readable) access time")
+            detail = "node has no (readable) access time"
+            out.append(_repair(index, "atime", ns + h, when, ns, h, detail))
+    return out
+
+
+def _pin_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
+    """Pins of unpinned (or no) nodes, and pinned nodes missing from the pins table."""
+    out = []
     pinned = set()
     for k, _ in txn.cursor(db=index.db["pins"]):
         k = bytes(k)
@@ -229,10 +257,18 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         if rec is not None and rec.pinned:
             pinned.add(k)
         elif ns not in skip:
-            diff("pins", k, None, ns, h, "pin of an unpinned node or of no node")
+            detail = "pin of an unpinned node or of no node"
+            out.append(_repair(index, "pins", k, None, ns, h, detail))
     for (ns, h), rec in good.items():
         if rec.pinned and ns + h not in pinned:
-            diff("pins", ns + h, b"", ns, h, "pinned node missing from the pins table")
+            detail = "pinned node missing from the pins table"
+            out.append(_repair(index, "pins", ns + h, b"", ns, h, detail))
+    return out
+
+
+def _counter_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
+    """Namespaces whose counters differ from the sums of their records."""
+    out = []
     sums: Dict[bytes, List[int]] = {}
     for (ns, _), rec in good.items():
         s = sums.setdefault(ns, [0, 0, 0, 0])
@@ -240,7 +276,7 @@ def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
         s[1] += rec.ntokens
         s[2] += rec.total_bytes
         s[3] += rec.total_bytes * rec.pinned
-    packer = Index._COUNTERS  # the counters' record format, owned by the index
+    packer = Index.COUNTERS  # the counters' record format, owned by the index
     stored = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.db["counters"])}
     for ns in sorted((set(sums) | set(stored)) - skip):
         want = tuple(sums.get(ns, (0, 0, 0, 0)))
@@ -347,7 +383,7 @@ def _check_files(
     return (index.read(still) if findings else []), checked, nbytes
 
 
-def _scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
+def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
     """Orphan chunk files, temp files and files kvstore did not write, under ``blobs/``.
 
     An orphan is a ``.safetensors`` file no index record names: at a node's path but
@@ -387,7 +423,9 @@ def _scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
 
 
 @dataclass
-class _Fixed:
+class Fixed:
+    """What a fix (``verify(fix=True)``, ``gc``) removed and repaired."""
+
     nodes_removed: int = 0
     bytes_removed: int = 0
     index_repairs: int = 0
@@ -399,7 +437,7 @@ class _Fixed:
         return dict(self.__dict__)
 
 
-def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
+def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
     """Remove broken nodes (and descendants) and repair the index, then release files.
 
     File problems found outside the transaction are acted on only if the node's record
@@ -408,14 +446,14 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
     """
 
     def fix(txn):
-        done, gone, quarantine = _Fixed(), {}, {}
+        done, gone, quarantine = Fixed(), {}, {}
 
         def remove(f: _Finding) -> bool:
             """Act on one finding; False when nothing changed."""
             ns, h = f.key
             if f.action == "drop":
                 existed = txn.get(ns, db=index.db["namespaces"]) is not None
-                removed = _delete_namespace(index, txn, ns)
+                removed = delete_namespace(index, txn, ns)
                 if not (existed or removed):
                     return False
             elif f.action == "delete_key":
@@ -457,7 +495,7 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> _Fixed:
     return done
 
 
-def _verify(
+def verify_open_store(
     index: Index,
     blobs: Blobs,
     *,
@@ -466,6 +504,10 @@ def _verify(
     walk_files: bool,
     now: float,
 ) -> Dict[str, Any]:
+    """:func:`verify` of an opened store (also run by :func:`~.gc.gc`):
+    ``check_data`` reads every file's data, ``walk_files`` lists ``blobs/`` for
+    orphan, temp and stray files. Returns :func:`verify`'s report without ``path``."""
+
     def index_scan(txn):
         scan = _scan_index(index, txn)
         return scan, scan.findings + _index_diffs(index, txn, scan)
@@ -476,7 +518,7 @@ def _verify(
     )
     findings += file_findings
     if walk_files:
-        findings += _scan_files(index, blobs, now=now)
+        findings += scan_files(index, blobs, now=now)
     problems = [f.problem for f in findings]
     kinds = [p["kind"] for p in problems]
     errors = sum(k not in INFO_KINDS for k in kinds)
@@ -540,8 +582,8 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
-    with _opened(path, readonly=not fix) as (index, blobs):
-        report = _verify(
+    with opened(path, readonly=not fix) as (index, blobs):
+        report = verify_open_store(
             index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time()
         )
     return {"path": path, **report}

@@ -24,8 +24,8 @@ remote costs one bounded wait, then a circuit breaker skips it for a while.
 
 Modules: ``manifest`` (the format, pure), ``client`` (S3 requests, circuit breaker),
 ``reader`` (manifests and listings, cached), ``tier`` (``RemoteTier``: the fetch and
-commit hooks), ``uploads`` (the upload queue), ``sync`` (``push`` / ``pull``),
-``errors``.
+commit hooks, ``pull``), ``uploads`` (the upload queue), ``sync`` (``push``, the
+remote's listing), ``errors``.
 """
 
 from .client import S3Client, parse_url

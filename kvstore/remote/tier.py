@@ -3,12 +3,14 @@
 ``RemoteTier`` is what ``KVStore`` calls: before a fetch it follows the prompt on the
 remote and downloads the nodes the disk lacks; after a commit it queues the new nodes
 for upload (see ``uploads``). Manifests are read through ``reader``, requests go through
-``client``; ``kvstore push`` / ``pull`` are in ``sync``.
+``client``; ``kvstore pull`` is :meth:`RemoteTier.pull`, ``kvstore push`` is in
+``sync``.
 """
 
 import itertools
 import logging
 import threading
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -19,11 +21,12 @@ import numpy as np
 from ..blobs import CorruptBlob
 from ..chunking import chain_hash, chain_hashes, common_prefix
 from ..index import CorruptRecord, NodeRecord
-from . import sync
+from ..saving import NewNode
 from .client import Counters, S3Client, parse_url
 from .errors import NotFound, RemoteCorrupt, RemoteError
 from .manifest import check_node_file, is_int, node_parts
 from .reader import ManifestReader
+from .sync import list_nodes
 from .uploads import Uploader
 
 log = logging.getLogger("kvstore")
@@ -502,20 +505,72 @@ class RemoteTier:
         See :meth:`Uploader.upload_node`."""
         return self._uploads.upload_node(blobs, ns, h, rec, layout, head=head)
 
-    # -- sync: pull and push -----------------------------------------------------------
+    # -- sync: pull (push is in sync) -----------------------------------------------------
 
     def list_nodes(self, ns: bytes) -> Dict[bytes, bytes]:
         """``hash -> parent`` of every manifest of namespace ``ns`` on the remote."""
-        return sync.list_nodes(self._s3, ns)
+        return list_nodes(self._s3, ns)
 
     def pull(self, *, progress: Optional[Callable[[int], None]] = None) -> dict:
-        """Download every node of the bound store's namespace that it lacks (see
-        :func:`kvstore.remote.sync.pull`). Remote failures raise RemoteError."""
-        return sync.pull(self, progress=progress)
+        """Download every node of the bound store's namespace that it lacks.
+
+        The trie is walked from the root, parents before children; every manifest and
+        file is validated as in a fetch, an invalid node is reported and its subtree
+        skipped. Remote failures (network, credentials, bucket) raise RemoteError.
+        """
+        store = self._store
+        ns, C = store.namespace, store.chunk_tokens
+        nodes = self.list_nodes(ns)
+        children = defaultdict(list)
+        for h, parent in nodes.items():
+            children[parent].append(h)
+        report = {"remote_nodes": len(nodes), "pulled": 0, "present": 0}
+        report.update({"invalid": 0, "unreachable": 0, "problems": []})
+
+        def manifest(h, parent, start):
+            return self._reader.manifest(
+                ns, parent, h, start=start, chunk_tokens=C, strict=True
+            )
+
+        reached = 0
+        level = [(h, store.root, 0) for h in sorted(children[store.root])]
+        while level:
+            jobs = [(h, self._io.submit(manifest, h, p, s)) for h, p, s in level]
+            good = []
+            for h, job in jobs:
+                try:
+                    rec = job.result()
+                except RemoteCorrupt as e:
+                    self._reader.report_corrupt(str(e))
+                    report["problems"].append(str(e))
+                    report["invalid"] += 1
+                    continue
+                if rec is not None:
+                    good.append((h, rec))
+            reached += len(level)
+            local = {h for h, _ in good if store.index.get_node(ns, h) is not None}
+            report["present"] += len(local)
+            before = len(report["problems"])
+            pulled = self._download_commit(
+                [(h, rec) for h, rec in good if h not in local],
+                chain_mode=False,
+                problems=report["problems"],
+            )
+            report["pulled"] += pulled
+            report["invalid"] += len(report["problems"]) - before
+            if progress is not None:
+                progress(pulled + len(local))
+            level = [
+                (c, h, rec.end)
+                for h, rec in good
+                if store.index.get_node(ns, h) is not None
+                for c in sorted(children[h])
+            ]
+        report["unreachable"] = len(nodes) - reached
+        report["bytes_down"] = self.stats()["bytes_down"]
+        return report
 
 
 def _new_node(h: bytes, rec: NodeRecord, raw: Dict[str, bytes]):
     """A node for ``KVStore._write_nodes`` whose files are the downloaded bytes."""
-    from ..store import _NewNode
-
-    return _NewNode(h, rec.parent, rec.start, rec.tokens, None, raw=raw)
+    return NewNode(h, rec.parent, rec.start, rec.tokens, None, raw=raw)

@@ -1,41 +1,25 @@
-"""More ``kvstore serve`` scenarios: the real model across a restart, a store shared
-by several processes, a store holding another model's prefixes, a full disk."""
+"""``kvstore serve`` and ``kvstore prefill`` as processes around one store: the real
+model across a restart, a store shared by a prefill and two servers, a store holding
+another model's prefixes."""
 
-import errno
-import glob
 import json
-import logging
 import os
-import subprocess
-import sys
-from types import SimpleNamespace
 
 import pytest
-from conftest import compute_cache, random_tokens, save_tiny_model
-from test_server import KEY, SYSTEM, Server, answer, chat_body, provider, request
+from conftest import save_tiny_model
+from serving import (
+    SYSTEM,
+    Server,
+    answer,
+    chat_body,
+    request,
+    run_kvstore,
+    stop_all,
+)
 
-import kvstore.fsutil
 from kvstore.prompts import render_messages
-from kvstore.server import PersistentPromptCache
 
 pytestmark = pytest.mark.slow
-
-SUBPROCESS_TIMEOUT = 120
-
-
-def run_kvstore(*args, timeout=SUBPROCESS_TIMEOUT):
-    """``python -m kvstore ARGS``: the CompletedProcess (never raises on exit status)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [os.getcwd(), env.get("PYTHONPATH")])
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "kvstore", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def prefill(store, model_dir, prompts_file):
@@ -78,17 +62,6 @@ def write_prompts(path, system, user):
         + "\n"
     )
     return str(path)
-
-
-def stop_all(servers):
-    """Stop every server; the exit codes (all are stopped even if one fails)."""
-    codes = []
-    for s in servers:
-        try:
-            codes.append(s.stop())
-        except AssertionError as e:
-            codes.append(str(e))
-    return codes
 
 
 # -- 1. the real model across a restart ---------------------------------------------
@@ -227,90 +200,3 @@ def test_store_of_another_model(tmp_path, tiny_model_dir):
     assert again["skipped"] == 1
     v = run_kvstore("verify", "--store", store)
     assert v.returncode == 0, v.stdout + v.stderr
-
-
-# -- 4. disk full while writing -----------------------------------------------------------
-
-
-def store_files(root, pattern):
-    return sorted(
-        glob.glob(os.path.join(root, "**", pattern), recursive=True)
-    ) + sorted(glob.glob(os.path.join(root, "**", "." + pattern), recursive=True))
-
-
-def test_disk_full_at_write_time(tmp_path, model, tokenizer, monkeypatch, caplog):
-    caplog.set_level(logging.WARNING)
-    root = str(tmp_path / "s")
-    pc = PersistentPromptCache(root, provider(model, tokenizer))
-    store = pc.open_store(KEY)
-
-    # Keep what an earlier save stored: a failed write must not touch it.
-    kept = random_tokens(40, seed=10)
-    pc.insert_cache(KEY, kept, compute_cache(model, kept))
-    pc.flush()
-    before = store.stats()
-    assert before["nodes"] >= 1 and before["writes_failed"] == 0
-    files_before = store_files(root, "*.safetensors")
-
-    # Writes of chunk files (kvstore.fsutil): a few bytes land, then the disk is full.
-    real_os, calls = os, {"n": 0}
-
-    def full_write(fd, data):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            return real_os.write(fd, bytes(data[:100]))
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def full_writev(fd, buffers):
-        return full_write(fd, b"".join(bytes(b) for b in buffers))
-
-    fake_os = SimpleNamespace(
-        **{k: getattr(real_os, k) for k in dir(real_os) if not k.startswith("__")}
-    )
-    fake_os.write, fake_os.writev = full_write, full_writev
-    monkeypatch.setattr(kvstore.fsutil, "os", fake_os)
-
-    tokens = random_tokens(300, seed=11)
-    cache = compute_cache(model, tokens)
-    pc.insert_cache(KEY, tokens, cache)  # must not raise
-    pc.flush()
-    assert calls["n"] >= 2  # the write really was attempted
-
-    after = store.stats()
-    assert after["writes_failed"] == before["writes_failed"] + 1
-    assert (after["nodes"], after["stored_tokens"], after["bytes_on_disk"]) == (
-        before["nodes"],
-        before["stored_tokens"],
-        before["bytes_on_disk"],
-    )
-    assert store_files(root, "*.tmp") == []
-    assert store_files(root, "*.safetensors") == files_before
-    failures = [
-        r for r in caplog.records if r.levelno >= logging.WARNING and r.exc_info
-    ]
-    assert any(
-        "No space left on device" in str(r.exc_info[1]) for r in failures
-    ), caplog.text
-    # The RAM cache still serves the prompt.
-    got, rest = pc.fetch_nearest_cache(KEY, tokens + [5])
-    assert rest == [5] and got[0].offset == 300
-
-    # Space again: a later save is stored.
-    monkeypatch.undo()
-    later = random_tokens(200, seed=12)
-    pc.insert_cache(KEY, later, compute_cache(model, later))
-    pc.flush()
-    final = store.stats()
-    assert (
-        final["nodes"] > before["nodes"]
-        and final["writes_failed"] == after["writes_failed"]
-    )
-    assert store_files(root, "*.tmp") == []
-    pc.close()
-
-    fresh = PersistentPromptCache(root, provider(model, tokenizer))  # from disk alone
-    got, rest = fresh.fetch_nearest_cache(KEY, later + [7])
-    assert rest == [7] and got[0].offset == 200
-    got, rest = fresh.fetch_nearest_cache(KEY, tokens + [7])
-    assert got is None and len(rest) == 301  # the failed save left nothing behind
-    fresh.close()

@@ -1,0 +1,152 @@
+"""Helpers of the ``kvstore serve`` tests: a stand-in model provider for
+``PersistentPromptCache``, and real server processes driven over HTTP."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+SUBPROCESS_TIMEOUT = 120
+
+KEY = ("tiny", None, None)
+
+
+def provider(model, tokenizer):
+    return SimpleNamespace(
+        model=model,
+        tokenizer=tokenizer,
+        model_key=KEY,
+        draft_model=None,
+        processor=None,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(port, path, body=None, timeout=60):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Server:
+    def __init__(self, args, log_path):
+        self.port = free_port()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [os.getcwd(), env.get("PYTHONPATH")])
+        )
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        cmd = [
+            sys.executable,
+            "-m",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env
+        )
+        try:
+            self._wait_ready(timeout=60)
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def _wait_ready(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if request(self.port, "/health", timeout=2)["status"] == "ok":
+                    return
+            except (OSError, urllib.error.URLError):
+                pass
+            assert time.monotonic() < deadline, (
+                "server did not start:\n" + self.output()
+            )
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def chat(self, body):
+        return request(self.port, "/v1/chat/completions", body)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("server did not stop on SIGTERM:\n" + self.output())
+        self.log.close()
+        return rc
+
+
+SYSTEM = " ".join(f"w{3 + (i * 7) % 509}" for i in range(300))
+
+
+def chat_body(user, system=SYSTEM):
+    return {
+        "model": "default_model",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ],
+        "temperature": 0,
+        "max_tokens": 8,
+    }
+
+
+def answer(response):
+    return response["choices"][0]["message"]["content"]
+
+
+def run_kvstore(*args, timeout=SUBPROCESS_TIMEOUT):
+    """``python -m kvstore ARGS``: the CompletedProcess (never raises on exit status)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.getcwd(), env.get("PYTHONPATH")])
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def stop_all(servers):
+    """Stop every server; the exit codes (all are stopped even if one fails)."""
+    codes = []
+    for s in servers:
+        try:
+            codes.append(s.stop())
+        except AssertionError as e:
+            codes.append(str(e))
+    return codes

@@ -1,0 +1,209 @@
+"""The package's import structure: no import cycle, no private name across modules.
+
+Every import statement counts, also those inside functions and ``if TYPE_CHECKING``
+blocks: an import deferred into a function still ties the two modules together, it
+only hides the cycle from the interpreter. A name ``_x`` is private to its module;
+what another module needs is public and documented where it is defined.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+from typing import Dict, Iterable, List, Set, Tuple
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "kvstore"
+
+
+def package_modules(root: pathlib.Path = ROOT) -> Dict[str, pathlib.Path]:
+    """Dotted name -> source file of every module of the package."""
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module name of a ``from ... import`` in ``module``."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not is_package:
+        base.pop()
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _ancestors(name: str) -> List[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def imports(
+    modules: Dict[str, pathlib.Path],
+) -> Tuple[Dict[str, Set[str]], List[Tuple[str, int, str, str]]]:
+    """The import graph of ``modules`` and every private name one takes from another.
+
+    An import of ``a.b.c`` from outside package ``a.b`` also runs ``a.b``'s
+    ``__init__``: an edge to it too.
+
+    Returns:
+        ``edges[m]``: the package modules ``m`` imports; and ``(module, line, source,
+        name)`` for each ``_name`` imported from (or read as an attribute of) another
+        package module.
+    """
+    edges: Dict[str, Set[str]] = {m: set() for m in modules}
+    private = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        bound = {}  # local name -> package module it refers to
+        for node in ast.walk(tree):
+            found = []  # (module imported, name taken from it or None, local name)
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules:
+                        local = a.asname or a.name.split(".")[0]
+                        found.append((a.name, None, a.asname and local))
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(module, is_package, node)
+                if source not in modules:
+                    continue
+                for a in node.names:
+                    sub = f"{source}.{a.name}"
+                    if sub in modules:
+                        found.append((sub, None, a.asname or a.name))
+                    else:
+                        found.append((source, a.name, None))
+            for target, name, local in found:
+                for m in [target] + _ancestors(target):
+                    if m in modules and m != module and not module.startswith(m + "."):
+                        edges[module].add(m)
+                if local:
+                    bound[local] = target
+                if name and _private(name) and target != module:
+                    private.append((module, node.lineno, target, name))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and bound[node.value.id] != module
+                and _private(node.attr)
+            ):
+                private.append((module, node.lineno, bound[node.value.id], node.attr))
+    return edges, private
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def cycles(edges: Dict[str, Iterable[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan), each
+    sorted; every import cycle lies inside one."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_cycle_finder_finds_cycles():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_import_scan_sees_deferred_and_private_imports(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "one.py").write_text("def f():\n    from .sub.two import _hidden\n")
+    (pkg / "sub" / "__init__.py").write_text("from . import two\n")
+    (pkg / "sub" / "two.py").write_text(
+        "from .. import one\n\ndef g():\n    return one._x\n"
+    )
+    edges, private = imports(package_modules(tmp_path))
+    assert edges["kvstore.one"] == {"kvstore.sub", "kvstore.sub.two"}
+    assert edges["kvstore.sub"] == {"kvstore.sub.two"}
+    assert cycles(edges) == [["kvstore.one", "kvstore.sub", "kvstore.sub.two"]]
+    assert sorted(p[3] for p in private) == ["_hidden", "_x"]
+
+
+def test_no_import_cycles():
+    edges, _ = imports(package_modules())
+    found = cycles(edges)
+    described = [
+        "; ".join(
+            f"{m} -> {', '.join(sorted(edges[m] & set(c)))}" for m in c if edges[m]
+        )
+        for c in found
+    ]
+    assert not found, "import cycles:\n" + "\n".join(described)
+
+
+def test_no_private_names_across_modules():
+    _, private = imports(package_modules())
+    lines = [
+        f"{m}:{line} takes {name} from {source}" for m, line, source, name in private
+    ]
+    assert not lines, "private names used across modules:\n" + "\n".join(lines)
+
+
+_IMPORT_EACH = """
+import importlib, sys, traceback
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "kvstore" or m.startswith("kvstore.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failed.append(name + ":\\n" + traceback.format_exc())
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_first():
+    """Each module imported before any other kvstore module works: an order that
+    only works when some other module happens to be loaded first fails here."""
+    r = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH]
+        + [m for m in sorted(package_modules()) if not m.endswith("__main__")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
