@@ -14,6 +14,14 @@ into buffers of up to :data:`STACK_BYTES` and each cache array is a view of one.
 cap keeps every buffer under glibc's largest mmap threshold (32 MiB), so freed
 restores are recycled by the C allocator, as ``load_prompt_cache``'s are, instead of
 being faulted in again.
+
+Which thread allocates matters too (:class:`PlanAllocator`): with MLX's CPU backend
+the buffers come from the C library's ``malloc``, and glibc returns the top of the
+main thread's heap to the OS once more than its trim threshold (twice the largest
+freed buffer) is free there, so the next restore on the main thread faulted tens of
+MiB in again (13,900 page faults and 2x the time of a 4K-token float16 restore, in
+a process whose MLX buffer cache held other sizes). A thread of its own has an arena
+of 64 MiB heaps of which only the newest is ever trimmed: freed restores are reused.
 """
 
 import io
@@ -21,15 +29,26 @@ import json
 import math
 import operator
 import struct
-from typing import Dict, List, Mapping, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
+from . import memutil
 from .adapters import dtype_name
 from .blobs import DATA_ALIGN, DTYPES, TensorEntry
 
 STACK_BYTES = 30 << 20  # per allocation: see the module docstring
+
+_T = TypeVar("_T")
+
+
+def uses_c_malloc() -> bool:
+    """Whether MLX allocates with the C library (its CPU backend: no Metal, no CUDA)."""
+    gpu = mx.metal.is_available()
+    cuda = getattr(mx, "cuda", None)
+    return not (gpu or (cuda is not None and cuda.is_available()))
 
 
 class _UnwrittenFile(io.RawIOBase):
@@ -126,16 +145,20 @@ class AssemblyPlan:
         capacity: int = 0,
     ):
         self.capacity = max(ntokens, capacity)
+        self.ntokens = ntokens
         self.rows = {}
         shapes: Dict[Tuple[str, int, int], List[str]] = {}  # names of one row shape
         for name, (dtype_str, heads, width) in rows.items():
             self.rows[name] = (width * getattr(mx, dtype_str).size, heads)
             shapes.setdefault((dtype_str, heads, width), []).append(name)
+        # Room is only usable in place by an array that owns its buffer (MLX copies
+        # a shared one on the first update): one buffer per tensor then.
+        stack_bytes = STACK_BYTES if self.capacity == ntokens else 0
         specs, members = [], []
         for (dtype_str, heads, width), names in shapes.items():
             dtype = getattr(mx, dtype_str)
             row_bytes = heads * self.capacity * width * dtype.size
-            per = max(1, min(len(names), STACK_BYTES // max(1, row_bytes)))
+            per = max(1, min(len(names), stack_bytes // max(1, row_bytes)))
             for i in range(0, len(names), per):
                 group = names[i : i + per]
                 specs.append(((len(group), heads, self.capacity, width), dtype))
@@ -143,6 +166,9 @@ class AssemblyPlan:
         by_name = {}
         stacks = aligned_empty_arrays(specs) if specs else []
         for stack, group in zip(stacks, members):
+            if len(group) == 1:
+                by_name[group[0]] = stack
+                continue
             for j, name in enumerate(group):
                 by_name[name] = stack[j : j + 1]  # a view: no copy
         self.arrays = [by_name[name] for name in rows]
@@ -151,6 +177,7 @@ class AssemblyPlan:
             name: memoryview(a).cast("B") for name, a in zip(rows, self.arrays)
         }
         self.nbytes = sum(a.nbytes for a in self.arrays)
+        self._bases = None  # name -> address of the array's first byte
         self._grids = None
         self._pieces: Dict[Tuple[int, int], tuple] = {}
         self._keep: list = []
@@ -166,6 +193,35 @@ class AssemblyPlan:
                 for name, (row, heads) in self.rows.items()
             }
         return self._grids
+
+    def fresh(self) -> bool:
+        """Whether the arrays are fresh memory that :meth:`prefault` makes present
+        faster than the copies into it would fault it in (the last row's page is
+        checked: the first ones hold the allocator's own headers)."""
+        if not memutil.prefault_supported():
+            return False
+        (address, length), *_ = self.row_ranges(self.ntokens - 1, self.ntokens)
+        return memutil.resident(address + length - 1) is False
+
+    def prefault(self, lo: int, hi: int) -> None:
+        """Make rows ``[lo, hi)`` of every array present before they are written
+        (see :mod:`kvstore.memutil`; nothing where the platform cannot)."""
+        memutil.prefault(self.row_ranges(lo, hi))
+
+    def row_ranges(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """``(address, length)`` of rows ``[lo, hi)`` of every head of every array."""
+        if self._bases is None:
+            self._bases = {
+                name: np.frombuffer(view, dtype=np.uint8).ctypes.data
+                for name, view in self.views.items()
+            }
+        out = []
+        for name, (row, heads) in self.rows.items():
+            base, stride = self._bases[name], self.capacity * row
+            out += [
+                (base + hd * stride + lo * row, (hi - lo) * row) for hd in range(heads)
+            ]
+        return out
 
     def node_targets(
         self, tensors: Mapping[str, TensorEntry], *, offset: int, node_tokens: int
@@ -222,3 +278,37 @@ class AssemblyPlan:
         """``name -> array`` (``capacity`` rows: the cache's offset says how many hold
         tokens, so a restore cut short by a broken node needs no other arrays)."""
         return dict(zip(self.rows, self.arrays))
+
+
+class PlanAllocator:
+    """Runs a restore's allocation on one long-lived thread of its own (see the
+    module docstring: the main thread's heap gives freed restores back to the OS).
+
+    Only with MLX's CPU backend; with Metal or CUDA, MLX's own allocator recycles
+    buffers whatever the thread, and the work runs on the calling thread.
+    """
+
+    def __init__(self, *, enabled: bool = True):
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvstore-alloc")
+            if enabled and uses_c_malloc()
+            else None
+        )
+
+    def run(self, fn: Callable[[], _T], meanwhile: Callable[[], None]) -> _T:
+        """``fn()`` on the allocating thread, ``meanwhile()`` on this one at the same
+        time; returns ``fn()``'s result once both are done (or raises its error)."""
+        if self._pool is None:
+            result = fn()
+            meanwhile()
+            return result
+        job = self._pool.submit(fn)
+        try:
+            meanwhile()
+        finally:
+            job.exception()  # wait: fn may still use what the caller frees next
+        return job.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()

@@ -65,14 +65,34 @@ class _Failures:
             self.first = min(self.first, index)
 
 
-def _capacity(n: int, query: int, room: int) -> int:
-    """Rows to allocate for a restore of ``n`` tokens of a ``query``-token prompt.
+# Restores of less KV than this get no room: room needs a buffer of its own per tensor
+# (MLX copies a shared buffer on the first update), and allocating a model's 60 of
+# them cost 2.5-6 ms here, about what growing an exactly full cache copies at 16-32
+# MiB (measured: 4K float16 first update 70-120 ms shared, 1-5 ms in place).
+ROOM_MIN_BYTES = 32 << 20
+
+
+# Nodes per band a reader takes at a time (fewer when that leaves a reader idle):
+# its rows are prefaulted in one call per head and tensor before they are read.
+BAND_NODES = 4
+
+
+def _bands(nodes: int, readers: int) -> List[Tuple[int, int]]:
+    """``(first, last)`` node ranges of up to :data:`BAND_NODES`, at least two per
+    reader when there are enough nodes (so that the readers finish together)."""
+    size = max(1, min(BAND_NODES, nodes // (2 * readers)))
+    return [(i, min(nodes, i + size)) for i in range(0, nodes, size)]
+
+
+def _capacity(n: int, query: int, room: int, token_bytes: int) -> int:
+    """Rows to allocate for a restore of ``n`` tokens of a ``query``-token prompt
+    (``token_bytes`` of KV per token).
 
     Room for up to ``room`` more of the prompt's tokens and the first generated one,
     in whole cache steps: the caller's next forward pass writes its keys and values in
     place, where an exactly full cache would first copy every layer to grow.
     """
-    if room == 0:
+    if room == 0 or n * token_bytes < ROOM_MIN_BYTES:
         return n
     want = min(query, n + room) + 1
     return -(-want // KVCache.step) * KVCache.step
@@ -134,34 +154,40 @@ class ReadPath:
             state_job = self._readers.submit(self._read_state, path[-1])
             jobs.append((len(path) - 1, state_job))
         opened: Dict[int, _Opened] = {}  # by index in path
-        ahead = None  # a layout of state layers only has no node files to read
-        if self.layout.rows:
-            ahead = self._readers.submit(self._open_ahead, path, opened)
+        capacity = _capacity(n, query, self.restore_room, self._token_bytes)
         try:
+            # The arrays are allocated on the allocator's thread while this one opens
+            # the first node files. The lock is held here, for the allocating thread.
             with MLX_LOCK:
-                plan = AssemblyPlan(
-                    self.layout.rows, n, capacity=_capacity(n, query, self.restore_room)
+                plan = self._allocator.run(
+                    lambda: AssemblyPlan(self.layout.rows, n, capacity=capacity),
+                    lambda: self._open_ahead(path, opened),
                 )
             if self.layout.rows:
-                ahead.result()
                 offsets = list(itertools.accumulate((s.take for s in path), initial=0))
-                pending: "queue.SimpleQueue[int]" = queue.SimpleQueue()
-                for i in range(len(path)):
-                    pending.put(i)
+                readers = min(self.read_threads, len(path))
+                pending: "queue.SimpleQueue[Tuple[int, int]]" = queue.SimpleQueue()
+                for band in _bands(len(path), readers):
+                    pending.put(band)
                 # A few long jobs pulling nodes, not one job per node: submitting
                 # hundreds of futures while the first run costs ~10 ms of GIL at 32K.
                 read = functools.partial(
-                    self._read_nodes, path, plan, offsets, pending, failures, opened
+                    self._read_nodes,
+                    path,
+                    plan,
+                    offsets,
+                    pending,
+                    failures,
+                    opened,
+                    plan.fresh(),
                 )
-                for _ in range(min(self.read_threads, len(path)) - 1):
+                for _ in range(readers - 1):
                     jobs.append((0, self._readers.submit(read)))
                 read()  # this thread reads too: no wake-up to wait for
             for at, job in jobs:
                 if job.exception() is not None:  # readers' own errors are in failures
                     failures.add(at, job.exception())
         finally:
-            if ahead is not None:
-                ahead.exception()  # wait for it (the allocation may have raised)
             for f in list(opened.values()):  # nodes cut off or found in the RAM tier
                 if isinstance(f, OpenFile):
                     f.close()
@@ -303,8 +329,10 @@ class ReadPath:
 
     def _open_ahead(self, path: List[Step], opened: Dict[int, _Opened]) -> None:
         """Open the first :data:`OPEN_AHEAD` whole nodes' files into ``opened``: runs
-        while the fetch allocates the restore's arrays, which is otherwise idle time
-        for the readers. A failure is kept for the node's reader to raise."""
+        while the restore's arrays are allocated. A failure is kept for the node's
+        reader to raise."""
+        if not self.layout.rows:  # a layout of state layers only: no node files
+            return
         for i, step in enumerate(path[:OPEN_AHEAD]):
             if step.take != step.rec.ntokens or step.h in self.ram:
                 continue
@@ -318,11 +346,13 @@ class ReadPath:
         path: List[Step],
         plan: AssemblyPlan,
         offsets: List[int],
-        pending: "queue.SimpleQueue[int]",
+        pending: "queue.SimpleQueue[Tuple[int, int]]",
         failures: "_Failures",
         opened: Dict[int, _Opened],
+        fresh: bool,
     ) -> None:
-        """Read nodes of ``path`` taken from ``pending`` until it is empty.
+        """Read the bands of nodes of ``path`` taken from ``pending`` until it is
+        empty; with ``fresh`` memory, each band's rows are prefaulted first.
 
         A node's exception goes to ``failures``; nodes after a broken one are
         skipped, as the restore is cut there anyway. Files in ``opened`` (by index)
@@ -330,15 +360,20 @@ class ReadPath:
         """
         while True:
             try:
-                i = pending.get_nowait()
+                first, last = pending.get_nowait()
             except queue.Empty:
                 return
-            if i > failures.first:
+            if first > failures.first:
                 continue
-            try:
-                self._read_node(path[i], plan, offsets[i], opened.pop(i, None))
-            except Exception as e:  # the fetch reports the first broken node only
-                failures.add(i, e)
+            if fresh:
+                plan.prefault(offsets[first], offsets[last])
+            for i in range(first, last):
+                if i > failures.first:
+                    break
+                try:
+                    self._read_node(path[i], plan, offsets[i], opened.pop(i, None))
+                except Exception as e:  # the fetch reports the first broken node only
+                    failures.add(i, e)
 
     def _read_node(
         self, step: Step, plan: AssemblyPlan, offset: int, opened: _Opened = None

@@ -19,6 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from . import adapters, fsutil, maintenance, reservations
+from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
@@ -82,7 +83,9 @@ class KVStore(ReadPath, WritePath, Removal):
         restore_room: Tokens past a restore that its arrays have room for (rounded
             up to mlx-lm's cache step): the prompt's rest and the first generated
             token are then written in place, where an exactly full cache would copy
-            every layer to grow on the first forward pass. 0: no room.
+            every layer to grow on the first forward pass. 0: no room. Restores
+            of less than 32 MiB of KV get none: that copy is then about what the
+            room's allocation costs.
         kv_bits: Store and return ``QuantizedKVCache`` layers of this many bits in
             place of the model's ``KVCache`` layers (as mlx-lm's ``--kv-bits``).
         kv_group_size: Quantization group size with ``kv_bits``.
@@ -172,10 +175,15 @@ class KVStore(ReadPath, WritePath, Removal):
         self.ram = RamTier(ram_bytes)
         self.writer = BackgroundWriter(max_pending_bytes=max_pending_bytes)
         self.restore_room = restore_room
+        self._token_bytes = sum(  # KV bytes per token of the delta layers
+            heads * width * getattr(mx, dtype).size
+            for dtype, heads, width in self.layout.rows.values()
+        )
         self.read_threads = read_threads
         self._readers = ThreadPoolExecutor(
             read_threads, thread_name_prefix="kvstore-read"
         )
+        self._allocator = PlanAllocator()  # a restore's arrays: see kvstore.assemble
         self._counters = _Counters()
         self._lock = threading.Lock()
         self._touched: Dict[bytes, float] = {}
@@ -211,6 +219,7 @@ class KVStore(ReadPath, WritePath, Removal):
         self._closed = True
         self.writer.close()
         self._readers.shutdown()
+        self._allocator.close()
         self.index.close()
 
     def flush(self) -> None:

@@ -1,6 +1,7 @@
 """``kvstore bench`` end to end on a tiny random model. Nothing here checks a timing."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -47,6 +48,14 @@ def bench_run(tiny_model_dir, tmp_path_factory):
         "1",
         "--chunk-tokens",
         "16",
+        "--fresh-lengths",
+        "100",
+        "--repeat-lengths",
+        "100",
+        "--restore-repeats",
+        "1",
+        "--durable-tokens",
+        "64",
         "--dir",
         str(out),
         "--json",
@@ -92,6 +101,29 @@ def test_every_case_in_json(bench_run):
 
     assert [s["chunks"] for s in res["scale"]] == [3, 12]
 
+    # After a restart: every case in its own child process, with its measurements.
+    (fresh,) = res["fresh"]
+    assert (fresh["dtype"], fresh["tokens"]) == ("float16", 100)
+    # The largest length also runs kvstore without prefaulting.
+    assert set(fresh["cases"]) == {
+        "kvstore",
+        "kvstore_no_prefault",
+        "load_prompt_cache",
+        "floor",
+    }
+    for case in fresh["cases"].values():
+        (sample,) = case["samples"]
+        assert sample["wall_s"] > 0 and sample["faults"] >= 0
+    assert fresh["cases"]["kvstore"]["samples"][0]["forward_s"] > 0
+    (rep,) = res["repeat"]
+    assert set(rep["cases"]) == {"kvstore", "load_prompt_cache", "floor"}
+    assert all(len(c["restore_s"]) == 1 for c in rep["cases"].values())
+    assert set(res["open"]["cases"]) == {"known", "new"}
+    assert res["open"]["split_ms"]["total"] > 0
+    d = res["durable"]
+    assert len(d["kvstore_s"]) == len(d["one_file_s"]) == 1 and d["files"] == 4
+    assert len(d["per_node_files_s"]) == len(d["save_returned_s"]) == 1
+
     whats = " ".join(t["what"] for t in res["targets"])
     for part in (
         "TTFT disk-hot, same process",
@@ -104,11 +136,31 @@ def test_every_case_in_json(bench_run):
         "fetch-miss",
         "prefill tokens/s with saving",
         "bytes on disk",
+        "after a restart, kvstore speed / load_prompt_cache",
+        "after a restart, kvstore speed / floor",
+        "repeated restores, kvstore speed / load_prompt_cache",
+        "open a store, model seen before",
+        "save until durable",
     ):
         assert part in whats
     assert all(t["ok"] in (True, False, None) for t in res["targets"])
     # The temporary stores are gone; only the outputs stay.
     assert not [p for p in out.iterdir() if p.name.startswith("kvstore-bench-")]
+
+
+def test_markdown_tables_of_a_saved_run(bench_run, capsys):
+    res, _, out = bench_run
+    assert main(["--from-json", str(out / "bench.json"), "--markdown"]) == 0
+    text = capsys.readouterr().out
+    fresh = res["fresh"][0]["cases"]
+    kv_ms = f"{statistics.median(s['wall_s'] for s in fresh['kvstore']['samples']) * 1e3:.1f}"
+    row = next(
+        line for line in text.splitlines() if line.startswith("| float16 | 100 |")
+    )
+    assert kv_ms in row and row.endswith(("PASS |", "MISS |"))
+    assert "| model seen before |" in text and "kvstore / one file:" in text
+    with pytest.raises(SystemExit):
+        parse_args(["--markdown"])
 
 
 def test_plot_is_a_png(bench_run):
@@ -169,3 +221,41 @@ def test_probe_restores_what_it_wraps(model, tmp_path):
         with FetchProbe(store) as probe:
             store.fetch(toks)
         assert probe.times["index.read"]
+
+
+def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, os.path.join(root, "tools", name), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+
+def test_tools_wrap_the_bench_sections(tiny_model_dir, tmp_path):
+    """tools/bench_save.py and tools/bench_open.py run kvstore.bench's measuring code
+    (one place for it) and print the same sections and targets as ``kvstore bench``."""
+    out = _tool(
+        "bench_save.py",
+        *("--tokens", "64", "--repeats", "1", "--chunk-tokens", "16"),
+        *("--per-node-files", "--dir", str(tmp_path), "--json", str(tmp_path / "s")),
+    )
+    assert "Saving until durable, 64 tokens of float16" in out.stdout
+    assert "save until durable GB/s / one file" in out.stdout
+    with open(tmp_path / "s") as f:
+        d = json.load(f)["durable"]
+    assert d["files"] == 4 and len(d["per_node_files_s"]) == 1
+    out = _tool(
+        "bench_open.py",
+        *("--model", tiny_model_dir, "--repeats", "1", "--json", str(tmp_path / "o")),
+    )
+    assert "open a store, model seen before" in out.stdout
+    with open(tmp_path / "o") as f:
+        o = json.load(f)["open"]
+    assert {k: len(c["samples"]) for k, c in o["cases"].items()} == {
+        "known": 1,
+        "new": 1,
+    }

@@ -18,6 +18,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
 import kvstore
+import kvstore.memutil
 from kvstore import KVStore, StoreError, UnsupportedCacheError
 
 C = 64  # chunk tokens in these tests
@@ -58,9 +59,12 @@ def test_restore_equals_cold(model, store, prompt, expect_n):
     ],
 )
 def test_restored_cache_has_room_for_the_rest_of_the_prompt(
-    model, store, prompt, expect_n
+    model, store, prompt, expect_n, monkeypatch
 ):
-    """The next forward pass writes in place: no layer is copied to grow."""
+    """The next forward pass writes in place: no layer is copied to grow, and none is
+    copied because its buffer is shared (MLX copies an array whose buffer is not its
+    own on the first update, as it did when restored rows shared stacked buffers)."""
+    monkeypatch.setattr(kvstore.restore, "ROOM_MIN_BYTES", 0)  # room at any size
     cache, n = store.fetch(prompt)
     assert n == expect_n
     step = KVCache.step
@@ -68,17 +72,45 @@ def test_restored_cache_has_room_for_the_rest_of_the_prompt(
         assert c.offset == n
         assert c.keys.shape[2] % step == 0 and c.keys.shape[2] > len(prompt)
         assert c.keys.shape[2] - len(prompt) <= step
-    buffers = [(c.keys, c.values) for c in cache]
+    buffers = [(data_address(c.keys), data_address(c.values)) for c in cache]
     next_logits(model, cache, prompt[n:])
     for c, (keys, values) in zip(cache, buffers):
         assert c.offset == len(prompt)
-        assert c.keys is keys and c.values is values  # grown caches get new arrays
+        assert (data_address(c.keys), data_address(c.values)) == (keys, values)
+
+
+def data_address(a: mx.array) -> int:
+    """Where an evaluated array's data is (a copy moves it)."""
+    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("prefault", ["always", "never"])
+def test_restore_with_and_without_prefaulting(model, store, monkeypatch, prefault):
+    """Prefaulting the rows ahead of the readers (forced here: the arrays look fresh)
+    and its fallback (no MADV_POPULATE_WRITE) restore the same exact KV."""
+    if prefault == "always":
+        monkeypatch.setattr(kvstore.memutil, "resident", lambda address: False)
+    else:
+        monkeypatch.setattr(kvstore.memutil._LIBC, "populate", False)
+    assert_same_as_cold(model, store, STORED + FRESH[:30], len(STORED), steps=5)
+    assert_same_as_cold(model, store, STORED[:100] + FRESH[:10], 100, steps=5)
+
+
+def test_small_restores_are_exactly_full(model, store):
+    """Below ROOM_MIN_BYTES of KV the arrays get no room (growing them on the first
+    forward pass copies less than the room's buffers cost), and stay exact."""
+    n_bytes = len(STORED) * store._token_bytes
+    assert n_bytes < kvstore.restore.ROOM_MIN_BYTES
+    cache, n = store.fetch(STORED + FRESH[:50])
+    assert [c.keys.shape[2] for c in cache] == [n] * len(cache)
+    assert_same_as_cold(model, store, STORED + FRESH[:30], len(STORED), steps=5)
 
 
 @pytest.mark.parametrize("room", [0, 64, 2048])
-def test_room_after_a_restore_is_bounded(tmp_path, model, room):
+def test_room_after_a_restore_is_bounded(tmp_path, model, room, monkeypatch):
     """A long prompt sharing a short prefix gets ``restore_room`` rows of room, not
     the whole prompt's; 0 restores exactly full arrays (and the results stay exact)."""
+    monkeypatch.setattr(kvstore.restore, "ROOM_MIN_BYTES", 0)  # room at any size
     long_prompt = STORED[:100] + random_tokens(3000, seed=9)
     with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
         store.save(STORED, compute_cache(model, STORED))

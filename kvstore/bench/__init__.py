@@ -1,11 +1,15 @@
 """``kvstore bench``: does kvstore beat recomputation and its peers, on this machine?
 
-Cases: cold prefill; RAM-hot; disk-hot in the same process and after a
-restart (a fresh process, open time included); nearest prefix; mlx-lm's
-``load_prompt_cache`` of the same KV; a raw sequential read of the same bytes; the
-write cost of saving while prefilling; open and lookup times against the number of
-stored chunks. Prints a table and the project's targets as PASS/MISS ratios measured in
-this one run; ``--json`` and ``--plot`` write the numbers and a chart.
+Cases: cold prefill; RAM-hot; disk-hot in the same process and after a restart (a
+fresh process, open time included); nearest prefix; mlx-lm's ``load_prompt_cache`` of
+the same KV; a raw sequential read of the same bytes; the write cost of saving while
+prefilling; open and lookup times against the number of stored chunks. Then, on KV of
+SmolLM2-135M's shape in float16, bfloat16 and float32: the first restore after a
+restart (fresh child processes: kvstore, ``load_prompt_cache`` and the floor, the same
+bytes read into fresh buffers), repeated restores in one process, the store's open
+time for a known and a new model, and saving until durable against one file with one
+fsync. Prints tables and the targets as PASS/MISS ratios measured in this one run;
+``--json`` and ``--plot`` write the numbers and a chart.
 """
 
 import argparse
@@ -17,13 +21,20 @@ import tempfile
 import time
 from typing import List, Optional
 
-SECTIONS = ("ttft", "write", "restore", "scale")
+SECTIONS = ("ttft", "write", "restore", "scale", "fresh", "repeat", "open", "durable")
+DTYPES = ("float16", "bfloat16", "float32")
 DEFAULTS = {
     "lengths": [128, 512, 2048],
     "restore_lengths": [2048, 8192, 32768, 100000],
     "scale_counts": [10, 1000, 100000],
     "write_tokens": 256,
     "repeats": 3,
+    "fresh_lengths": [2048, 8192, 32768],
+    "fresh_dtypes": list(DTYPES),
+    "repeat_lengths": [512, 4096, 32768],
+    "repeat_dtypes": ["float16", "float32"],
+    "restore_repeats": 5,
+    "durable_tokens": 32768,
 }
 QUICK = {
     "lengths": [32, 128],
@@ -31,6 +42,12 @@ QUICK = {
     "scale_counts": [10, 100, 1000],
     "write_tokens": 32,
     "repeats": 2,
+    "fresh_lengths": [1024],
+    "fresh_dtypes": ["float16"],
+    "repeat_lengths": [512],
+    "repeat_dtypes": ["float16"],
+    "restore_repeats": 2,
+    "durable_tokens": 1024,
 }
 
 
@@ -86,6 +103,55 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="new tokens after the stored prefix, nearest-prefix case (default: 32)",
     )
+    p.add_argument(
+        "--fresh-lengths",
+        type=_positive,
+        nargs="+",
+        metavar="N",
+        help="tokens restored in fresh processes (after a restart; default: "
+        f"{DEFAULTS['fresh_lengths']})",
+    )
+    p.add_argument(
+        "--fresh-dtypes",
+        nargs="+",
+        choices=DTYPES,
+        help=f"KV dtypes after a restart (default: {DEFAULTS['fresh_dtypes']})",
+    )
+    p.add_argument(
+        "--repeat-lengths",
+        type=_positive,
+        nargs="+",
+        metavar="N",
+        help="tokens restored repeatedly in one process (default: "
+        f"{DEFAULTS['repeat_lengths']})",
+    )
+    p.add_argument(
+        "--repeat-dtypes",
+        nargs="+",
+        choices=DTYPES,
+        help=f"KV dtypes of repeated restores (default: {DEFAULTS['repeat_dtypes']})",
+    )
+    p.add_argument(
+        "--restore-repeats",
+        type=_positive,
+        help="samples per case of the fresh, repeat and open sections (default: "
+        f"{DEFAULTS['restore_repeats']})",
+    )
+    p.add_argument(
+        "--durable-tokens",
+        type=_positive,
+        help="tokens of float16 KV saved until durable (default: "
+        f"{DEFAULTS['durable_tokens']})",
+    )
+    p.add_argument(
+        "--open-weights-gb",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="GB",
+        help="open section: also synthetic llamas of about this many GB of float16 "
+        "weights (memory: that many GB; default: none)",
+    )
     p.add_argument("--chunk-tokens", type=_positive, default=256)
     p.add_argument(
         "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION"
@@ -110,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IN",
         help="measure nothing: print the tables and targets (and --plot) of a saved run",
     )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="with --from-json: print the restart sections as markdown tables",
+    )
     return p
 
 
@@ -120,10 +191,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("lengths", "restore_lengths", "scale_counts"):
+    for key in (
+        "lengths",
+        "restore_lengths",
+        "scale_counts",
+        "fresh_lengths",
+        "repeat_lengths",
+    ):
         setattr(args, key, sorted(set(getattr(args, key))))
-    if min(args.lengths) < 2 or min(args.restore_lengths) < 2:
+    for key in ("fresh_dtypes", "repeat_dtypes"):  # in the order of DTYPES
+        setattr(args, key, [d for d in DTYPES if d in getattr(args, key)])
+    lengths = (args.lengths, args.restore_lengths, args.fresh_lengths)
+    if min(min(x) for x in lengths + (args.repeat_lengths,)) < 2:
         parser.error("lengths must be >= 2 tokens")
+    if args.markdown and not args.from_json:
+        parser.error("--markdown prints a saved run: give --from-json IN")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -140,8 +222,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.from_json:
         return _replay(args, report)
+    from kvstore.bench.durable import bench_durable
+    from kvstore.bench.fresh import bench_fresh
     from kvstore.bench.measure import can_drop_page_cache, environment
     from kvstore.bench.models import load
+    from kvstore.bench.opening import bench_open
+    from kvstore.bench.repeat import bench_repeat
     from kvstore.bench.restore import bench_restore
     from kvstore.bench.scale import bench_scale
     from kvstore.bench.ttft import Prompts, bench_ttft, bench_write
@@ -173,6 +259,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "suffix_tokens",
                 "chunk_tokens",
                 "only",
+                "fresh_lengths",
+                "fresh_dtypes",
+                "repeat_lengths",
+                "repeat_dtypes",
+                "restore_repeats",
+                "durable_tokens",
+                "open_weights_gb",
             )
         },
         "page_cache_conditions": conditions,
@@ -211,6 +304,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
         if "scale" in args.only:
             res["scale"] = bench_scale(args.scale_counts, repeats=args.repeats, tmp=tmp)
+        restarts = {
+            "repeats": args.restore_repeats,
+            "chunk_tokens": args.chunk_tokens,
+            "tmp": tmp,
+        }
+        if "fresh" in args.only:
+            res["fresh"] = bench_fresh(
+                args.fresh_dtypes, args.fresh_lengths, **restarts
+            )
+        if "repeat" in args.only:
+            res["repeat"] = bench_repeat(
+                args.repeat_dtypes, args.repeat_lengths, **restarts
+            )
+        if "open" in args.only:
+            res["open"] = bench_open(
+                model,
+                tokenizer,
+                model_name=model_name,
+                repeats=args.restore_repeats,
+                tmp=tmp,
+                weights_gb=args.open_weights_gb,
+            )
+        if "durable" in args.only:
+            res["durable"] = bench_durable(
+                args.durable_tokens,
+                repeats=args.repeats,
+                chunk_tokens=args.chunk_tokens,
+                tmp=tmp,
+            )
         res["seconds"] = time.perf_counter() - t0
         res["targets"] = report.targets(res)
         report.print_report(res)
@@ -231,6 +353,9 @@ def _replay(args, report) -> int:
     """Print (and plot) a saved run, with its targets evaluated by this version."""
     with open(args.from_json) as f:
         res = json.load(f)
+    if args.markdown:
+        print(report.markdown(res))
+        return 0
     print(f"$ {res['command']}  (from {args.from_json})")
     res["targets"] = report.targets(res)
     report.print_report(res)

@@ -92,6 +92,7 @@ def targets(res: Dict) -> List[Dict]:
             ">= 0.95",
             w["ratio"] >= 0.95,
         )
+    out += restart_targets(res)
     for r in res.get("restore") or []:
         d = r["disk"]["ratio"]
         add(
@@ -273,6 +274,14 @@ def print_report(res: Dict) -> None:
         print_disk(res["restore"])
     if res.get("scale"):
         print_scale(res["scale"])
+    if res.get("fresh"):
+        print_fresh(res["fresh"])
+    if res.get("repeat"):
+        print_repeat(res["repeat"])
+    if res.get("open"):
+        print_open(res["open"])
+    if res.get("durable"):
+        print_durable(res["durable"])
     print_targets(res["targets"])
 
 
@@ -334,3 +343,313 @@ def plot(res: Dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# -- after a restart, repeated restores, open time, durable saves -----------------------
+
+
+def _wall(case: Dict) -> List[float]:
+    """A case's restore times: child samples' wall times, or in-process samples."""
+    if "samples" in case:
+        return [s["wall_s"] for s in case["samples"]]
+    return case["restore_s"]
+
+
+def _col(case: Dict, key: str) -> List[float]:
+    if "samples" in case:
+        return [s.get(key) for s in case["samples"] if s.get(key) is not None]
+    return case.get(key) or []
+
+
+def _speed(rows_case: Dict, base: str, name: str = "kvstore") -> Optional[float]:
+    """``base``'s median time over ``name``'s: above 1, ``name`` is faster."""
+    if base not in rows_case or name not in rows_case:
+        return None
+    return _m(_wall(rows_case[base])) / _m(_wall(rows_case[name]))
+
+
+def _samples_ms(xs: List[float]) -> str:
+    return "[" + ", ".join(f"{x * 1e3:.1f}" for x in xs) + "]"
+
+
+def _restore_rows(rows: List[Dict], title: str) -> None:
+    print(title)
+    hdr = (
+        f"{'dtype':<9} {'tokens':>6} {'KV MB':>7}  {'case':<36} {'ms':>8} {'GB/s':>6} "
+        f"{'faults':>8} {'user':>7} {'sys':>7} {'fwd':>7}  samples ms"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        c = r["cases"]
+        print(f"{r['dtype']:<9} {r['tokens']:>6} {r['kv_bytes'] / MB:>7.1f}")
+        for case in c.values():
+            t = _m(_wall(case))
+            print(
+                f"{'':<9} {'':>6} {'':>7}  {case['label']:<36} {_ms(t, 8)} "
+                f"{gbps(r['kv_bytes'], t):>6.2f} {_m(_col(case, 'faults')) or 0:>8,.0f} "
+                f"{_ms(_m(_col(case, 'user_s')), 7)} {_ms(_m(_col(case, 'sys_s')), 7)} "
+                f"{_ms(_m(_col(case, 'forward_s')), 7)}  {_samples_ms(_wall(case))}"
+            )
+        kv, lpc, floor = (
+            _speed(c, "load_prompt_cache"),
+            _speed(c, "floor"),
+            _speed(c, "floor", "load_prompt_cache"),
+        )
+        line = (
+            f"{'':<26}kvstore speed: {kv:.2f}x load_prompt_cache, {lpc:.2f}x the floor"
+        )
+        line += f" (load_prompt_cache {floor:.2f}x the floor)"
+        print(line)
+        k, f = c["kvstore"], c["floor"]
+        extra = _m(_wall(k)) - _m(_wall(f))
+        print(
+            f"{'':<26}kvstore - floor = {extra * 1e3:.1f} ms wall; CPU beyond the "
+            f"floor's: user {(_m(_col(k, 'user_s')) - _m(_col(f, 'user_s'))) * 1e3:.1f}"
+            f" ms (checksum, Python), system "
+            f"{(_m(_col(k, 'sys_s')) - _m(_col(f, 'sys_s'))) * 1e3:.1f} ms"
+            + (
+                f"; xxh3 of these bytes alone {_m(r['hash_alone_s']) * 1e3:.1f} ms"
+                if "hash_alone_s" in r
+                else ""
+            )
+        )
+
+
+def print_fresh(rows: List[Dict]) -> None:
+    _restore_rows(
+        rows,
+        "\nAfter a restart: the first restore in a fresh process, each case in its own "
+        "child process, order rotated\nevery repeat; synthetic KV of SmolLM2-135M's "
+        "shape (30 layers x 3 KV heads x 64); page cache warm;\nRAM tier off. ms = "
+        "from fetch (or load) to evaluated arrays, median; faults, user, sys = the\n"
+        "process's minor page faults and CPU ms (all threads) in that time; fwd = the "
+        "first forward pass over\none more token (an exactly full cache copies every "
+        "layer to grow).",
+    )
+
+
+def print_repeat(rows: List[Dict]) -> None:
+    _restore_rows(
+        rows,
+        "\nRepeated restores in one process (page cache warm, RAM tier off, each "
+        "restore freed before the next,\ncases alternating); same KV and columns as "
+        "above.",
+    )
+    for r in rows:
+        p = r.get("kvstore_phases")
+        if p:
+            print(
+                f"  {r['dtype']} {r['tokens']}: kvstore phases (median ms) lookup "
+                f"{_ms(_m(p['lookup_s']), 0)}, read* {_ms(_m(p['read_s']), 0)}, "
+                f"assemble* {_ms(_m(p['assemble_s']), 0)} (* summed over reader threads)"
+            )
+
+
+def print_open(res: Dict) -> None:
+    print(
+        f"\nOpening a store, KVStore(path, model, tokenizer), in fresh child processes "
+        f"(model {res['model']},\nits load not timed), cases alternating; median ms "
+        f"and every sample"
+    )
+    for case in res["cases"].values():
+        xs = _wall(case)
+        print(f"  {case['label']:<30} {_ms(_m(xs), 8)}  {_samples_ms(xs)}")
+    known, new = (_m(_wall(res["cases"][k])) for k in ("known", "new"))
+    print(f"  new / known: {new / known:.1f}x")
+    if res.get("split_ms"):
+        print(f"  split of a known open (this process, ms): {res['split_ms']}")
+    for case in res.get("big") or []:
+        print(
+            f"  {case['weights_bytes'] / 1e9:.2f} GB of weights "
+            f"({'all hashed' if case['all_hashed'] else 'samples of each tensor hashed'})"
+            f": weights digest {_samples_ms(case['weights_digest_s'])} ms, known open "
+            f"{_samples_ms(case['known_open_s'])} ms, new open "
+            f"{case['new_open_s'] * 1e3:.0f} ms"
+        )
+
+
+def print_durable(d: Dict) -> None:
+    from kvstore.bench.durable import speed_ratio
+
+    b = d["files_bytes"]
+    print(
+        f"\nSaving until durable, {d['tokens']} tokens of {d['dtype']} KV "
+        f"({b / MB:.1f} MB in {d['files']} files, chunk_tokens={d['chunk_tokens']}, "
+        f"ram_bytes={d['ram_bytes']}), cases rotated, os.sync() before each:"
+    )
+    rows = [
+        ("kvstore save + flush", d["kvstore_s"]),
+        ("the same bytes, one file, one fsync", d["one_file_s"]),
+    ]
+    if d["per_node_files_s"]:
+        rows.append(
+            (f"the same bytes, {d['files']} files, each fsynced", d["per_node_files_s"])
+        )
+    for label, xs in rows:
+        t = _m(xs)
+        print(
+            f"  {label:<44} {_ms(t, 8)} ms {gbps(b, t):>6.2f} GB/s  {_samples_ms(xs)}"
+        )
+    ratio, per = speed_ratio(d)
+    print(
+        f"  save() returned in {_ms(_m(d['save_returned_s']), 0)} ms (median); "
+        f"kvstore / one file speed {ratio:.2f}x (per repeat "
+        f"{[round(x, 2) for x in per]})"
+    )
+
+
+def restart_targets(res: Dict) -> List[Dict]:
+    out = []
+
+    def add(what, value, target, ok):
+        out.append({"what": what, "value": value, "target": target, "ok": ok})
+
+    for r in res.get("fresh") or []:
+        c, n = r["cases"], f"{r['dtype']} {r['tokens']} tokens"
+        ratio = _speed(c, "load_prompt_cache")
+        add(
+            f"after a restart, kvstore speed / load_prompt_cache, {n}",
+            f"{ratio:.2f} ({_ms(_m(_wall(c['kvstore'])), 0)} / "
+            f"{_ms(_m(_wall(c['load_prompt_cache'])), 0)} ms)",
+            ">= 1.0",
+            ratio >= 1.0,
+        )
+        add(
+            f"after a restart, kvstore speed / floor (readinto fresh buffers), {n}",
+            f"{_speed(c, 'floor'):.2f}",
+            "info",
+            None,
+        )
+    for r in res.get("repeat") or []:
+        c, n = r["cases"], f"{r['dtype']} {r['tokens']} tokens"
+        ratio = _speed(c, "load_prompt_cache")
+        add(
+            f"repeated restores, kvstore speed / load_prompt_cache, {n}",
+            f"{ratio:.2f} ({_ms(_m(_wall(c['kvstore'])), 0)} / "
+            f"{_ms(_m(_wall(c['load_prompt_cache'])), 0)} ms)",
+            ">= 1.2",
+            ratio >= 1.2,
+        )
+        add(
+            f"repeated restores, kvstore speed / floor (readinto fresh buffers), {n}",
+            f"{_speed(c, 'floor'):.2f}",
+            "info",
+            None,
+        )
+    o = res.get("open")
+    if o:
+        from kvstore.bench.opening import TARGET_S
+
+        known = _m(_wall(o["cases"]["known"]))
+        add(
+            "open a store, model seen before (model load excluded)",
+            f"{known * 1e3:.1f} ms",
+            f"<= {TARGET_S * 1e3:.0f} ms",
+            known <= TARGET_S,
+        )
+        add(
+            "open a store, model never seen",
+            f"{_m(_wall(o['cases']['new'])) * 1e3:.1f} ms",
+            "info",
+            None,
+        )
+    d = res.get("durable")
+    if d:
+        from kvstore.bench.durable import TARGET, speed_ratio
+
+        ratio = speed_ratio(d)[0]
+        add(
+            f"save until durable GB/s / one file with one fsync, {d['tokens']} tokens "
+            f"of {d['dtype']}",
+            f"{ratio:.2f}",
+            f">= {TARGET}",
+            ratio >= TARGET,
+        )
+    return out
+
+
+# -- compact markdown tables of a saved run (docs) ---------------------------------------
+
+
+def _pass(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def markdown(res: Dict) -> str:
+    """The restart-relevant sections of a run as small markdown tables: the fresh
+    and repeated restores (medians, ratios), open time and save until durable."""
+    from kvstore.bench.durable import TARGET, speed_ratio
+    from kvstore.bench.opening import TARGET_S
+
+    out = []
+    for key, title, target in (
+        ("fresh", "After a restart (first restore in a fresh process)", 1.0),
+        ("repeat", "Repeated restores in one process", 1.2),
+    ):
+        rows = res.get(key) or []
+        if not rows:
+            continue
+        out += [
+            f"{title}: medians of {len(_wall(rows[0]['cases']['kvstore']))} samples; "
+            f"speed ratio = load_prompt_cache ms / kvstore ms (target >= {target}); "
+            "floor ratio = kvstore's speed / the floor's (same bytes, plain readinto "
+            "into fresh buffers).",
+            "",
+            "| dtype | tokens | KV MB | kvstore ms | load_prompt_cache ms | floor ms "
+            "| speed ratio | floor ratio | lpc floor ratio | target |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in rows:
+            c = r["cases"]
+            ratio = _speed(c, "load_prompt_cache")
+            out.append(
+                f"| {r['dtype']} | {r['tokens']} | {r['kv_bytes'] / MB:.1f} "
+                f"| {_m(_wall(c['kvstore'])) * 1e3:.1f} "
+                f"| {_m(_wall(c['load_prompt_cache'])) * 1e3:.1f} "
+                f"| {_m(_wall(c['floor'])) * 1e3:.1f} | {ratio:.2f} "
+                f"| {_speed(c, 'floor'):.2f} "
+                f"| {_speed(c, 'floor', 'load_prompt_cache'):.2f} "
+                f"| {_pass(ratio >= target)} |"
+            )
+        out.append("")
+    o = res.get("open")
+    if o:
+        known, new = (_m(_wall(o["cases"][k])) for k in ("known", "new"))
+        out += [
+            "| open a store (fresh process, model load not timed) | median ms "
+            "| samples ms | target |",
+            "|---|---:|---|---|",
+            f"| model seen before | {known * 1e3:.1f} "
+            f"| {_samples_ms(_wall(o['cases']['known']))} "
+            f"| {_pass(known <= TARGET_S)} (<= {TARGET_S * 1e3:.0f} ms) |",
+            f"| model never seen | {new * 1e3:.1f} "
+            f"| {_samples_ms(_wall(o['cases']['new']))} | info |",
+            "",
+        ]
+    d = res.get("durable")
+    if d:
+        ratio = speed_ratio(d)[0]
+        b = d["files_bytes"]
+        out += [
+            f"| save until durable, {d['tokens']} tokens of {d['dtype']} "
+            f"({b / MB:.0f} MB, {d['files']} files) | median ms | GB/s | samples ms |",
+            "|---|---:|---:|---|",
+        ]
+        for label, xs in (
+            ("kvstore save + flush", d["kvstore_s"]),
+            ("one file, one fsync", d["one_file_s"]),
+            (f"{d['files']} files, each fsynced", d["per_node_files_s"]),
+        ):
+            if xs:
+                out.append(
+                    f"| {label} | {_m(xs) * 1e3:.0f} | {gbps(b, _m(xs)):.2f} "
+                    f"| {_samples_ms(xs)} |"
+                )
+        out += [
+            "",
+            f"kvstore / one file: {ratio:.2f}x, target >= {TARGET}: "
+            f"{_pass(ratio >= TARGET)}",
+            "",
+        ]
+    return "\n".join(out)
