@@ -23,6 +23,17 @@ class CLIError(Exception):
     """A problem that ends the command with one clear message."""
 
 
+def _salt(text: str) -> str:
+    """An argparse type: a cache salt (non-empty, at most 256 bytes)."""
+    from .salts import check_salt
+
+    try:
+        check_salt(text, what="the salt")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 _positive = int_at_least(1)
 _chunk = int_at_least(1, 1 << 20)  # tokens per node: past any context length
 _bits = int_at_least(1, 32)
@@ -61,6 +72,8 @@ def open_store(path: str, model, tokenizer, args, *, remote=None):
         sizes["ram_bytes"] = args.ram_bytes
     if getattr(args, "restore_room", None) is not None:
         sizes["restore_room"] = args.restore_room
+    if getattr(args, "salt_disk_bytes", None) is not None:
+        sizes["salt_disk_bytes"] = args.salt_disk_bytes
     if hasattr(args, "disk_bytes"):
         sizes["disk_bytes"] = store_disk_budget(path, args.disk_bytes)
     try:
@@ -146,6 +159,7 @@ def cmd_prefill(args) -> int:
                     tokenizer,
                     default_kind=args.kind,
                     default_pin=args.pin,
+                    default_salt=args.salt,
                     vocab_size=vocab,
                     max_tokens=limit,
                 )
@@ -221,12 +235,16 @@ def _prefill_line(store, line) -> int:
     computed = 0
     if 0 < line.system_end < len(line.tokens):
         done = store.prefill(
-            line.tokens[: line.system_end], kind="system", pin=line.pin
+            line.tokens[: line.system_end], kind="system", pin=line.pin, salt=line.salt
         )
         computed += done["computed"]
         store.flush()
     done = store.prefill(
-        line.tokens, kind=line.kind, pin=line.pin, boundaries=line.boundaries
+        line.tokens,
+        kind=line.kind,
+        pin=line.pin,
+        boundaries=line.boundaries,
+        salt=line.salt,
     )
     store.flush()
     return computed + done["computed"]
@@ -306,7 +324,18 @@ def cmd_stats(args) -> int:
             f"prompts {ns['prompts']:>5}  tokens {ns['tokens']:>8}  {_human(ns['bytes']):>10}  "
             f"pinned {_human(ns['pinned_bytes'])}"
         )
+        trees = ns.get("salted_trees") or []
+        for tree in trees[:_SHOWN_TREES]:  # by root hash: the store has no salt
+            print(
+                f"    salted tree {tree['root'][:12]}  nodes {tree['nodes']:>6}  "
+                f"tokens {tree['tokens']:>8}  {_human(tree['bytes']):>10}"
+            )
+        if len(trees) > _SHOWN_TREES:
+            print(f"    ... {len(trees) - _SHOWN_TREES} more salted trees (--json)")
     return EXIT_OK
+
+
+_SHOWN_TREES = 20
 
 
 def cmd_ls(args) -> int:
@@ -622,6 +651,13 @@ def _add_prefill(sub) -> None:
     )
     p.add_argument(
         "--pin", action="store_true", help="pin every prompt (default: per line)"
+    )
+    p.add_argument(
+        "--salt",
+        type=_salt,
+        default=None,
+        help="store in this cache salt's tree, as a server request's cache_salt "
+        '(default: per line\'s "salt", else unsalted)',
     )
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")

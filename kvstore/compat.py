@@ -222,7 +222,15 @@ def _prompt_cache_problems(lru: type, ours: type) -> List[str]:
             problems.append(f"LRUPromptCache.{name} is missing")
             continue
         want = [(p.name, p.kind) for p in _params(theirs) or ()]
-        have = [(p.name, p.kind) for p in _params(mine) or ()]
+        # Keyword-only parameters of ours with a default (the cache salt) are never
+        # passed by mlx-lm: compatible.
+        have = [
+            (p.name, p.kind)
+            for p in _params(mine) or ()
+            if p.kind is not p.KEYWORD_ONLY
+            or p.default is p.empty
+            or (p.name, p.kind) in want
+        ]
         if want != have:
             problems.append(
                 f"LRUPromptCache.{name}{_sig(theirs)} differs from kvstore's "

@@ -1,6 +1,6 @@
 """``stream_generate`` with persistence: a one-line change for mlx-lm generate loops."""
 
-from typing import Generator, List, Union
+from typing import Generator, List, Optional, Union
 
 import mlx.core as mx
 from mlx_lm import stream_generate as _mlx_stream_generate
@@ -30,6 +30,7 @@ def stream_generate(
     store,
     kind: str = "user",
     pin: bool = False,
+    salt: Optional[str] = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """``mlx_lm.stream_generate`` that reuses and persists the prompt's KV.
@@ -44,6 +45,7 @@ def stream_generate(
         store: An open :class:`kvstore.KVStore` for this model.
         kind: Eviction class of the saved prompt ("system", "user", "assistant").
         pin: Pin the saved prompt.
+        salt: Reuse and save only in this salt's tree (see ``KVStore.fetch``).
         kwargs: Passed to ``mlx_lm.stream_generate`` (not ``prompt_cache``).
     """
     if "prompt_cache" in kwargs:
@@ -53,7 +55,7 @@ def stream_generate(
     if kwargs.get("draft_model") is not None:
         raise ValueError("kvstore.stream_generate does not support draft_model yet")
     tokens = encode_prompt(tokenizer, prompt)
-    cache, n = store.fetch(tokens)
+    cache, n = store.fetch(tokens, salt=salt)
     saved = False
     if store.layout.has_state:
         # State layers (windows, recurrent state) cannot be cut back after generation:
@@ -63,7 +65,7 @@ def stream_generate(
         if end > n:
             step = kwargs.get("prefill_step_size", 2048)
             store.extend(cache, tokens, n, end, step_tokens=step)
-            store.save(tokens[:end], cache, kind=kind, pin=pin)
+            store.save(tokens[:end], cache, kind=kind, pin=pin, salt=salt)
             n = end
         saved = True
     for response in _mlx_stream_generate(
@@ -71,6 +73,6 @@ def stream_generate(
     ):
         if not saved:
             # The cache now holds the whole prompt (and maybe the first new token).
-            store.save_prefix(tokens, cache, kind=kind, pin=pin)
+            store.save_prefix(tokens, cache, kind=kind, pin=pin, salt=salt)
             saved = True
         yield response

@@ -84,8 +84,8 @@ def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
 
 
 def add_size_options(p: argparse.ArgumentParser) -> None:
-    """``--disk-bytes``, ``--ram-bytes`` and ``--restore-room`` (shared by prefill
-    and serve)."""
+    """``--disk-bytes``, ``--ram-bytes``, ``--salt-disk-bytes`` and ``--restore-room``
+    (shared by prefill and serve)."""
     p.add_argument(
         "--disk-bytes",
         type=parse_budget,
@@ -100,6 +100,14 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="budget of the in-memory tier, e.g. 2G (default: 512M)",
+    )
+    p.add_argument(
+        "--salt-disk-bytes",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="quota of each cache salt's tree, e.g. 2G: a salted save evicts that "
+        "tree's least recently used prefixes, never another tenant's (default: none)",
     )
     p.add_argument(
         "--restore-room",

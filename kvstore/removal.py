@@ -8,7 +8,7 @@ broken nodes, and cleaning up after failed or superseded saves.
 import logging
 from typing import Optional, Sequence
 
-from . import maintenance
+from . import maintenance, salts
 from .restore import state_key
 
 log = logging.getLogger("kvstore")
@@ -77,11 +77,14 @@ class Removal:
             with self._lock:
                 self._counters.quarantined.extend(released.quarantined)
 
-    def _make_room(self, txn, written: list) -> list:
-        """In the commit's transaction: evict what the new nodes need to fit the disk
-        budget (:func:`kvstore.maintenance.make_room`), sparing the nodes they hang from.
+    def _make_room(self, txn, written: list, root: Optional[bytes] = None) -> list:
+        """In the commit's transaction: evict what the new nodes need to fit the salted
+        tree's quota (``salt_disk_bytes``, for a save under a salt: that tree's nodes
+        only) and the disk budget (:func:`kvstore.maintenance.make_room`), sparing the
+        nodes they hang from.
         """
-        if self.disk_bytes is None:
+        quota = self.salt_disk_bytes if root not in (None, self.root) else None
+        if self.disk_bytes is None and quota is None:
             return []
         ns, nodes_db = self.namespace, self.index.db["nodes"]
         new = [
@@ -91,13 +94,18 @@ class Removal:
         ]
         if not new:
             return []
-        return maintenance.make_room(
-            self.index,
-            txn,
-            self.disk_bytes,
-            sum(nbytes for _, nbytes in new),
-            keep={(ns, node.parent) for node, _ in new},
-        )
+        incoming = sum(nbytes for _, nbytes in new)
+        keep = {(ns, node.parent) for node, _ in new}
+        gone = []
+        if quota is not None:
+            gone += salts.make_tree_room(
+                self.index, txn, ns, root, quota, incoming, keep=keep
+            )
+        if self.disk_bytes is not None:
+            gone += maintenance.make_room(
+                self.index, txn, self.disk_bytes, incoming, keep=keep
+            )
+        return gone
 
     def _release_evicted(self, evicted: list) -> None:
         """After the commit: unlink the files of the nodes :meth:`_make_room` evicted."""

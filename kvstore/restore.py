@@ -27,7 +27,7 @@ from .blobs import (
     metadata_matches,
 )
 from .chunking import chain_hash
-from .index import CorruptRecord, NodeRecord
+from .index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
 from .ram import RamEntry
 
 log = logging.getLogger("kvstore")
@@ -107,8 +107,12 @@ class ReadPath:
     """Restores of :class:`kvstore.store.KVStore`: the trie walk, the parallel node
     reads into an :class:`~kvstore.assemble.AssemblyPlan`, and broken-node reports."""
 
-    def _fetch(self, arr: np.ndarray, retries: int = 2) -> Tuple[List[Any], int]:
-        path = self.index.read(lambda txn: self._walk(txn, arr, limit=len(arr) - 1))
+    def _fetch(
+        self, arr: np.ndarray, retries: int = 2, *, root: Optional[bytes] = None
+    ) -> Tuple[List[Any], int]:
+        path = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
+        )
         if not path:
             return self.new_cache(), 0
         failures, state_job, plan = self._read_path(path, len(arr))
@@ -127,7 +131,9 @@ class ReadPath:
                 # The checkpoint's path is broken: look again (broken nodes are skipped
                 # now) for the next best checkpoint.
                 return (
-                    self._fetch(arr, retries - 1) if retries else (self.new_cache(), 0)
+                    self._fetch(arr, retries - 1, root=root)
+                    if retries
+                    else (self.new_cache(), 0)
                 )
             state = state_job.result()
         path = path[:failed]  # a broken node: keep only what precedes it
@@ -194,20 +200,27 @@ class ReadPath:
         return failures, state_job, plan
 
     def _walk(
-        self, txn, arr: np.ndarray, *, limit: int, full_only: bool = False
+        self,
+        txn,
+        arr: np.ndarray,
+        *,
+        limit: int,
+        full_only: bool = False,
+        root: Optional[bytes] = None,
     ) -> List[Step]:
         """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
 
         With ``full_only`` the walk stops before a node that is not wholly used. A
         layout with state layers restores only at a node holding a checkpoint: its
-        fetch walk returns the longest such path.
+        fetch walk returns the longest such path. ``root``: the tree's root (a
+        salted one), else the namespace's.
         """
         checkpoints = self.layout.has_state and not full_only
         full_only = full_only or checkpoints
         path: List[Step] = []
         best: List[Step] = []  # the longest path ending at a checkpoint
         best_end = 0
-        parent, pos, C = self.root, 0, self.chunk_tokens
+        parent, pos, C = self.root if root is None else root, 0, self.chunk_tokens
         while pos < limit:
             usable = [
                 step
@@ -218,6 +231,8 @@ class ReadPath:
             ]
             for step in usable:
                 step.take = min(step.take, limit - pos)
+            # On a tie, a node used whole first: the walk can go on below it.
+            usable.sort(key=lambda step: (-step.take, step.take < step.rec.ntokens))
             if full_only:
                 usable = [step for step in usable if step.take == step.rec.ntokens]
             if checkpoints:
@@ -259,6 +274,16 @@ class ReadPath:
         ]
         if checkpoints:
             out += self._shorter_children(txn, parent, query)
+        elif out:
+            # The best match is a sibling that goes on past the query: a child holding
+            # exactly those tokens (a system prompt's end, with the rest of this prompt
+            # below it) may sit away from the query in key order. Racing saves leave
+            # such siblings.
+            best = max(step.take for step in out)
+            if best < CHILD_KEY_TOKENS and all(
+                step.take < step.rec.ntokens for step in out if step.take == best
+            ):
+                out += self._shorter_children(txn, parent, query[: best + 1])
         unique = {step.h: step for step in reversed(out)}  # keep the first of each
         return sorted(unique.values(), key=lambda step: -step.take)
 

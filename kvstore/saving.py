@@ -54,12 +54,15 @@ class WritePath:
     """Saves of :class:`kvstore.store.KVStore`: :meth:`_save` captures the nodes and
     queues :meth:`_write_nodes` on the background writer."""
 
-    def _save(self, arr, cache, *, kind, pin, boundaries) -> int:
+    def _save(self, arr, cache, *, kind, pin, boundaries, root=None) -> int:
+        root = (
+            self.root if root is None else root
+        )  # a salted tree's, or the namespace's
         path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True, root=root)
         )
         pos = sum(step.take for step in path)
-        parent = path[-1].h if path else self.root
+        parent = path[-1].h if path else root
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
         hashes = chain_hashes(parent, arr, spans)
         nodes, nbytes, state = [], 0, None
@@ -98,7 +101,7 @@ class WritePath:
         self._touch(existing)
 
         def job():
-            self._write_nodes(nodes, kind=kind, pin=pin, existing=existing)
+            self._write_nodes(nodes, kind=kind, pin=pin, existing=existing, root=root)
 
         if (nodes or pin) and not self.writer.submit(job, nbytes):
             with self._lock:
@@ -208,11 +211,19 @@ class WritePath:
             reservations.forget(key)
 
     def _write_nodes(
-        self, nodes: List[NewNode], *, kind: str, pin: bool, existing: List[bytes]
+        self,
+        nodes: List[NewNode],
+        *,
+        kind: str,
+        pin: bool,
+        existing: List[bytes],
+        root: Optional[bytes] = None,
     ):
         """Writer thread: serialize the files, reserve their bytes under the disk budget
         (:meth:`_reserve`), write them, then commit their nodes in one transaction that
         also drops the reservation. A file is reserved until it is indexed or unlinked.
+        ``root``: a salted tree's (its nodes stay off the remote tier and count
+        against ``salt_disk_bytes``); None: the namespace's.
         """
         ns = self.namespace
         files = [self._serialize(node) for node in nodes]
@@ -235,7 +246,7 @@ class WritePath:
         def commit(txn):
             if reservation is not None:
                 reservations.delete(self.index, txn, reservation)
-            evicted[:] = self._make_room(txn, written)
+            evicted[:] = self._make_room(txn, written, root)
             added, superseded, skipped[0] = self._index_nodes(
                 txn, written, kind=kind, pin=pin, now=now
             )
@@ -269,7 +280,7 @@ class WritePath:
                 self._unreserve(reservation)
             elif reservation is not None:
                 reservations.forget(reservation)  # the commit deleted it
-        self._record_written(added, skipped[0])
+        self._record_written(added, skipped[0], root)
 
     def _is_ours(self, h: bytes, published, part: str = "") -> bool:
         # Index only the very file we checked: one removed (or replaced) by another
@@ -299,9 +310,8 @@ class WritePath:
                 self.index.replace_node(txn, ns, node.h, rec)
                 added.append((node.h, rec, None, state[0]))
                 continue
-            parent_ok = node.parent == self.root or self.index.get_node(
-                ns, node.parent, txn
-            )
+            # A first node hangs from a root (the namespace's or a salted one).
+            parent_ok = node.start == 0 or self.index.get_node(ns, node.parent, txn)
             if not parent_ok or not self._is_ours(node.h, delta[1]):
                 # Its parent was evicted, or its file replaced, meanwhile: this
                 # node and the ones after it stay unsaved (counted, not raised).
@@ -333,16 +343,19 @@ class WritePath:
                 )
         return added, superseded, skipped
 
-    def _record_written(self, added: List[tuple], skipped: int) -> None:
+    def _record_written(
+        self, added: List[tuple], skipped: int, root: Optional[bytes]
+    ) -> None:
         """After the commit: the RAM tier, the counters, the remote tier's uploads
-        and the disk budget."""
+        (not a salted tree's) and the disk budget."""
         self._fill_ram(added)
         with self._lock:
             self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
             self._counters.nodes_written += len(added)
             self._counters.nodes_skipped += skipped
             self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
-        if self.remote is not None and added:
+        salted = root not in (None, self.root)
+        if self.remote is not None and added and not salted:
             self.remote.after_commit(added)  # queues uploads; returns at once
         self._enforce_disk_budget()
 

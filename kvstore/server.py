@@ -7,7 +7,14 @@ replaced while it runs:
   own ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
 * ``ModelProvider`` by a subclass that lets the cache find the loaded model;
 * ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which adds
-  ``GET /kvstore/stats`` and applies ``--strip-pattern`` to request bodies.
+  ``GET /kvstore/stats`` and ``GET /metrics``, applies ``--strip-pattern`` to
+  request bodies and reads each request's cache salt;
+* ``ResponseGenerator`` and ``BatchGenerator`` by subclasses that carry each
+  request's salt to the prompt cache (:mod:`kvstore.serve_salts`).
+
+Cache salts (``cache_salt`` in the body, as vLLM's server takes it, or
+``--salt-header NAME``; ``--require-salt``): a request reuses only KV saved under its
+own salt, in RAM and in the store; unsalted requests share the unsalted pool.
 
 Strip patterns are compiled with ``re.MULTILINE`` and removed (``re.sub(p, "", ...)``)
 from every message's text content and from plain prompts before tokenization, so a
@@ -16,10 +23,11 @@ example, a billing header that some clients put at the top of the system prompt:
 
     kvstore serve --model M --strip-pattern '^x-anthropic-billing-header: .*\\n?'
 
-Counters: one log line per request (``kvstore: prompt N tokens: reused R (ram|disk|miss),
-computing C, restore T ms``) and ``GET /kvstore/stats`` (JSON: this process's totals,
-the RAM LRU, and each open store's ``KVStore.stats()``). Also runnable as
-``python -m kvstore.server``.
+Counters: one log line per request (``kvstore: prompt N tokens: reused R
+(ram|disk|remote|miss), computing C, restore T ms``), ``GET /kvstore/stats`` (JSON:
+this process's totals, the RAM LRU, and each open store's ``KVStore.stats()``) and
+``GET /metrics`` (the same in the Prometheus text format, :mod:`kvstore.metrics`).
+Also runnable as ``python -m kvstore.server``.
 """
 
 import argparse
@@ -32,10 +40,22 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .compat import check_server
+from .compat import check_server, server_refusal
+from .metrics import ServeMetrics
 from .options import add_size_options, default_store, store_disk_budget
+from .salts import check_salt
+from .serve_salts import (
+    UNKNOWN,
+    SaltedCache,
+    SaltPolicy,
+    SaltRouter,
+    batch_generator_class,
+    missing_hooks,
+    response_generator_class,
+)
 
 log = logging.getLogger("kvstore.server")
 
@@ -43,17 +63,35 @@ _COUNTER_NAMES = (
     "requests",
     "ram_hits",
     "disk_hits",
+    "remote_hits",
     "misses",
     "tokens_requested",
     "tokens_reused",
     "tokens_reused_ram",
     "tokens_reused_disk",
+    "tokens_reused_remote",
     "tokens_computed",
     "restore_seconds",
     "saves",
     "saves_skipped",
+    "saves_unattributed",
     "store_errors",
+    "rejected_requests",
 )
+
+_FROM_REQUEST = object()  # the salt of the request being served (SaltRouter)
+
+
+@dataclass(frozen=True)
+class _SaltedKey:
+    """The RAM LRU's model key for a salted request: salts never share an entry."""
+
+    model: Any
+    salt: str
+
+
+def _ram_key(model, salt: Optional[str]):
+    return model if salt is None else _SaltedKey(model, salt)
 
 
 class PersistentPromptCache:
@@ -64,6 +102,12 @@ class PersistentPromptCache:
     prefix; ``insert_cache`` inserts into the RAM LRU and queues the prompt's KV for the
     store (background writer). Storage problems are logged, never raised.
 
+    Both take the request's cache salt: ``salt=`` when given, else the one ``salts``
+    (a :class:`~kvstore.serve_salts.SaltRouter`) knows, else None (unsalted). A
+    salted request reuses only what was saved under its salt, in RAM and on disk. A
+    request whose salt the router cannot tell is neither served from nor stored in
+    any cache.
+
     Args:
         store_dir: The store directory (created when missing).
         model_provider: Anything with ``model``, ``tokenizer`` and ``model_key``
@@ -71,6 +115,8 @@ class PersistentPromptCache:
             for the model currently loaded, keyed by ``model_key``.
         max_size, max_bytes: The RAM LRU's limits (as ``LRUPromptCache``).
         store_kwargs: Extra keyword arguments for ``KVStore``.
+        salts: Where the salt of the request being served comes from (the server's
+            generation thread); None: unsalted unless ``salt=`` is passed.
     """
 
     def __init__(
@@ -81,6 +127,7 @@ class PersistentPromptCache:
         max_bytes: int = 1 << 63,
         *,
         store_kwargs: Optional[Dict[str, Any]] = None,
+        salts: Optional[SaltRouter] = None,
     ):
         from mlx_lm.models.cache import LRUPromptCache
 
@@ -91,6 +138,8 @@ class PersistentPromptCache:
         self._stores: Dict[Any, Any] = {}  # model key -> KVStore, or None (unusable)
         self._lock = threading.Lock()
         self._counters = {name: 0 for name in _COUNTER_NAMES}
+        self.salts = salts
+        self.metrics = ServeMetrics(self.stats)
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -117,39 +166,56 @@ class PersistentPromptCache:
     def stats_by_type(self):
         return self._lru.stats_by_type()
 
-    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+    def fetch_nearest_cache(self, model: Any, tokens: List[int], *, salt=_FROM_REQUEST):
         """``(cache or None, rest_tokens)``: the longest reusable prefix, RAM or disk.
 
         As ``LRUPromptCache``, except that a prompt found only on disk keeps at least
         its last token to compute (the store restores at most ``len(tokens) - 1``).
-        On a tie the RAM cache is used; the store is not asked when RAM already
-        covers ``len(tokens) - 1`` tokens.
+        On a tie the RAM cache is used; the store restores only when its index says
+        it holds more than RAM (with a remote tier it is always asked).
         """
-        cache, rest = self._lru.fetch_nearest_cache(model, tokens)
+        salt = self._salt(salt, self.salts.request if self.salts else None)
+        if salt is UNKNOWN:
+            self._count(
+                requests=1,
+                misses=1,
+                tokens_requested=len(tokens),
+                tokens_computed=len(tokens),
+            )
+            return None, tokens
+        cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
         ram_n = len(tokens) - len(rest) if cache is not None else 0
         source, n, seconds = ("ram" if ram_n else None), ram_n, 0.0
         # The store gives at most len(tokens) - 1 tokens: ask only when it may do better.
         store = self._store_for(model) if ram_n < len(tokens) - 1 else None
         if store is not None:
+            remote_hits = _remote_hits(store)
             tic = time.perf_counter()
             try:
-                disk_cache, disk_n = store.fetch(tokens)
+                if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
+                    disk_cache, disk_n = None, 0  # no longer than RAM: no restore
+                else:
+                    disk_cache, disk_n = store.fetch(tokens, salt=salt)
             except Exception:
                 log.exception("kvstore: store fetch failed; continuing without it")
                 self._count(store_errors=1)
                 disk_cache, disk_n = None, 0
             seconds = time.perf_counter() - tic
             if disk_n > ram_n:
-                cache, rest, source, n = disk_cache, tokens[disk_n:], "disk", disk_n
+                source = "remote" if _remote_hits(store) > remote_hits else "disk"
+                cache, rest, n = disk_cache, tokens[disk_n:], disk_n
+                self.metrics.restore_seconds.observe(seconds)
         self._count(
             requests=1,
             ram_hits=source == "ram",
             disk_hits=source == "disk",
+            remote_hits=source == "remote",
             misses=source is None,
             tokens_requested=len(tokens),
             tokens_reused=n,
             tokens_reused_ram=n if source == "ram" else 0,
             tokens_reused_disk=n if source == "disk" else 0,
+            tokens_reused_remote=n if source == "remote" else 0,
             tokens_computed=len(rest),
             restore_seconds=seconds,
         )
@@ -170,9 +236,23 @@ class PersistentPromptCache:
         prompt_cache: List[Any],
         *,
         cache_type: str = "assistant",
+        salt=_FROM_REQUEST,
     ):
-        """Insert into the RAM LRU and queue the KV of ``tokens`` for the store."""
-        self._lru.insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        """Insert into the RAM LRU and queue the KV of ``tokens`` for the store,
+        both under the salt of the request the cache came from."""
+        tag = getattr(prompt_cache, "kvstore_salt", _FROM_REQUEST)
+        if isinstance(prompt_cache, SaltedCache):
+            prompt_cache = list(prompt_cache)
+        if salt is _FROM_REQUEST:
+            salt = tag  # mlx-lm's batch loop: tagged by SaltedBatchGenerator
+        salt = self._salt(salt, self.salts.sequential_salt if self.salts else None)
+        if salt is UNKNOWN:
+            self._count(saves_skipped=1, saves_unattributed=1)
+            log.warning("kvstore: a cache of an unknown request was not kept")
+            return
+        self._lru.insert_cache(
+            _ram_key(model, salt), tokens, prompt_cache, cache_type=cache_type
+        )
         store = self._store_for(model)
         if store is None:
             return
@@ -184,11 +264,22 @@ class PersistentPromptCache:
         # the cache with the last generated token, which was never fed) is saved for
         # the tokens it does hold.
         try:
-            store.save_prefix(list(tokens[:held]), prompt_cache, kind=cache_type)
+            store.save_prefix(
+                list(tokens[:held]), prompt_cache, kind=cache_type, salt=salt
+            )
             self._count(saves=1)
         except Exception as e:
             log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
             self._count(saves_skipped=1, store_errors=1)
+
+    @staticmethod
+    def _salt(salt, from_request: Optional[Callable[[], Any]]):
+        """``salt`` when given (checked), else the router's, else None."""
+        if salt is _FROM_REQUEST:
+            return from_request() if from_request is not None else None
+        if salt is not UNKNOWN:
+            check_salt(salt)
+        return salt
 
     # -- stores ---------------------------------------------------------------
 
@@ -284,6 +375,16 @@ class PersistentPromptCache:
                 self._counters[name] += d
 
 
+def _remote_hits(store) -> int:
+    """Fetches the store's remote tier extended so far (0 without one)."""
+    if store.remote is None:
+        return 0
+    try:
+        return store.remote.stats().get("remote_hits", 0)
+    except Exception:
+        return 0
+
+
 def _held_tokens(store, cache: Sequence[Any]) -> int:
     """Tokens ``cache`` holds when it has the store's layout; 0 when that cannot be
     told (batch caches, a draft model's, recurrent layers only: they do not count)."""
@@ -327,26 +428,57 @@ def strip_body(body: Dict[str, Any], patterns: Sequence["re.Pattern"]) -> None:
                     part["text"] = strip_text(part["text"], patterns)
 
 
-def make_handler_class(base, patterns: Sequence["re.Pattern"]):
-    """mlx-lm's ``APIHandler`` plus ``GET /kvstore/stats`` and ``--strip-pattern``."""
+def make_handler_class(
+    base, patterns: Sequence["re.Pattern"], salt_policy: Optional[SaltPolicy] = None
+):
+    """mlx-lm's ``APIHandler`` plus ``GET /kvstore/stats``, ``GET /metrics``,
+    ``--strip-pattern`` and the request's cache salt (``salt_policy``; default: the
+    ``cache_salt`` body field)."""
+    policy = salt_policy or SaltPolicy()
 
     class KVStoreAPIHandler(base):
+        def validate_model_parameters(self):
+            super().validate_model_parameters()
+            try:
+                self.kvstore_salt = policy.salt_of(self.body, self.headers)
+            except ValueError:  # mlx-lm answers 400 with the message
+                cache = self._prompt_cache()
+                if cache is not None:
+                    cache._count(rejected_requests=1)
+                raise
+
         def handle_chat_completions(self):
             strip_body(self.body, patterns)
-            return super().handle_chat_completions()
+            request = super().handle_chat_completions()
+            request.kvstore_salt = getattr(self, "kvstore_salt", None)
+            return request
 
         def handle_text_completions(self):
             strip_body(self.body, patterns)
-            return super().handle_text_completions()
+            request = super().handle_text_completions()
+            request.kvstore_salt = getattr(self, "kvstore_salt", None)
+            return request
+
+        def _prompt_cache(self) -> Optional[PersistentPromptCache]:
+            cache = getattr(self.response_generator, "prompt_cache", None)
+            return cache if isinstance(cache, PersistentPromptCache) else None
 
         def do_GET(self):
-            if self.path.split("?")[0] != "/kvstore/stats":
+            path = self.path.split("?")[0]
+            if path not in ("/kvstore/stats", "/metrics"):
                 return super().do_GET()
-            cache = getattr(self.response_generator, "prompt_cache", None)
-            if isinstance(cache, PersistentPromptCache):
-                status, body = 200, cache.stats()
-            else:
+            cache = self._prompt_cache()
+            if cache is None:
                 status, body = 503, {"error": "no persistent prompt cache"}
+            elif path == "/metrics":
+                self.send_response(200)
+                self.send_header("Content-Type", cache.metrics.content_type)
+                self.end_headers()
+                self.wfile.write(cache.metrics.exposition())
+                self.wfile.flush()
+                return
+            else:
+                status, body = 200, cache.stats()
             self._set_completion_headers(status)
             self.end_headers()
             self.wfile.write(json.dumps(body).encode())
@@ -385,7 +517,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared remote tier s3://bucket/prefix behind the store (endpoint and "
         "credentials from AWS_* variables)",
     )
+    p.add_argument(
+        "--salt-header",
+        metavar="NAME",
+        help="take each request's cache salt from this header (set by a gateway, "
+        "e.g. X-Tenant); a cache_salt in the body then narrows it",
+    )
+    p.add_argument(
+        "--require-salt",
+        action="store_true",
+        help="refuse (400) a request without a salt (without --salt-header's header)",
+    )
     return p
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token
 
 
 def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
@@ -399,6 +545,11 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     if not check_server(cache_class=PersistentPromptCache):
         return 2
     import mlx_lm.server as mls
+
+    missing = missing_hooks(mls)  # what carries a request's salt to the cache
+    if missing:
+        print(server_refusal(f"{name} is missing" for name in missing), file=sys.stderr)
+        return 2
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -444,6 +595,10 @@ def _check_options(args) -> Tuple[List["re.Pattern"], str]:
         check_store(store_dir)  # a bad --store fails now, before the model loads
     except StoreError as e:
         raise _BadOption(f"bad --store: {e}") from None
+    if args.salt_header is not None and not _HEADER_NAME.fullmatch(args.salt_header):
+        raise _BadOption(
+            f"bad --salt-header: {args.salt_header!r} is not an HTTP header name"
+        )
     if args.remote is not None:
         from .remote import RemoteTier
 
@@ -480,24 +635,41 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             store_kwargs["ram_bytes"] = args.ram_bytes
         if args.restore_room is not None:
             store_kwargs["restore_room"] = args.restore_room
+        if args.salt_disk_bytes is not None:
+            store_kwargs["salt_disk_bytes"] = args.salt_disk_bytes
         if getattr(cli_args, "kv_bits", None) is not None:
             # mlx-lm quantizes long prompts' KV (--kv-bits): store those caches.
             store_kwargs.update(
                 kv_bits=cli_args.kv_bits, kv_group_size=cli_args.kv_group_size
             )
         cache = PersistentPromptCache(
-            store_dir, provider, max_size, max_bytes, store_kwargs=store_kwargs
+            store_dir,
+            provider,
+            max_size,
+            max_bytes,
+            store_kwargs=store_kwargs,
+            salts=router,
         )
         caches.append(cache)
         return cache
 
-    handler = make_handler_class(mls.APIHandler, patterns)
+    router = SaltRouter()
+    policy = SaltPolicy(header=args.salt_header, required=args.require_salt)
+    handler = make_handler_class(mls.APIHandler, patterns, policy)
     saved = {
         name: getattr(mls, name)
-        for name in ("LRUPromptCache", "ModelProvider", "_run_http_server")
+        for name in (
+            "LRUPromptCache",
+            "ModelProvider",
+            "_run_http_server",
+            "ResponseGenerator",
+            "BatchGenerator",
+        )
     }
     mls.LRUPromptCache = prompt_cache_factory
     mls.ModelProvider = KVStoreModelProvider
+    mls.ResponseGenerator = response_generator_class(saved["ResponseGenerator"], router)
+    mls.BatchGenerator = batch_generator_class(saved["BatchGenerator"], router)
     mls._run_http_server = functools.partial(
         saved["_run_http_server"], handler_class=handler
     )

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, fsutil, maintenance, reservations
+from . import adapters, fsutil, maintenance, reservations, salts
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
@@ -77,6 +77,9 @@ class KVStore(ReadPath, WritePath, Removal):
         chunk_tokens: Tokens per trie node.
         ram_bytes: Budget of the in-memory tier (0 disables it).
         disk_bytes: Budget of the chunk files on disk (None: unlimited).
+        salt_disk_bytes: Quota of each salted tree's chunk files (None: none): a
+            save under a salt evicts that tree's least recently used prefixes, never
+            another tenant's, so one tenant cannot push all others out.
         max_pending_bytes: Writes waiting for the disk beyond this are dropped.
         read_threads: Threads reading chunk files in parallel during a restore
             (the calling thread is one of them).
@@ -108,6 +111,7 @@ class KVStore(ReadPath, WritePath, Removal):
         chunk_tokens: int = 256,
         ram_bytes: int = DEFAULT_RAM_BYTES,
         disk_bytes: Optional[int] = None,
+        salt_disk_bytes: Optional[int] = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         read_threads: int = 2,
         restore_room: int = 2048,
@@ -125,6 +129,8 @@ class KVStore(ReadPath, WritePath, Removal):
         check_int("restore_room", restore_room, minimum=0)
         if disk_bytes is not None:  # 0 would keep nothing: None is "no budget"
             check_int("disk_bytes", disk_bytes, minimum=1)
+        if salt_disk_bytes is not None:  # 0 would keep nothing of a tenant
+            check_int("salt_disk_bytes", salt_disk_bytes, minimum=1)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(
                 f"path must be a str or os.PathLike, got {type(path).__name__}"
@@ -149,6 +155,7 @@ class KVStore(ReadPath, WritePath, Removal):
         self.tokenizer = tokenizer
         self.chunk_tokens = chunk_tokens
         self.disk_bytes = disk_bytes
+        self.salt_disk_bytes = salt_disk_bytes
         self.index = Index(os.path.join(self.path, "index"))
         try:
             # A model seen before: its layout from the namespace record, no probe.
@@ -190,6 +197,7 @@ class KVStore(ReadPath, WritePath, Removal):
         self._broken: set = set()
         self._node_files: Dict[int, Tuple[Dict, int]] = {}  # by tokens: _node_file
         self._staging = threading.local()  # per reader thread: one node file at a time
+        self._secret: Optional[bytes] = None  # the salt secret, read at first use
         self._closed = False
         self._preload_pinned()
         if self.remote is not None:
@@ -230,8 +238,13 @@ class KVStore(ReadPath, WritePath, Removal):
 
     # -- fetch -------------------------------------------------------------
 
-    def fetch(self, tokens) -> Tuple[List[Any], int]:
+    def fetch(self, tokens, *, salt: Optional[str] = None) -> Tuple[List[Any], int]:
         """Restore the longest stored prefix of ``tokens``.
+
+        Args:
+            tokens: The prompt's token ids.
+            salt: Reuse only KV saved with this salt (a tenant's tree; see
+                :mod:`kvstore.salts`); None: the unsalted tree.
 
         Returns:
             ``(cache, n)``: fresh cache objects (owned by the caller) holding the KV
@@ -239,15 +252,18 @@ class KVStore(ReadPath, WritePath, Removal):
             stored file turns out to be broken, an empty cache and ``n == 0``.
 
         Raises:
-            TypeError, ValueError: ``tokens`` is not a list of token ids.
+            TypeError, ValueError: ``tokens`` is not a list of token ids, or ``salt``
+                not a non-empty string of at most 256 bytes.
         """
         self._check_open()
         arr = as_token_array(tokens)
+        raw_salt = salts.check_salt(salt)
         tic = time.perf_counter()
-        if self.remote is not None:
+        if self.remote is not None and raw_salt is None:
+            # Salted trees stay local: another machine's store has another secret.
             self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
-            cache, n = self._fetch(arr)
+            cache, n = self._fetch(arr, root=self._root_of(raw_salt))
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             with self._lock:
@@ -272,6 +288,7 @@ class KVStore(ReadPath, WritePath, Removal):
         kind: str = "user",
         pin: bool = False,
         boundaries: Sequence[int] = (),
+        salt: Optional[str] = None,
     ) -> int:
         """Store the KV of ``tokens`` held by ``cache``, sharing stored prefixes.
 
@@ -285,6 +302,7 @@ class KVStore(ReadPath, WritePath, Removal):
             kind: "system", "user" or "assistant" (eviction order in RAM).
             pin: Never evict these nodes; load them into RAM at open.
             boundaries: Token positions that must end a node (message ends).
+            salt: Save into this salt's tree (see :meth:`fetch`); None: unsalted.
 
         Returns:
             The number of new nodes queued for writing; 0 too when ``cache``'s layers
@@ -295,12 +313,21 @@ class KVStore(ReadPath, WritePath, Removal):
                 ``len(tokens)`` tokens or has another number of layers.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
+        root = self._root_of(salts.check_salt(salt))
         if not self._storable(cache, len(arr), exact=True):
             return 0
-        return self._save(arr, cache, kind=kind, pin=pin, boundaries=boundaries)
+        return self._save(
+            arr, cache, kind=kind, pin=pin, boundaries=boundaries, root=root
+        )
 
     def save_prefix(
-        self, tokens, cache: Sequence[Any], *, kind: str = "user", pin: bool = False
+        self,
+        tokens,
+        cache: Sequence[Any],
+        *,
+        kind: str = "user",
+        pin: bool = False,
+        salt: Optional[str] = None,
     ) -> int:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
         (a generate loop's cache after the first new token): only the prefix is stored.
@@ -308,9 +335,10 @@ class KVStore(ReadPath, WritePath, Removal):
         back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save", pin=pin)
+        root = self._root_of(salts.check_salt(salt))
         if not self._storable(cache, len(arr), exact=False):
             return 0
-        return self._save(arr, cache, kind=kind, pin=pin, boundaries=())
+        return self._save(arr, cache, kind=kind, pin=pin, boundaries=(), root=root)
 
     def _storable(self, cache: Sequence[Any], ntokens: int, *, exact: bool) -> bool:
         """Check ``cache`` against the layout. A wrong call (token count, layer count)
@@ -362,6 +390,7 @@ class KVStore(ReadPath, WritePath, Removal):
         pin: bool = False,
         boundaries: Sequence[int] = (),
         step_tokens: int = 512,
+        salt: Optional[str] = None,
     ) -> Dict[str, int]:
         """Compute what is missing of ``tokens`` (after the longest stored prefix) and save it.
 
@@ -373,6 +402,7 @@ class KVStore(ReadPath, WritePath, Removal):
         """
         arr = self._checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
         check_int("step_tokens", step_tokens, minimum=1)
+        root = self._root_of(salts.check_salt(salt))
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         if isinstance(vocab, int) and arr.max() >= vocab:
             bad = int(np.flatnonzero(arr >= vocab)[0])
@@ -380,7 +410,7 @@ class KVStore(ReadPath, WritePath, Removal):
                 f"tokens[{bad}] = {arr[bad]} is not below the model's vocab_size {vocab}"
             )
         stored = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True)
+            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True, root=root)
         )
         complete = sum(step.take for step in stored) == len(arr)
         if (
@@ -396,7 +426,7 @@ class KVStore(ReadPath, WritePath, Removal):
                     )
                 )
             return {"tokens": len(arr), "computed": 0, "reused": len(arr)}
-        cache, n = self.fetch(arr)
+        cache, n = self.fetch(arr, salt=salt)
         stops = sorted({b for b in boundaries if n < b < len(arr)} | {len(arr)})
         if not self.layout.has_state:
             stops = [len(arr)]  # deltas can be cut anywhere: one save at the end
@@ -405,7 +435,9 @@ class KVStore(ReadPath, WritePath, Removal):
             self.extend(cache, arr, pos, stop, step_tokens=step_tokens)
             pos = stop
             bounds = [b for b in boundaries if b < stop]
-            self._save(arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds)
+            self._save(
+                arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds, root=root
+            )
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
 
     def _intact(self, steps: List[Step]) -> bool:
@@ -448,6 +480,27 @@ class KVStore(ReadPath, WritePath, Removal):
     def new_cache(self) -> List[Any]:
         """An empty cache of the layout this store holds (what ``fetch`` returns on a miss)."""
         return self.layout.make_cache()
+
+    def lookup(self, tokens, *, salt: Optional[str] = None) -> int:
+        """How many tokens :meth:`fetch` would restore now (index only, no file is
+        read): a caller holding a prefix elsewhere (a RAM cache) can skip a restore
+        that would not be longer. A broken file found later makes the fetch shorter.
+        """
+        self._check_open()
+        arr = as_token_array(tokens)
+        root = self._root_of(salts.check_salt(salt))
+        path = self.index.read(
+            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
+        )
+        return sum(step.take for step in path)
+
+    def _root_of(self, raw_salt: Optional[bytes]) -> bytes:
+        """The root hash of the salt's tree (bytes from ``salts.check_salt``)."""
+        if raw_salt is None:
+            return self.root
+        if self._secret is None:
+            self._secret = salts.store_secret(self.index)
+        return salts.salted_root(self.root, self._secret, raw_salt)
 
     def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
         """Tokens ``cache`` holds, as far as its layers tell (None: only recurrent
@@ -516,6 +569,7 @@ class KVStore(ReadPath, WritePath, Removal):
                 "pinned_bytes": pinned,
                 "store_bytes_on_disk": total,
                 "disk_budget": self.disk_bytes,
+                "salt_disk_budget": self.salt_disk_bytes,
                 "ram_bytes": self.ram.nbytes,
                 "ram_entries": len(self.ram),
                 "ram_budget": self.ram.max_bytes,
@@ -535,6 +589,7 @@ class KVStore(ReadPath, WritePath, Removal):
                 "saves_refused": c.saves_refused,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,
+                "pending_write_jobs": self.writer.depth,
                 "store_problem": self._store_problem(),
                 **remote,
             }

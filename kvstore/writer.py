@@ -38,6 +38,11 @@ class BackgroundWriter:
         self._queue.put((job, nbytes))
         return True
 
+    @property
+    def depth(self) -> int:
+        """Jobs submitted and not finished yet (the running one included)."""
+        return self._queue.unfinished_tasks
+
     def flush(self) -> None:
         """Wait until every submitted job has run."""
         self._queue.join()

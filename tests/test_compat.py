@@ -198,3 +198,37 @@ print("ok")
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize(
+    "cls, method", [("ResponseGenerator", "_tokenize"), ("BatchGenerator", "next")]
+)
+def test_serve_refuses_when_a_salt_hook_is_gone(
+    cls, method, monkeypatch, capsys, no_model_load, tiny_model_dir, tmp_path
+):
+    """What carries a request's cache salt to the prompt cache is checked too."""
+    monkeypatch.delattr(getattr(mls, cls), method)
+    status = server.main(
+        ["--model", tiny_model_dir, "--store", str(tmp_path / "s"), "--port", "0"],
+        hard_exit=False,
+    )
+    assert status == 2
+    assert f"mlx_lm.server.{cls}.{method} is missing" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_our_extra_keyword_parameters():
+    """A keyword-only parameter with a default (the salt) is one mlx-lm never passes;
+    one without a default would break its calls."""
+
+    class Optional(PersistentPromptCache):
+        def trim_to(self, *, n_sequences=None, n_bytes=None, salt=None):
+            pass
+
+    class Required(PersistentPromptCache):
+        def trim_to(self, *, n_sequences=None, n_bytes=None, salt):
+            pass
+
+    assert compat.server_problems(cache_class=Optional) == []
+    (problem,) = compat.server_problems(cache_class=Required)
+    assert "LRUPromptCache.trim_to(" in problem and "salt" in problem

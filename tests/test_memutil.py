@@ -18,11 +18,11 @@ def address(buf) -> int:
 
 @linux
 def test_prefault_makes_fresh_pages_present():
+    if not memutil.prefault_supported():
+        pytest.skip("no MADV_POPULATE_WRITE: kernel older than 5.14, or macOS mode")
     region = mmap.mmap(-1, 64 * memutil.PAGE)
     base = address(region)
     assert memutil.resident(base) is False  # fresh: not a page yet
-    if not memutil.prefault_supported():
-        pytest.skip("kernel older than 5.14")
     # An unaligned start is rounded down to its page.
     assert memutil.prefault([(base + 10, 3 * memutil.PAGE)])
     assert memutil.resident(base) and memutil.resident(base + 3 * memutil.PAGE)

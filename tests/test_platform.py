@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import compute_cache, random_tokens
 
-from kvstore import KVStore, blobs, fsutil, reservations
+from kvstore import KVStore, blobs, fsutil, memutil, reservations
 from kvstore.publish import write_one
 
 MACOS_MODE = os.environ.get("KVSTORE_TEST_PLATFORM") == "macos"
@@ -199,7 +199,8 @@ def test_macos_mode_hides_linux_calls_here_and_in_children(tmp_path, model):
         open("/proc/self/stat")
     assert reservations.process_start_time(os.getpid()) is None
     assert fcntl.F_FULLFSYNC == 51
-    assert fsutil.sync_file_range is None  # Linux's libc call, bound through ctypes
+    assert fsutil.sync_file_range is None  # Linux's libc calls, bound through ctypes
+    assert not memutil.prefault_supported()
     before = macos_shim.FULLFSYNC_CALLS[0]
     tokens = random_tokens(40, 4)
     with KVStore(str(tmp_path / "s"), model, chunk_tokens=16, ram_bytes=0) as s:
@@ -211,12 +212,12 @@ def test_macos_mode_hides_linux_calls_here_and_in_children(tmp_path, model):
         [
             sys.executable,
             "-c",
-            "import os, fcntl; from kvstore import fsutil; "
+            "import os, fcntl; from kvstore import fsutil, memutil; "
             "print(hasattr(os, 'preadv'), os.path.exists('/proc/self'), "
-            "fcntl.F_FULLFSYNC, fsutil.sync_file_range)",
+            "fcntl.F_FULLFSYNC, fsutil.sync_file_range, memutil.prefault_supported())",
         ],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert child.stdout.split() == ["False", "False", "51", "None"]
+    assert child.stdout.split() == ["False", "False", "51", "None", "False"]

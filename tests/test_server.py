@@ -116,6 +116,7 @@ def test_store_errors_never_break_a_request(tmp_path, model, tokenizer, monkeypa
     def boom(*a, **kw):
         raise RuntimeError("disk on fire")
 
+    monkeypatch.setattr(store, "lookup", boom)
     monkeypatch.setattr(store, "fetch", boom)
     monkeypatch.setattr(store, "save_prefix", boom)
     assert pc.fetch_nearest_cache(KEY, tokens) == (None, tokens)

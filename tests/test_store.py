@@ -598,3 +598,42 @@ def test_store_used_in_a_forked_child_raises_a_clear_error(tmp_path, model):
         proc.join(60)
         assert "fork" in message and "open a new KVStore" in message
         assert s.fetch(STORED + [1])[1] == len(STORED)  # the parent is unaffected
+
+
+def test_walk_goes_on_below_a_prefix_node_that_siblings_go_past(tmp_path, model):
+    """Saves that race their commits leave a system prompt's node beside siblings
+    holding it plus a user turn. Prompts saved later go below the system node, and
+    must be found there whole wherever the siblings sort (a walk that took a sibling
+    on a tie, or never saw the system node, served the system prompt only)."""
+    system = random_tokens(20, seed=40)
+    user = {v: [v, v + 1, v + 2, 7, 8] for v in (100, 200, 300, 400, 250)}
+    with KVStore(tmp_path / "s", model, chunk_tokens=256) as s:
+        held = threading.Event()
+        s.writer.submit(held.wait)  # no commit until the saves below have walked
+        s.save(system, compute_cache(model, system), kind="system")
+        for v in (100, 200, 300):  # walked before the system node's commit: siblings
+            s.save(system + user[v], compute_cache(model, system + user[v]))
+        held.set()
+        s.flush()
+        for v in (400, 250):  # 400 sorts next to the system node, 250 among siblings
+            prompt = system + user[v]
+            s.save(prompt, compute_cache(model, prompt))
+            s.flush()
+            got, n = s.fetch(prompt + [1])
+            assert n == len(prompt) == s.lookup(prompt + [1]), v
+            np.testing.assert_array_equal(
+                np.array(got[0].keys[..., :n, :]),
+                np.array(compute_cache(model, prompt)[0].keys[..., :n, :]),
+            )
+        starts = sorted(rec.start for _, rec in _records(s))
+        assert starts == [0, 0, 0, 0, 20, 20]  # system, 3 siblings; 400, 250 below
+
+
+def _records(store):
+    from kvstore.index import NodeRecord
+
+    return store.index.read(
+        lambda txn: [
+            (h, NodeRecord.decode(raw)) for _, h, raw in store.index.iter_nodes(txn)
+        ]
+    )

@@ -7,6 +7,7 @@ from ..adapters import Layout
 from ..blobs import DTYPES, Blobs
 from ..chunking import root_hash
 from ..index import CorruptRecord, Index, NodeRecord
+from ..salts import tree_roots
 from .common import (
     check_int,
     description_layout,
@@ -78,7 +79,9 @@ def store_stats(path) -> Dict[str, Any]:
         (whether a vocabulary is part of the namespace), ``nodes``, ``tokens``,
         ``bytes``, ``pinned_bytes`` (from the index's counters), ``prompts`` (leaf
         nodes), ``pinned_nodes``, ``corrupt_records``, ``oldest`` / ``newest``
-        (creation times), ``last_access``, ``files`` / ``file_bytes`` (found on disk).
+        (creation times), ``last_access``, ``files`` / ``file_bytes`` (found on disk),
+        ``salted_trees`` (``[{"root", "nodes", "tokens", "bytes"}]``: each salted
+        tree by its root hash, largest first; the unsalted tree is the rest).
         Totals add ``bytes`` (counters) next to ``file_bytes`` (walked), temp and other
         files, the index file and the quarantine directory. Times are Unix seconds.
 
@@ -136,6 +139,7 @@ def _scan_index(index: Index, txn, path: str) -> tuple:
             continue
         keys.append((ns, h))
         parents.add((ns, rec.parent))
+        acc["records"][h] = (rec.parent, rec.start, rec.ntokens, rec.total_bytes)
         acc["pinned_nodes"] += rec.pinned
         acc["created"].append(rec.created)
         atime = index.atime(txn, ns, h)
@@ -185,6 +189,7 @@ def _namespace_entry(
         "last_access": acc["last_access"],
         "files": nfiles,
         "file_bytes": fbytes,
+        "salted_trees": _salted_trees(ns, acc["records"]),
     }
 
 
@@ -222,8 +227,26 @@ def _totals(
     return totals
 
 
+def _salted_trees(ns: bytes, records: Dict[bytes, tuple]) -> List[Dict[str, Any]]:
+    """Nodes, tokens and bytes of each salted tree of a namespace, by its root hash
+    (the salt itself is not in the store), largest first."""
+    unsalted = root_hash(ns)
+    roots = tree_roots({h: r[:2] for h, r in records.items()})
+    trees: Dict[bytes, Dict[str, Any]] = {}
+    for h, root in roots.items():
+        if root == unsalted:
+            continue
+        tree = trees.setdefault(root, {"root": root.hex(), "nodes": 0})
+        _, _, ntokens, nbytes = records[h]
+        tree["nodes"] += 1
+        tree["tokens"] = tree.get("tokens", 0) + ntokens
+        tree["bytes"] = tree.get("bytes", 0) + nbytes
+    return sorted(trees.values(), key=lambda t: (-t["bytes"], t["root"]))
+
+
 def _new_acc() -> Dict[str, Any]:
     return {
+        "records": {},  # hash -> (parent, start, tokens, bytes)
         "prompts": 0,
         "pinned_nodes": 0,
         "corrupt_records": 0,

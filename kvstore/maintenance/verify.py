@@ -122,6 +122,8 @@ def _scan_index(index: Index, txn) -> _IndexScan:
                 rec.start != 0
                 and f"starts at token {rec.start} but hangs from the root"
             )
+        elif rec.start == 0 and parent is None:
+            bad = False  # the first node of a salted tree (kvstore.salts)
         elif parent is None:
             detail = f"parent {rec.parent.hex()[:12]} is not in the index"
             findings.append(
@@ -546,7 +548,7 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
     Each node's file must exist, have the recorded size, a valid header whose tensors
     match the namespace's layout for the node's token count, metadata naming the node's
     namespace, and the recorded xxh3-64 checksum (the whole file is read). Records must
-    decode, hang from the root or from a node in the index, start where their parent
+    decode, hang from a root (at token 0) or from a node in the index, start where their parent
     ends and carry the id their parent and tokens hash to; trie edges, access times,
     pins and counters must agree with the records. Files in ``blobs/`` that no record
     names are reported too.

@@ -6,8 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Optional
 
 from ..blobs import Blobs, CorruptBlob
+from ..chunking import root_hash
 from ..index import CorruptRecord, Index, NodeRecord
 from ..maintenance.common import description_layout, namespace_descriptions
+from ..salts import tree_roots
 from ..storecheck import check_store_dirs
 from .client import S3Client
 from .manifest import CHILD_KEY, HEX32
@@ -36,7 +38,8 @@ def push(
     """Upload the nodes of the store at ``path`` that the remote lacks (no model needed).
 
     Every file is checked against its record and its namespace's layout before it is
-    sent. Remote failures raise RemoteError; local problems are reported.
+    sent; salted trees (:mod:`kvstore.salts`) are not. Remote failures raise
+    RemoteError; local problems are reported.
 
     Args:
         path: The store directory.
@@ -66,6 +69,9 @@ def push(
         selected = list(namespaces) if namespaces is not None else sorted(descs)
         for ns in selected:
             recs = index.read(lambda txn: records(txn, ns))
+            # Salted trees stay on this machine: their roots need this store's secret.
+            roots = tree_roots({h: (rec.parent, rec.start) for h, rec in recs})
+            recs = [(h, rec) for h, rec in recs if roots.get(h) == root_hash(ns)]
             if not recs:
                 continue
             try:

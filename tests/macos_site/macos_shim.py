@@ -9,8 +9,9 @@ takes where Linux-only calls are missing (see docs/macos.md):
   library's ``shutil`` binds at its import);
 * ``/proc`` does not exist: opening anything under it fails with
   ``FileNotFoundError``, as on macOS;
-* libc calls kvstore binds through ctypes on Linux only (``sync_file_range``) are
-  set to None in :mod:`kvstore.fsutil` as soon as it is imported;
+* libc calls kvstore binds through ctypes on Linux only are unbound as soon as their
+  module is imported (``fsutil.sync_file_range``; ``memutil``'s ``madvise``
+  prefaulting);
 * ``fcntl.F_FULLFSYNC`` exists (macOS's value, 51) and is carried out as an
   ``fsync``; :data:`FULLFSYNC_CALLS` counts the calls.
 
@@ -79,12 +80,24 @@ def _no_proc(real):
     return call
 
 
-# Module attributes holding Linux-only libc calls, set to None as on macOS.
-LINUX_LIBC_CALLS = {"kvstore.fsutil": ("sync_file_range",)}
+def _unbind_sync_file_range(fsutil) -> None:
+    fsutil.sync_file_range = None
+
+
+def _no_madvise(memutil) -> None:
+    memutil.disable_prefault()
+
+
+# Modules binding Linux-only libc calls through ctypes, and how each is made to take
+# its macOS path right after it is imported.
+LINUX_LIBC_CALLS = {
+    "kvstore.fsutil": _unbind_sync_file_range,
+    "kvstore.memutil": _no_madvise,
+}
 
 
 class _HideLibcCalls(importlib.abc.MetaPathFinder):
-    """Set a module's Linux-only libc bindings to None right after it is imported."""
+    """Unbind a module's Linux-only libc calls right after it is imported."""
 
     def find_spec(self, name, path, target=None):
         if name not in LINUX_LIBC_CALLS:
@@ -101,18 +114,16 @@ class _HideLibcCalls(importlib.abc.MetaPathFinder):
 
         def exec_and_hide(module):
             exec_module(module)
-            for attr in LINUX_LIBC_CALLS[name]:
-                setattr(module, attr, None)
+            LINUX_LIBC_CALLS[name](module)
 
         spec.loader.exec_module = exec_and_hide
         return spec
 
 
 def _hide_libc_calls() -> None:
-    for name, attrs in LINUX_LIBC_CALLS.items():
+    for name, hide in LINUX_LIBC_CALLS.items():
         if name in sys.modules:
-            for attr in attrs:
-                setattr(sys.modules[name], attr, None)
+            hide(sys.modules[name])
     sys.meta_path.insert(0, _HideLibcCalls())
 
 

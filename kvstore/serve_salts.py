@@ -1,0 +1,198 @@
+"""Cache salts in ``kvstore serve``: from the request to the prompt cache.
+
+mlx-lm's server tokenizes, looks up and inserts prompt caches on one generation
+thread, and its ``LRUPromptCache`` interface carries no request: the salt travels
+beside it.
+
+* :class:`SaltPolicy` reads a request's salt (the ``cache_salt`` body field,
+  ``--salt-header``, ``--require-salt``) in the HTTP handler; a bad one is a 400.
+* The handler puts it on mlx-lm's ``CompletionRequest`` (``kvstore_salt``).
+* :func:`response_generator_class` wraps ``ResponseGenerator._tokenize`` (which runs
+  just before each lookup of a request) and ``_serve_single`` (a whole sequential
+  request) to tell the :class:`SaltRouter` whose request it is.
+* :func:`batch_generator_class` remembers each batch sequence's salt and tags the
+  caches that mlx-lm's batch loop hands to ``insert_cache`` with it
+  (:class:`SaltedCache`).
+
+A cache insert whose salt cannot be told is not stored anywhere (counted), so a
+change in mlx-lm's loop costs reuse, never a leak between salts.
+"""
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+from .salts import check_salt
+
+UNKNOWN = object()  # a cache whose request cannot be told: never stored
+
+# The mlx_lm.server internals these hooks wrap (checked at start-up).
+HOOKED = {
+    "ResponseGenerator": ("_tokenize", "_serve_single"),
+    "BatchGenerator": ("insert_segments", "extract_cache", "next", "remove"),
+    "APIHandler": (
+        "validate_model_parameters",
+        "handle_chat_completions",
+        "handle_text_completions",
+    ),
+}
+
+
+class SaltPolicy:
+    """Where a request's salt comes from.
+
+    Args:
+        header: ``--salt-header``: take the salt from this header (set by a gateway).
+            A ``cache_salt`` in the body then only narrows the header's tree
+            (``header + "\\n" + cache_salt``); without the header it is
+            ``"\\n" + cache_salt``. Header values cannot hold a newline, so no body
+            can name another tenant's tree.
+        required: ``--require-salt``: a request without a salt (without the header,
+            when one is configured) is refused.
+    """
+
+    def __init__(self, *, header: Optional[str] = None, required: bool = False):
+        self.header = header
+        self.required = required
+
+    def salt_of(self, body: dict, headers) -> Optional[str]:
+        """The salt of a request, or None.
+
+        Raises:
+            ValueError: a message naming the field or header (sent back as a 400).
+        """
+        body_salt = body.get("cache_salt")  # null: not given, as in vLLM's server
+        try:
+            check_salt(body_salt, what="cache_salt")
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+        if self.header is None:
+            if self.required and body_salt is None:
+                raise ValueError(
+                    "cache_salt is required by this server (--require-salt): send a "
+                    "non-empty string"
+                )
+            return body_salt
+        values = headers.get_all(self.header) or []
+        if len(values) > 1:
+            raise ValueError(
+                f"header {self.header} was sent {len(values)} times; send it once"
+            )
+        if not values:
+            if self.required:
+                raise ValueError(
+                    f"header {self.header} is required by this server (--require-salt)"
+                )
+            return None if body_salt is None else "\n" + body_salt
+        header_salt = values[0].strip()
+        what = f"header {self.header}"
+        check_salt(header_salt, what=what)
+        if any(c in header_salt for c in "\r\n\0"):
+            raise ValueError(f"{what} holds a line break or NUL")
+        return header_salt if body_salt is None else header_salt + "\n" + body_salt
+
+
+class SaltedCache(list):
+    """A list of layer caches tagged with the salt of the request it came from."""
+
+    def __init__(self, layers, salt):
+        super().__init__(layers)
+        self.kvstore_salt = salt
+
+
+class SaltRouter:
+    """The salt of the request mlx-lm's generation thread is working on.
+
+    ``set_request`` is called before each request's lookup (``_tokenize``);
+    ``sequential`` spans a whole sequential request (lookup and insert).
+    """
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def set_request(self, salt: Optional[str]) -> None:
+        self._local.request = salt
+
+    def request(self):
+        """The salt of the request being looked up, or :data:`UNKNOWN`."""
+        return getattr(self._local, "request", UNKNOWN)
+
+    @contextmanager
+    def sequential(self, salt: Optional[str]) -> Iterator[None]:
+        self._local.sequential = salt
+        try:
+            yield
+        finally:
+            self._local.sequential = UNKNOWN
+
+    def sequential_salt(self):
+        """The salt of the sequential request running, or :data:`UNKNOWN`."""
+        return getattr(self._local, "sequential", UNKNOWN)
+
+
+def response_generator_class(base, router: SaltRouter):
+    """mlx-lm's ``ResponseGenerator`` telling ``router`` whose request it serves."""
+
+    class SaltedResponseGenerator(base):
+        def _tokenize(self, tokenizer, request, args):
+            router.set_request(getattr(request, "kvstore_salt", None))
+            return super()._tokenize(tokenizer, request, args)
+
+        def _serve_single(self, request, *args, **kwargs):
+            with router.sequential(getattr(request[1], "kvstore_salt", None)):
+                return super()._serve_single(request, *args, **kwargs)
+
+    return SaltedResponseGenerator
+
+
+def batch_generator_class(base, router: SaltRouter):
+    """mlx-lm's ``BatchGenerator`` that tags the caches it hands out with their
+    sequence's salt (the salt of the request looked up just before it was inserted)."""
+
+    class SaltedBatchGenerator(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._kvstore_salts = {}
+
+        def insert_segments(self, *args, **kwargs):
+            uids = super().insert_segments(*args, **kwargs)
+            salt = router.request() if len(uids) == 1 else UNKNOWN
+            for uid in uids:
+                self._kvstore_salts[uid] = salt
+            return uids
+
+        def extract_cache(self, uids):
+            out = super().extract_cache(uids)
+            return {
+                uid: (SaltedCache(cache, self._kvstore_salts.get(uid, UNKNOWN)), key)
+                for uid, (cache, key) in out.items()
+            }
+
+        def next(self, *args, **kwargs):
+            prompt_responses, gen_responses = super().next(*args, **kwargs)
+            for r in gen_responses:
+                if r.finish_reason is not None:
+                    salt = self._kvstore_salts.pop(r.uid, UNKNOWN)
+                    if r.prompt_cache is not None:
+                        r.prompt_cache = SaltedCache(r.prompt_cache, salt)
+            return prompt_responses, gen_responses
+
+        def remove(self, uids, *args, **kwargs):
+            out = super().remove(uids, *args, **kwargs)
+            for uid in uids:
+                self._kvstore_salts.pop(uid, None)
+            return out
+
+    return SaltedBatchGenerator
+
+
+def missing_hooks(mls) -> List[str]:
+    """The ``mlx_lm.server`` names of :data:`HOOKED` that this mlx-lm lacks."""
+    out = []
+    for cls_name, methods in HOOKED.items():
+        cls = getattr(mls, cls_name, None)
+        if cls is None:
+            out.append(f"mlx_lm.server.{cls_name}")
+            continue
+        out += [f"mlx_lm.server.{cls_name}.{m}" for m in methods if not hasattr(cls, m)]
+    return out

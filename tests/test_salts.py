@@ -1,0 +1,340 @@
+"""Cache salts in the library: separate trees per salt, the keyed root, bad salts,
+maintenance tools on salted trees, prefill ``--salt`` and the per-line field."""
+
+import json
+import os
+
+import lmdb
+import numpy as np
+import pytest
+from conftest import compute_cache, greedy, next_logits, random_tokens
+
+import kvstore
+from kvstore import maintenance
+from kvstore.chunking import root_hash
+from kvstore.prompts import PromptError, parse_line
+from kvstore.salts import (
+    MAX_SALT_BYTES,
+    SECRET_KEY,
+    check_salt,
+    salted_root,
+    store_secret,
+    tree_roots,
+)
+
+
+def store_files(path):
+    out = []
+    for d, _, names in os.walk(os.path.join(path, "blobs")):
+        out += [os.path.join(d, n) for n in names]
+    return sorted(out)
+
+
+def test_salts_never_share_a_node(tmp_path, model, tokenizer):
+    tokens = random_tokens(600, seed=1)
+    cache = compute_cache(model, tokens)
+    query = tokens + [3, 4]
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        store.save(tokens, cache, salt="alice")
+        store.flush()
+        assert store.fetch(query, salt="alice")[1] == 600
+        assert store.lookup(query, salt="alice") == 600
+        # Neither the unsalted pool nor another tenant sees alice's KV.
+        for salt in (None, "bob", "alice ", "Alice"):
+            got, n = store.fetch(query, salt=salt)
+            assert n == 0 and got[0].offset == 0, salt
+            assert store.lookup(query, salt=salt) == 0
+        alice_files = store_files(store.path)
+
+        # The same tokens saved unsalted and for bob: separate nodes and files,
+        # nothing of alice's is shared or rewritten.
+        store.save(tokens, cache)
+        store.save(tokens, cache, salt="bob")
+        store.flush()
+        files = store_files(store.path)
+        assert len(files) == 3 * len(alice_files)
+        assert set(alice_files) <= set(files)
+        assert store.stats()["nodes"] == 3 * 3  # 600 tokens = 256 + 256 + 88
+        for salt in (None, "alice", "bob"):
+            assert store.fetch(query, salt=salt)[1] == 600
+        # The three roots differ; the salted ones are not the namespace root.
+        secret = store_secret(store.index)
+        roots = {salted_root(store.root, secret, s) for s in (b"alice", b"bob")}
+        assert len(roots | {store.root}) == 3
+
+
+def test_salted_restore_equals_cold(tmp_path, model, tokenizer):
+    tokens = random_tokens(300, seed=2)
+    rest = random_tokens(5, seed=3)
+    cold = compute_cache(model, tokens)
+    want_logits = next_logits(model, compute_cache(model, tokens), rest)
+    want_tokens = greedy(model, compute_cache(model, tokens), rest, 10)
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        store.save(tokens, cold, salt="tenant-7")
+    # A restart: a new process would open the store the same way.
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        got, n = store.fetch(tokens + rest, salt="tenant-7")
+        assert n == 300
+        np.testing.assert_allclose(
+            np.array(next_logits(model, got, rest)),
+            np.array(want_logits),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+        got, _ = store.fetch(tokens + rest, salt="tenant-7")
+        assert greedy(model, got, rest, 10) == want_tokens
+
+
+def test_store_lists_no_salt(tmp_path, model, tokenizer):
+    salt = "tenant-name-that-must-not-leak"
+    tokens = random_tokens(100, seed=4)
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        store.save(tokens, compute_cache(model, tokens), salt=salt)
+    needle = salt.encode()
+    for d, _, names in os.walk(tmp_path / "s"):
+        for name in names:
+            assert salt not in name
+            with open(os.path.join(d, name), "rb") as f:
+                assert needle not in f.read(), name
+
+
+def test_secret_is_random_per_store_and_kept(tmp_path, model, tokenizer):
+    tokens = random_tokens(100, seed=5)
+    cache = compute_cache(model, tokens)
+    trees = []
+    for name in ("a", "b"):
+        with kvstore.KVStore(tmp_path / name, model, tokenizer) as store:
+            store.save(tokens, cache, salt="same")
+        stats = maintenance.store_stats(tmp_path / name)
+        trees.append(stats["namespaces"][0]["salted_trees"][0]["root"])
+    assert trees[0] != trees[1]  # another store, another secret: another root
+    with kvstore.KVStore(tmp_path / "a", model, tokenizer) as store:
+        assert store.fetch(tokens + [1], salt="same")[1] == 100  # kept across opens
+
+
+def test_damaged_secret_is_a_miss_not_a_crash(tmp_path, model, tokenizer):
+    tokens = random_tokens(100, seed=6)
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        store.save(tokens, compute_cache(model, tokens), salt="x")
+        store.flush()
+        store.index.write(
+            lambda txn: txn.put(SECRET_KEY, b"short", db=store.index.db["meta"])
+        )
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        got, n = store.fetch(tokens + [1], salt="x")  # logged and counted
+        assert n == 0 and store.stats()["errors"] == 1
+        assert store.fetch(tokens + [1])[1] == 0  # unsalted still works
+        with pytest.raises(kvstore.StoreError, match="salt secret"):
+            store.save(tokens, compute_cache(model, tokens), salt="x")
+
+
+@pytest.mark.parametrize(
+    "salt, error, match",
+    [
+        (7, TypeError, "salt must be a non-empty string, got int"),
+        (b"x", TypeError, "got bytes"),
+        (["a"], TypeError, "got list"),
+        ("", ValueError, "non-empty"),
+        ("x" * (MAX_SALT_BYTES + 1), ValueError, "257 bytes"),
+        ("é" * 129, ValueError, "258 bytes"),  # counted in UTF-8 bytes
+        ("\ud800", ValueError, "not valid text"),
+    ],
+)
+def test_bad_salts_are_refused_and_store_nothing(
+    tmp_path, model, tokenizer, salt, error, match
+):
+    tokens = random_tokens(50, seed=7)
+    cache = compute_cache(model, tokens)
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        for call in (
+            lambda: store.fetch(tokens, salt=salt),
+            lambda: store.lookup(tokens, salt=salt),
+            lambda: store.save(tokens, cache, salt=salt),
+            lambda: store.save_prefix(tokens, cache, salt=salt),
+            lambda: store.prefill(tokens, salt=salt),
+            lambda: list(
+                kvstore.stream_generate(
+                    model, tokenizer, tokens, store=store, salt=salt, max_tokens=2
+                )
+            ),
+        ):
+            with pytest.raises(error, match=match):
+                call()
+        store.flush()
+        assert store.stats()["nodes"] == 0 and store_files(store.path) == []
+    assert check_salt("x" * MAX_SALT_BYTES) == b"x" * MAX_SALT_BYTES
+
+
+def test_prefill_and_stream_generate_take_the_salt(tmp_path, model, tokenizer):
+    system = random_tokens(280, seed=8)
+    prompt = system + random_tokens(6, seed=9)
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        done = store.prefill(system, salt="t1")
+        assert done == {"tokens": 280, "computed": 280, "reused": 0}
+        store.flush()
+        assert store.prefill(system, salt="t1")["computed"] == 0
+        assert store.prefill(system, salt="t2")["computed"] == 280
+        store.flush()
+        want = [
+            r.token
+            for r in kvstore.stream_generate(
+                model, tokenizer, prompt, store=store, salt="t3", max_tokens=4
+            )
+        ]
+        store.flush()
+        before = store.stats()["hits"]
+        got = [
+            r.token
+            for r in kvstore.stream_generate(
+                model, tokenizer, prompt, store=store, salt="t1", max_tokens=4
+            )
+        ]
+        assert got == want and store.stats()["hits"] == before + 1
+        assert store.lookup(prompt, salt="t1") >= 280
+        assert store.lookup(prompt) == 0
+
+
+def test_maintenance_sees_salted_trees(tmp_path, model, tokenizer):
+    a, b = random_tokens(520, seed=10), random_tokens(90, seed=11)
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        store.save(a, compute_cache(model, a), salt="big")
+        store.save(b, compute_cache(model, b), salt="small")
+        store.save(b, compute_cache(model, b))
+        store.flush()
+        ns = store.namespace
+    stats = maintenance.store_stats(tmp_path / "s")
+    (space,) = stats["namespaces"]
+    trees = space["salted_trees"]
+    assert [(t["nodes"], t["tokens"]) for t in trees] == [(3, 520), (1, 90)]
+    assert trees[0]["bytes"] > trees[1]["bytes"] > 0
+    assert space["nodes"] == 5 and space["tokens"] == 520 + 90 + 90
+    assert all(len(t["root"]) == 32 and t["root"] != root_hash(ns).hex() for t in trees)
+
+    report = maintenance.verify(tmp_path / "s")
+    assert report["clean"], report["problems"]
+    # gc keeps salted trees (they are not orphans) and evicts them like any other.
+    maintenance.gc(tmp_path / "s")
+    assert maintenance.store_stats(tmp_path / "s")["namespaces"][0]["nodes"] == 5
+    maintenance.gc(tmp_path / "s", max_bytes=0)
+    assert maintenance.store_stats(tmp_path / "s")["namespaces"][0]["nodes"] == 0
+    assert maintenance.verify(tmp_path / "s")["clean"]
+
+
+def test_verify_still_catches_a_lost_parent(tmp_path, model, tokenizer):
+    a = random_tokens(520, seed=12)
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        store.save(a, compute_cache(model, a), salt="t")
+        store.flush()
+        ns = store.namespace
+        first = [
+            h
+            for _, h, raw in store.index.read(lambda t: list(store.index.iter_nodes(t)))
+            if store.index.get_node(ns, h).start == 0
+        ]
+        store.index.write(lambda txn: store.index.delete_node(txn, ns, first[0]))
+    report = maintenance.verify(tmp_path / "s")
+    assert not report["clean"]
+    kinds = sorted(p["kind"] for p in report["problems"])
+    assert kinds == ["orphan", "unreachable"]  # the deleted node's file, its child
+
+
+def test_tree_roots():
+    r, s = b"R" * 16, b"S" * 16
+    nodes = {
+        b"a": (r, 0),
+        b"b": (b"a", 10),
+        b"c": (b"b", 20),
+        b"d": (s, 0),
+        b"e": (b"d", 5),
+        b"f": (b"gone", 30),  # cut off
+        b"x": (b"y", 3),  # a loop
+        b"y": (b"x", 4),
+    }
+    assert tree_roots(nodes) == {b"a": r, b"b": r, b"c": r, b"d": s, b"e": s}
+
+
+def test_prompt_line_salt_field(tokenizer):
+    line = parse_line(1, json.dumps({"tokens": [5, 6], "salt": "t"}), tokenizer)
+    assert line.salt == "t"
+    line = parse_line(1, json.dumps({"tokens": [5, 6]}), tokenizer, default_salt="d")
+    assert line.salt == "d"
+    line = parse_line(
+        1, json.dumps({"tokens": [5], "salt": "t"}), tokenizer, default_salt="d"
+    )
+    assert line.salt == "t"
+    for bad, match in ((1, "got int"), ("", "non-empty"), ("x" * 300, "300 bytes")):
+        with pytest.raises(PromptError, match=f"field 'salt'.*{match}"):
+            parse_line(1, json.dumps({"tokens": [5], "salt": bad}), tokenizer)
+
+
+def test_cli_prefill_salt_and_stats(tmp_path, tiny_model_dir, capsys):
+    from kvstore.cli import main
+
+    system = " ".join(f"w{3 + i % 500}" for i in range(300))
+    prompts = tmp_path / "p.jsonl"
+    lines = [
+        {"messages": [{"role": "system", "content": system}], "salt": "line-salt"},
+        {"messages": [{"role": "system", "content": system}]},  # takes --salt
+        {"prompt": "w9 w10", "salt": ""},  # a bad line: reported, the rest goes on
+    ]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    store = str(tmp_path / "s")
+    common = ["--store", store, "--model", tiny_model_dir, "--json", "--quiet"]
+    assert main(["prefill", str(prompts), "--salt", "flag-salt", *common]) == 1
+    out, err = capsys.readouterr()
+    assert f"{prompts}:3: field 'salt' must be a non-empty string" in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["prefilled"], summary["failed"]) == (2, 1)
+
+    assert main(["stats", "--store", store, "--json"]) == 0
+    (space,) = json.loads(capsys.readouterr().out)["namespaces"]
+    assert len(space["salted_trees"]) == 2
+    assert space["nodes"] == sum(t["nodes"] for t in space["salted_trees"])
+    assert main(["stats", "--store", store]) == 0
+    text = capsys.readouterr().out
+    assert text.count("salted tree ") == 2
+    assert "flag-salt" not in text and "line-salt" not in text
+
+    # Rerun: everything is found in the salts' own trees.
+    assert main(["prefill", str(prompts), "--salt", "flag-salt", *common]) == 1
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["tokens_computed"], summary["skipped"]) == (0, 2)
+
+    for bad in ("", "x" * 257):
+        with pytest.raises(SystemExit) as e:
+            main(["prefill", str(prompts), "--salt", bad, *common])
+        assert e.value.code == 2
+        assert "--salt" in capsys.readouterr().err
+
+
+def test_salt_quota_evicts_only_that_tenants_tree(tmp_path, model, tokenizer):
+    prompts = [[10 + i] + random_tokens(99, seed=50 + i) for i in range(6)]
+    caches = [compute_cache(model, p) for p in prompts]
+    with kvstore.KVStore(tmp_path / "probe", model, tokenizer) as probe:
+        probe.save(prompts[0], caches[0])
+        probe.flush()
+        node_bytes = probe.stats()["bytes_on_disk"]
+    quota = 2 * node_bytes + node_bytes // 2  # room for two such prompts
+    with kvstore.KVStore(
+        tmp_path / "s", model, tokenizer, salt_disk_bytes=quota
+    ) as store:
+        store.save(prompts[0], caches[0])  # unsalted: no quota
+        store.save(prompts[1], caches[1], salt="quiet")
+        store.save(prompts[5], caches[5], salt="noisy", pin=True)  # never evicted
+        store.flush()
+        for i in (2, 3, 4):  # the noisy tenant goes on saving
+            store.save(prompts[i], caches[i], salt="noisy")
+            store.flush()
+            trees = maintenance.store_stats(store.path)["namespaces"][0]
+            noisy = [t for t in trees["salted_trees"] if t["nodes"] > 1]
+            assert all(t["bytes"] <= quota for t in trees["salted_trees"])
+        assert store.fetch(prompts[0] + [1])[1] == 100  # others untouched
+        assert store.fetch(prompts[1] + [1], salt="quiet")[1] == 100
+        assert store.fetch(prompts[5] + [1], salt="noisy")[1] == 100  # pinned
+        assert store.fetch(prompts[4] + [1], salt="noisy")[1] == 100  # newest
+        assert store.fetch(prompts[2] + [1], salt="noisy")[1] == 0  # evicted
+        assert store.stats()["nodes_evicted"] == 2
+        assert len(noisy) == 1 and noisy[0]["nodes"] == 2
+    assert maintenance.verify(tmp_path / "s")["clean"]
+    with pytest.raises(ValueError, match="salt_disk_bytes"):
+        kvstore.KVStore(tmp_path / "s", model, tokenizer, salt_disk_bytes=-1)
