@@ -3,7 +3,7 @@
 Every cache class kvstore handles is on the allow-list below, with a codec that
 says how it is stored; a class name read from disk is only ever compared with it.
 
-Two ways of storing a layer (see the README's table):
+Two ways of storing a layer (see docs/cache-types.md):
 
 * **delta** (``KVCache``, ``QuantizedKVCache``): a node file holds the layer's KV
   for the node's own tokens; a restore concatenates the nodes along the path and

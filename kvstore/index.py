@@ -195,8 +195,8 @@ class Index:
             or ``index/lock.mdb`` missing while another process has the index open.
     """
 
-    # "reservations" (bytes of saves in flight, :mod:`kvstore.reservations`) came
-    # later: opening a store made before creates it.
+    # A store made by an older kvstore may lack "reservations" (bytes of saves in
+    # flight, :mod:`kvstore.reservations`): opening it creates the database.
     _DBS = (
         "meta",
         "nodes",

@@ -67,119 +67,149 @@ class _StatsCollector:
     def collect(self) -> Iterator:
         s = self._stats()
         stores = [x for x in s.get("stores", []) if "error" not in x]
-
-        def counter(name, doc, value):
-            yield CounterMetricFamily(name, doc, value=value)
-
-        def gauge(name, doc, value):
-            yield GaugeMetricFamily(name, doc, value=value)
-
-        def store_sum(key):
-            return sum(x.get(key) or 0 for x in stores)
-
-        yield from counter(
-            "kvstore_requests",
-            "Prompt cache lookups (one per generation request)",
-            s["requests"],
-        )
-        lookups = CounterMetricFamily(
-            "kvstore_lookups",
-            "Prompt cache lookups by the tier that served the reused prefix",
-            labels=["tier"],
-        )
-        for tier in TIERS + ("miss",):
-            key = "misses" if tier == "miss" else f"{tier}_hits"
-            lookups.add_metric([tier], s[key])
-        yield lookups
-        reused = CounterMetricFamily(
-            "kvstore_tokens_reused",
-            "Prompt tokens taken from a cache instead of computed, by tier",
-            labels=["tier"],
-        )
-        for tier in TIERS:
-            reused.add_metric([tier], s[f"tokens_reused_{tier}"])
-        yield reused
-        yield from counter(
-            "kvstore_tokens_computed",
-            "Prompt tokens left to the model after the lookup",
-            s["tokens_computed"],
-        )
-        yield from counter(
-            "kvstore_tokens_requested", "Prompt tokens looked up", s["tokens_requested"]
-        )
-        yield from counter("kvstore_saves", "Caches queued for the store", s["saves"])
-        yield from counter(
-            "kvstore_saves_skipped",
-            "Caches not stored (layout unknown, salt not attributable, errors)",
-            s["saves_skipped"],
-        )
-        yield from counter(
-            "kvstore_store_errors",
-            "Store operations that failed (logged; the request went on)",
-            s["store_errors"],
-        )
-        yield from counter(
-            "kvstore_rejected_requests",
-            "Requests refused with a 400 for their cache salt",
-            s.get("rejected_requests", 0),
-        )
-        yield from gauge(
-            "kvstore_write_queue_bytes",
-            "Bytes of saves waiting for the background writer",
-            store_sum("pending_write_bytes"),
-        )
-        yield from gauge(
-            "kvstore_write_queue_depth",
-            "Jobs waiting for the background writer",
-            store_sum("pending_write_jobs"),
-        )
-        yield from counter(
-            "kvstore_writes_dropped",
-            "Saves dropped because too many bytes were waiting for the disk",
-            store_sum("writes_dropped"),
-        )
-        yield from counter(
-            "kvstore_writes_failed",
-            "Background writes that failed (logged and counted)",
-            store_sum("writes_failed"),
-        )
-        yield from counter(
-            "kvstore_corrupt_nodes",
-            "Broken node files or records found (a miss, quarantined)",
-            store_sum("corrupt"),
-        )
-        yield from gauge(
-            "kvstore_store_bytes",
-            "Bytes of node files of the served model's namespace",
-            store_sum("bytes_on_disk"),
-        )
-        yield from gauge(
-            "kvstore_store_nodes",
-            "Nodes of the served model's namespace",
-            store_sum("nodes"),
-        )
-        yield from gauge(
-            "kvstore_store_tokens",
-            "Tokens stored for the served model's namespace",
-            store_sum("stored_tokens"),
-        )
-        yield from gauge(
+        yield from _by_tier(s)
+        for name, kind, doc, key in SERVER_METRICS:
+            yield _FAMILIES[kind](name, doc, value=s.get(key, 0))
+        for name, kind, doc, key in STORE_METRICS:
+            value = sum(x.get(key) or 0 for x in stores)
+            yield _FAMILIES[kind](name, doc, value=value)
+        yield GaugeMetricFamily(
             "kvstore_store_all_bytes",
             "Bytes of node files of every namespace in the store directory",
-            max((x.get("store_bytes_on_disk") or 0 for x in stores), default=0),
+            value=max((x.get("store_bytes_on_disk") or 0 for x in stores), default=0),
         )
-        yield from gauge(
-            "kvstore_ram_tier_bytes",
-            "Bytes in the store's RAM tier",
-            store_sum("ram_bytes"),
-        )
-        yield from gauge(
-            "kvstore_lru_bytes",
-            "Bytes of mlx-lm's RAM prompt cache in front of the store",
-            s["ram_bytes"],
-        )
-        yield from gauge(
-            "kvstore_lru_sequences",
-            "Sequences in mlx-lm's RAM prompt cache",
-            s["ram_sequences"],
-        )
+
+
+def _by_tier(s: Dict[str, Any]) -> Iterator:
+    """Lookups and reused tokens labelled by the tier that served them."""
+    lookups = CounterMetricFamily(
+        "kvstore_lookups",
+        "Prompt cache lookups by the tier that served the reused prefix",
+        labels=["tier"],
+    )
+    for tier in TIERS + ("miss",):
+        key = "misses" if tier == "miss" else f"{tier}_hits"
+        lookups.add_metric([tier], s[key])
+    yield lookups
+    reused = CounterMetricFamily(
+        "kvstore_tokens_reused",
+        "Prompt tokens taken from a cache instead of computed, by tier",
+        labels=["tier"],
+    )
+    for tier in TIERS:
+        reused.add_metric([tier], s[f"tokens_reused_{tier}"])
+    yield reused
+
+
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
+# (name, kind, help, key of the prompt cache's stats()).
+SERVER_METRICS = (
+    (
+        "kvstore_requests",
+        "counter",
+        "Prompt cache lookups (one per generation request)",
+        "requests",
+    ),
+    (
+        "kvstore_tokens_computed",
+        "counter",
+        "Prompt tokens left to the model after the lookup",
+        "tokens_computed",
+    ),
+    (
+        "kvstore_tokens_requested",
+        "counter",
+        "Prompt tokens looked up",
+        "tokens_requested",
+    ),
+    ("kvstore_saves", "counter", "Caches queued for the store", "saves"),
+    (
+        "kvstore_saves_skipped",
+        "counter",
+        "Caches not stored (layout unknown, salt not attributable, errors)",
+        "saves_skipped",
+    ),
+    (
+        "kvstore_store_errors",
+        "counter",
+        "Store operations that failed (logged; the request went on)",
+        "store_errors",
+    ),
+    (
+        "kvstore_rejected_requests",
+        "counter",
+        "Requests refused with a 400 for their cache salt",
+        "rejected_requests",
+    ),
+    (
+        "kvstore_lru_bytes",
+        "gauge",
+        "Bytes of mlx-lm's RAM prompt cache in front of the store",
+        "ram_bytes",
+    ),
+    (
+        "kvstore_lru_sequences",
+        "gauge",
+        "Sequences in mlx-lm's RAM prompt cache",
+        "ram_sequences",
+    ),
+)
+
+# (name, kind, help, key of each store's stats, summed over the stores).
+STORE_METRICS = (
+    (
+        "kvstore_write_queue_bytes",
+        "gauge",
+        "Bytes of saves waiting for the background writer",
+        "pending_write_bytes",
+    ),
+    (
+        "kvstore_write_queue_depth",
+        "gauge",
+        "Jobs waiting for the background writer",
+        "pending_write_jobs",
+    ),
+    (
+        "kvstore_writes_dropped",
+        "counter",
+        "Saves dropped because too many bytes were waiting for the disk",
+        "writes_dropped",
+    ),
+    (
+        "kvstore_writes_failed",
+        "counter",
+        "Background writes that failed (logged and counted)",
+        "writes_failed",
+    ),
+    (
+        "kvstore_corrupt_nodes",
+        "counter",
+        "Broken node files or records found (a miss, quarantined)",
+        "corrupt",
+    ),
+    (
+        "kvstore_store_bytes",
+        "gauge",
+        "Bytes of node files of the served model's namespace",
+        "bytes_on_disk",
+    ),
+    (
+        "kvstore_store_nodes",
+        "gauge",
+        "Nodes of the served model's namespace",
+        "nodes",
+    ),
+    (
+        "kvstore_store_tokens",
+        "gauge",
+        "Tokens stored for the served model's namespace",
+        "stored_tokens",
+    ),
+    (
+        "kvstore_ram_tier_bytes",
+        "gauge",
+        "Bytes in the store's RAM tier",
+        "ram_bytes",
+    ),
+)

@@ -65,6 +65,42 @@ class _Counters:
     quarantined: List[str] = field(default_factory=list)
 
 
+# Lowest value of each number KVStore takes; optional ones may also be None (for
+# disk budgets None is "no budget": 0 would keep nothing).
+_MINIMUMS = {
+    "chunk_tokens": 1,
+    "kv_group_size": 1,
+    "ram_bytes": 0,
+    "max_pending_bytes": 0,
+    "read_threads": 1,
+    "restore_room": 0,
+}
+_OPTIONAL_MINIMUMS = {"kv_bits": 1, "disk_bytes": 1, "salt_disk_bytes": 1}
+
+
+def _check_arguments(path, model, tokenizer, **numbers) -> None:
+    """Refuse, naming the argument, what :class:`KVStore` cannot open with."""
+    for name, minimum in _MINIMUMS.items():
+        check_int(name, numbers[name], minimum=minimum)
+    for name, minimum in _OPTIONAL_MINIMUMS.items():
+        if numbers[name] is not None:
+            check_int(name, numbers[name], minimum=minimum)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not callable(model) or not (
+        hasattr(model, "layers") or hasattr(model, "make_cache")
+    ):
+        raise TypeError(
+            f"model must be an mlx-lm model (from mlx_lm.load), got "
+            f"{type(model).__name__}"
+        )
+    if tokenizer is not None and not hasattr(tokenizer, "get_vocab"):
+        raise TypeError(
+            f"tokenizer must be an mlx-lm or Hugging Face tokenizer (with "
+            f"get_vocab()) or None, got {type(tokenizer).__name__}"
+        )
+
+
 class KVStore(ReadPath, WritePath, Removal):
     """A persistent store of KV snapshots for one mlx-lm model.
 
@@ -119,34 +155,20 @@ class KVStore(ReadPath, WritePath, Removal):
         kv_group_size: int = 64,
         remote=None,
     ):
-        check_int("chunk_tokens", chunk_tokens, minimum=1)
-        check_int("kv_group_size", kv_group_size, minimum=1)
-        if kv_bits is not None:
-            check_int("kv_bits", kv_bits, minimum=1)
-        check_int("ram_bytes", ram_bytes, minimum=0)
-        check_int("max_pending_bytes", max_pending_bytes, minimum=0)
-        check_int("read_threads", read_threads, minimum=1)
-        check_int("restore_room", restore_room, minimum=0)
-        if disk_bytes is not None:  # 0 would keep nothing: None is "no budget"
-            check_int("disk_bytes", disk_bytes, minimum=1)
-        if salt_disk_bytes is not None:  # 0 would keep nothing of a tenant
-            check_int("salt_disk_bytes", salt_disk_bytes, minimum=1)
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(
-                f"path must be a str or os.PathLike, got {type(path).__name__}"
-            )
-        if not callable(model) or not (
-            hasattr(model, "layers") or hasattr(model, "make_cache")
-        ):
-            raise TypeError(
-                f"model must be an mlx-lm model (from mlx_lm.load), got "
-                f"{type(model).__name__}"
-            )
-        if tokenizer is not None and not hasattr(tokenizer, "get_vocab"):
-            raise TypeError(
-                f"tokenizer must be an mlx-lm or Hugging Face tokenizer (with "
-                f"get_vocab()) or None, got {type(tokenizer).__name__}"
-            )
+        _check_arguments(
+            path,
+            model,
+            tokenizer,
+            chunk_tokens=chunk_tokens,
+            kv_group_size=kv_group_size,
+            kv_bits=kv_bits,
+            ram_bytes=ram_bytes,
+            max_pending_bytes=max_pending_bytes,
+            read_threads=read_threads,
+            restore_room=restore_room,
+            disk_bytes=disk_bytes,
+            salt_disk_bytes=salt_disk_bytes,
+        )
         self.path = os.fspath(path)
         self.remote = _remote_tier(remote)
         _prepare_dir(self.path)

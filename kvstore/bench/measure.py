@@ -1,6 +1,6 @@
 """Measuring helpers of ``kvstore bench`` (and the tools in tools/ that run its sections).
 
-Pitfalls these helpers exist for (see the README's Benchmarks section):
+Pitfalls these helpers exist for (see docs/benchmarks.md):
 
 - ``mx.load`` is lazy: a restore is timed up to ``mx.eval`` of every array it produced.
 - A fresh process's first evaluation of new arrays pays page faults: restarts are

@@ -4,7 +4,7 @@ from typing import Dict, List, Optional
 
 from kvstore.bench.measure import MB, gbps, med
 
-TTFT_AT = 2048  # the target length for disk-hot TTFT
+TTFT_AT = 2048  # the target length for disk-hot TTFT
 
 
 def _m(xs) -> Optional[float]:
