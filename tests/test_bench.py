@@ -57,12 +57,6 @@ def bench_run(tiny_model_dir, tmp_path_factory):
         "1",
         "--durable-tokens",
         "64",
-        "--miss-tokens",
-        "50",
-        "--hash-tokens",
-        "100",
-        "--save-tokens",
-        "64",
         "--dir",
         str(out),
         "--json",
@@ -145,13 +139,13 @@ def test_every_case_in_json(bench_run):
     assert mlx_default_cache_limit() == res["environment"]["mlx_cache_limit"]
 
     m = res["miss"]
-    assert m["tokens"] == 50 and len(m["fetch_s"]) == m["calls"] == 200
+    assert m["tokens"] == 32768 and len(m["fetch_s"]) == m["calls"] == 200
     assert len(m["as_token_array_s"]) == len(m["make_prompt_cache_s"]) == 200
     h = res["hash"]
-    assert (h["tokens"], h["spans"], len(h["total_s"])) == (100, 7, 100)
+    assert (h["tokens"], h["spans"], len(h["total_s"])) == (100000, 6250, 100)
     assert h["total_s"][0] == h["as_token_array_s"][0] + h["chain_hashes_s"][0]
     s = res["save"]
-    assert s["nodes_per_save"] == [4]  # 64 tokens in chunks of 16: a new prompt
+    assert s["nodes_per_save"] == [64]  # 1024 tokens in chunks of 16: a new prompt
     assert len(s["save_return_s"]) == len(s["flush_s"]) == 1
 
     whats = " ".join(t["what"] for t in res["targets"])
@@ -172,9 +166,9 @@ def test_every_case_in_json(bench_run):
         "open a store, model seen before",
         "save until durable",
         "memory recycled, kvstore speed / load_prompt_cache",
-        "fetch that finds nothing, 50 tokens",
-        "hash chain, 100 tokens",
-        "save() return / (return + flush), 64 tokens",
+        "fetch that finds nothing, 32768 tokens",
+        "hash chain, 100000 tokens",
+        "save() return / (return + flush), 1024 tokens",
     ):
         assert part in whats
     assert all(t["ok"] in (True, False, None) for t in res["targets"])

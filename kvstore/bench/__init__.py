@@ -166,24 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULTS['durable_tokens']})",
     )
     p.add_argument(
-        "--miss-tokens",
-        type=_positive,
-        help="tokens of the prompt that finds nothing, miss section (default: "
-        f"{DEFAULTS['miss_tokens']})",
-    )
-    p.add_argument(
-        "--hash-tokens",
-        type=_positive,
-        help="tokens of the prompt hashed, hash section (default: "
-        f"{DEFAULTS['hash_tokens']})",
-    )
-    p.add_argument(
-        "--save-tokens",
-        type=_positive,
-        help="tokens of float16 KV per save, save section (default: "
-        f"{DEFAULTS['save_tokens']})",
-    )
-    p.add_argument(
         "--open-weights-gb",
         type=float,
         nargs="*",
@@ -228,8 +210,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
-    for key, value in preset.items():
-        if getattr(args, key) is None:
+    for key, value in preset.items():  # the miss, hash and save sizes: presets only
+        if getattr(args, key, None) is None:
             setattr(args, key, value)
     for key in (
         "lengths",

@@ -33,8 +33,8 @@ from kvstore.bench.kvfiles import kv_bytes_per_token
 from kvstore.bench.measure import med
 from kvstore.chunking import as_token_array, chain_hashes, root_hash, split_spans
 
-TARGET_MISS_S = 0.002  # a fetch that finds nothing, at the default --miss-tokens
-TARGET_HASH_S = 0.005  # the hash chain, at the default --hash-tokens
+TARGET_MISS_S = 0.002  # a fetch that finds nothing, 32K-token prompt
+TARGET_HASH_S = 0.005  # the hash chain of 100K tokens
 TARGET_SAVE_RATIO = 0.05  # save() return / (return + flush)
 
 
