@@ -244,16 +244,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.from_json:
         return _replay(args, report)
-    from kvstore.bench.calls import bench_hash, bench_miss, bench_save
-    from kvstore.bench.durable import bench_durable
-    from kvstore.bench.fresh import bench_fresh
     from kvstore.bench.measure import can_drop_page_cache, environment
     from kvstore.bench.models import load
-    from kvstore.bench.opening import bench_open
-    from kvstore.bench.repeat import bench_repeat
-    from kvstore.bench.restore import bench_restore
-    from kvstore.bench.scale import bench_scale
-    from kvstore.bench.ttft import Prompts, bench_ttft, bench_write
 
     model_name = args.model
     if model_name is None:
@@ -265,127 +257,155 @@ def main(argv: Optional[List[str]] = None) -> int:
     conditions = ["warm"]
     if args.page_cache == "auto" and can_drop_page_cache(tmp):
         conditions.append("dropped")
-    env = environment()
     res = {
         "command": "kvstore bench "
         + shlex.join(sys.argv[1:] if argv is None else argv),
-        "environment": env,
+        "environment": environment(),
         "model": args.model or "SmolLM2-135M-Instruct (kvstore.default_model)",
-        "settings": {
-            k: getattr(args, k)
-            for k in (
-                "lengths",
-                "restore_lengths",
-                "scale_counts",
-                "write_tokens",
-                "repeats",
-                "suffix_tokens",
-                "chunk_tokens",
-                "only",
-                "fresh_lengths",
-                "fresh_dtypes",
-                "repeat_lengths",
-                "repeat_dtypes",
-                "restore_repeats",
-                "durable_tokens",
-                "open_weights_gb",
-                "miss_tokens",
-                "hash_tokens",
-                "save_tokens",
-            )
-        },
+        "settings": {k: getattr(args, k) for k in _SETTINGS},
         "page_cache_conditions": conditions,
         "temp_dir": tmp,
     }
     _print_header(res, tmp, args)
-    prompts = Prompts(model, seed=12345)
-    common = {"repeats": args.repeats, "chunk_tokens": args.chunk_tokens, "tmp": tmp}
     t0 = time.perf_counter()
     try:
-        if "ttft" in args.only:
-            res["ttft"] = bench_ttft(
+        res.update(
+            _run_sections(
+                args,
                 model,
                 tokenizer,
-                model_name=model_name,
-                lengths=args.lengths,
-                suffix=args.suffix_tokens,
-                conditions=conditions,
-                prompts=prompts,
-                **common,
-            )
-        if "write" in args.only:
-            res["write"] = bench_write(
-                model, tokenizer, tokens=args.write_tokens, prompts=prompts, **common
-            )
-        if "restore" in args.only:
-            res["restore"] = bench_restore(
-                model,
-                tokenizer,
-                args.restore_lengths,
                 model_name=model_name,
                 conditions=conditions,
-                restart=True,
-                prompts=prompts,
-                **common,
-            )
-        if "scale" in args.only:
-            res["scale"] = bench_scale(args.scale_counts, repeats=args.repeats, tmp=tmp)
-        restarts = {
-            "repeats": args.restore_repeats,
-            "chunk_tokens": args.chunk_tokens,
-            "tmp": tmp,
-        }
-        if "fresh" in args.only:
-            res["fresh"] = bench_fresh(
-                args.fresh_dtypes, args.fresh_lengths, **restarts
-            )
-        if "repeat" in args.only:
-            res["repeat"] = bench_repeat(
-                args.repeat_dtypes, args.repeat_lengths, **restarts
-            )
-        if "recycled" in args.only:
-            res["recycled"] = bench_repeat(
-                args.repeat_dtypes, args.repeat_lengths, recycled=True, **restarts
-            )
-        if "open" in args.only:
-            res["open"] = bench_open(
-                model,
-                tokenizer,
-                model_name=model_name,
-                repeats=args.restore_repeats,
-                tmp=tmp,
-                weights_gb=args.open_weights_gb,
-            )
-        if "durable" in args.only:
-            res["durable"] = bench_durable(
-                args.durable_tokens,
-                repeats=args.repeats,
-                chunk_tokens=args.chunk_tokens,
                 tmp=tmp,
             )
-        calls = {"chunk_tokens": args.chunk_tokens}
-        if "miss" in args.only:
-            res["miss"] = bench_miss(args.miss_tokens, calls=200, tmp=tmp, **calls)
-        if "hash" in args.only:
-            res["hash"] = bench_hash(args.hash_tokens, calls=100, **calls)
-        if "save" in args.only:
-            res["save"] = bench_save(
-                args.save_tokens, repeats=args.repeats, tmp=tmp, **calls
-            )
+        )
         res["seconds"] = time.perf_counter() - t0
         res["targets"] = report.targets(res)
         report.print_report(res)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-            print(f"\nJSON written to {args.json}")
-        if args.plot:
-            report.plot(res, args.plot)
-            print(f"chart written to {args.plot}")
+        _write_outputs(res, args, report)
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+# The options a run records in its JSON (its "settings").
+_SETTINGS = (
+    "lengths",
+    "restore_lengths",
+    "scale_counts",
+    "write_tokens",
+    "repeats",
+    "suffix_tokens",
+    "chunk_tokens",
+    "only",
+    "fresh_lengths",
+    "fresh_dtypes",
+    "repeat_lengths",
+    "repeat_dtypes",
+    "restore_repeats",
+    "durable_tokens",
+    "open_weights_gb",
+    "miss_tokens",
+    "hash_tokens",
+    "save_tokens",
+)
+
+
+def _run_sections(args, model, tokenizer, *, model_name, conditions, tmp) -> dict:
+    """Run the sections ``args.only`` names, in order; their results by name."""
+    from kvstore.bench.calls import bench_hash, bench_miss, bench_save
+    from kvstore.bench.durable import bench_durable
+    from kvstore.bench.fresh import bench_fresh
+    from kvstore.bench.opening import bench_open
+    from kvstore.bench.repeat import bench_repeat
+    from kvstore.bench.restore import bench_restore
+    from kvstore.bench.scale import bench_scale
+    from kvstore.bench.ttft import Prompts, bench_ttft, bench_write
+
+    res = {}
+    prompts = Prompts(model, seed=12345)
+    common = {"repeats": args.repeats, "chunk_tokens": args.chunk_tokens, "tmp": tmp}
+    if "ttft" in args.only:
+        res["ttft"] = bench_ttft(
+            model,
+            tokenizer,
+            model_name=model_name,
+            lengths=args.lengths,
+            suffix=args.suffix_tokens,
+            conditions=conditions,
+            prompts=prompts,
+            **common,
+        )
+    if "write" in args.only:
+        res["write"] = bench_write(
+            model, tokenizer, tokens=args.write_tokens, prompts=prompts, **common
+        )
+    if "restore" in args.only:
+        res["restore"] = bench_restore(
+            model,
+            tokenizer,
+            args.restore_lengths,
+            model_name=model_name,
+            conditions=conditions,
+            restart=True,
+            prompts=prompts,
+            **common,
+        )
+    if "scale" in args.only:
+        res["scale"] = bench_scale(args.scale_counts, repeats=args.repeats, tmp=tmp)
+    restarts = {
+        "repeats": args.restore_repeats,
+        "chunk_tokens": args.chunk_tokens,
+        "tmp": tmp,
+    }
+    if "fresh" in args.only:
+        res["fresh"] = bench_fresh(args.fresh_dtypes, args.fresh_lengths, **restarts)
+    if "repeat" in args.only:
+        res["repeat"] = bench_repeat(
+            args.repeat_dtypes, args.repeat_lengths, **restarts
+        )
+    if "recycled" in args.only:
+        res["recycled"] = bench_repeat(
+            args.repeat_dtypes, args.repeat_lengths, recycled=True, **restarts
+        )
+    if "open" in args.only:
+        res["open"] = bench_open(
+            model,
+            tokenizer,
+            model_name=model_name,
+            repeats=args.restore_repeats,
+            tmp=tmp,
+            weights_gb=args.open_weights_gb,
+        )
+    if "durable" in args.only:
+        res["durable"] = bench_durable(
+            args.durable_tokens,
+            repeats=args.repeats,
+            chunk_tokens=args.chunk_tokens,
+            tmp=tmp,
+        )
+    calls = {"chunk_tokens": args.chunk_tokens}
+    if "miss" in args.only:
+        res["miss"] = bench_miss(args.miss_tokens, calls=200, tmp=tmp, **calls)
+    if "hash" in args.only:
+        res["hash"] = bench_hash(args.hash_tokens, calls=100, **calls)
+    if "save" in args.only:
+        res["save"] = bench_save(
+            args.save_tokens, repeats=args.repeats, tmp=tmp, **calls
+        )
+    return res
+
+
+def _write_outputs(res: dict, args, report) -> None:
+    """The JSON and chart files the options ask for."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"\nJSON written to {args.json}")
+    if args.plot:
+        report.plot(res, args.plot)
+        print(f"chart written to {args.plot}")
 
 
 def _replay(args, report) -> int:
