@@ -85,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark kvstore against recomputation, mlx-lm's prompt-cache "
         "files and raw reads; print a table and the targets' ratios.",
     )
+    _add_model_options(p.add_argument_group("model and restore sections"))
+    _add_restart_options(
+        p.add_argument_group("after-a-restart, open and save sections")
+    )
+    _add_run_options(p.add_argument_group("the run"))
+    return p
+
+
+def _add_model_options(p) -> None:
     p.add_argument(
         "--model",
         default=None,
@@ -124,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="new tokens after the stored prefix, nearest-prefix case (default: 32)",
     )
+
+
+def _add_restart_options(p) -> None:
     p.add_argument(
         "--fresh-lengths",
         type=_positive,
@@ -174,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="open section: also synthetic llamas of about this many GB of float16 "
         "weights (memory: that many GB; default: none)",
     )
+
+
+def _add_run_options(p) -> None:
     p.add_argument("--chunk-tokens", type=_positive, default=256)
     p.add_argument(
         "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION"
@@ -203,7 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --from-json: print the restart sections as markdown tables",
     )
-    return p
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
