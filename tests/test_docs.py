@@ -309,3 +309,31 @@ def test_no_history_wording_in_comments_and_help():
                 if HISTORY_RE.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{line_no}: {line.strip()}")
     assert not hits, "issue numbers or history wording:\n" + "\n".join(hits)
+
+
+def _tables(text: str):
+    """The markdown tables of ``text``, each as one string of its ``|`` lines."""
+    tables, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            tables.append("\n".join(rows))
+            rows = []
+    return tables
+
+
+@pytest.mark.parametrize(
+    "run", ["bench-restart.json", "bench-restart-fresh.json", "bench-calls.json"]
+)
+def test_benchmark_tables_are_generated_from_their_runs(run, capsys):
+    """docs/benchmarks.md holds ``kvstore bench --from-json RUN --markdown``'s tables
+    verbatim: numbers regenerated from the saved samples, never typed by hand."""
+    from kvstore.bench import main as bench_main
+
+    assert bench_main(["--from-json", str(ROOT / "docs" / run), "--markdown"]) == 0
+    tables = _tables(capsys.readouterr().out)
+    assert tables, f"{run}: no markdown table printed"
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    for table in tables:
+        assert table in page, f"docs/benchmarks.md lacks this table of {run}:\n{table}"
