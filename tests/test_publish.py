@@ -6,8 +6,8 @@ and the bound on open descriptors."""
 
 import ctypes
 import errno
-import logging
 import fcntl
+import logging
 import os
 from types import SimpleNamespace
 
