@@ -93,23 +93,9 @@ def greedy(model, cache, tokens, steps: int):
 
 def tiny_tokenizer():
     """A word-level tokenizer over the tiny models' vocabulary, built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from kvstore.bench.models import word_tokenizer
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    out = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    # Roles are words w5 (system), w6 (user), w7 (assistant).
-    out.chat_template = (
-        "{% for m in messages %}<s> {{ {'system': 'w5', 'user': 'w6', 'assistant': 'w7'}"
-        "[m['role']] }} {{ m['content'] }} </s> {% endfor %}"
-        "{% if add_generation_prompt %}<s> w7 {% endif %}"
-    )
-    return out
+    return word_tokenizer(VOCAB)
 
 
 def save_tiny_model(path, seed: int = 0):

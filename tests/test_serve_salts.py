@@ -10,6 +10,7 @@ import pytest
 from conftest import compute_cache, random_tokens
 from mlx_lm.generate import BatchGenerator
 from prometheus_client.parser import text_string_to_metric_families
+from serving import KEY, provider
 
 from kvstore.serve_salts import (
     UNKNOWN,
@@ -20,18 +21,6 @@ from kvstore.serve_salts import (
     missing_hooks,
 )
 from kvstore.server import PersistentPromptCache
-
-KEY = ("tiny", None, None)
-
-
-def provider(model, tokenizer):
-    return SimpleNamespace(
-        model=model,
-        tokenizer=tokenizer,
-        model_key=KEY,
-        draft_model=None,
-        processor=None,
-    )
 
 
 def headers(*pairs):

@@ -35,14 +35,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     from kvstore.bench import report
-    from kvstore.bench.models import load
+    from kvstore.bench.models import load, model_path
     from kvstore.bench.opening import bench_open
 
-    model_name = args.model
-    if model_name is None:
-        from kvstore.default_model import ensure_default_model
-
-        model_name = ensure_default_model()
+    model_name = model_path(args.model)
     model, tok = load(model_name)
     root = tempfile.mkdtemp(prefix="kvstore-bench-open-")
     try:

@@ -57,6 +57,8 @@ def build_model(path: str, args) -> str:
     from mlx_lm.models import llama
     from mlx_lm.utils import save_config, save_model
 
+    from kvstore.bench.models import word_tokenizer
+
     config = dict(
         model_type="llama",
         hidden_size=args.heads * 64,
@@ -79,26 +81,6 @@ def build_model(path: str, args) -> str:
     save_config({**config, "torch_dtype": "float16"}, config_path=f"{path}/config.json")
     word_tokenizer(args.vocab).save_pretrained(path)
     return path
-
-
-def word_tokenizer(vocab: int):
-    """One token per word ``w<i>``; roles are words w5 (system), w6 (user), w7."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    words.update({f"w{i}": i for i in range(3, vocab)})
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    out = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    out.chat_template = (
-        "{% for m in messages %}<s> {{ {'system': 'w5', 'user': 'w6', 'assistant': "
-        "'w7'}[m['role']] }} {{ m['content'] }} </s> {% endfor %}"
-        "{% if add_generation_prompt %}<s> w7 {% endif %}"
-    )
-    return out
 
 
 def words(rng: random.Random, n: int, vocab: int) -> str:

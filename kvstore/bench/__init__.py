@@ -259,13 +259,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.from_json:
         return _replay(args, report)
     from kvstore.bench.measure import can_drop_page_cache, environment
-    from kvstore.bench.models import load
+    from kvstore.bench.models import load, model_path
 
-    model_name = args.model
-    if model_name is None:
-        from kvstore.default_model import ensure_default_model
-
-        model_name = ensure_default_model()
+    model_name = model_path(args.model)
     model, tokenizer = load(model_name)
     tmp = tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.dir)
     conditions = ["warm"]

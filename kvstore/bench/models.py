@@ -10,15 +10,21 @@ from mlx_lm.models import llama
 PREFILL_STEP = 512
 
 
+def model_path(name: Optional[str]) -> str:
+    """An mlx-lm path or hub id as given; None is the default model (SmolLM2-135M,
+    converted locally on first use)."""
+    if name is not None:
+        return name
+    from kvstore.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
 def load(name: Optional[str]):
     """``(model, tokenizer)`` from an mlx-lm path or hub id; None is SmolLM2-135M."""
     from mlx_lm import load as mlx_load
 
-    if name is None:
-        from kvstore.default_model import ensure_default_model
-
-        name = ensure_default_model()
-    return mlx_load(name)
+    return mlx_load(model_path(name))
 
 
 def prefill(model, cache, tokens: Sequence[int], *, step: int = PREFILL_STEP) -> None:
@@ -74,3 +80,25 @@ def tiny_model(
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer built offline for tiny random models: word ``w<i>`` is
+    token ``i`` (3 <= i < ``vocab``); roles are words w5 (system), w6 (user), w7
+    (assistant) in its chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words.update({f"w{i}": i for i in range(3, vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    out.chat_template = (
+        "{% for m in messages %}<s> {{ {'system': 'w5', 'user': 'w6', 'assistant': 'w7'}"
+        "[m['role']] }} {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<s> w7 {% endif %}"
+    )
+    return out

@@ -28,11 +28,18 @@ def ram_assemble(case: dict) -> List[float]:
 # -- targets ---------------------------------------------------------------------------
 
 
-def targets(res: Dict) -> List[Dict]:
-    out = []
+def _adder(out: List[Dict]):
+    """``add(what, value, target, ok)``: appends one target row to ``out``."""
 
     def add(what, value, target, ok):
         out.append({"what": what, "value": value, "target": target, "ok": ok})
+
+    return add
+
+
+def targets(res: Dict) -> List[Dict]:
+    out: List[Dict] = []
+    add = _adder(out)
 
     chunk = res.get("settings", {}).get("chunk_tokens", 256)
     rows = res.get("ttft") or []
@@ -560,10 +567,8 @@ def print_durable(d: Dict) -> None:
 
 
 def restart_targets(res: Dict) -> List[Dict]:
-    out = []
-
-    def add(what, value, target, ok):
-        out.append({"what": what, "value": value, "target": target, "ok": ok})
+    out: List[Dict] = []
+    add = _adder(out)
 
     for r in res.get("fresh") or []:
         c, n = r["cases"], f"{r['dtype']} {r['tokens']} tokens"
@@ -647,29 +652,22 @@ def call_targets(res: Dict) -> List[Dict]:
         save_ratio,
     )
 
-    out = []
+    out: List[Dict] = []
+    add = _adder(out)
 
-    def add(what, value, target, ok):
-        out.append({"what": what, "value": value, "target": target, "ok": ok})
-
-    m = res.get("miss")
-    if m:
-        t = med(m["fetch_s"])
-        add(
-            f"fetch that finds nothing, {m['tokens']} tokens",
-            f"{t * 1e3:.3f} ms",
-            f"< {TARGET_MISS_S * 1e3:.0f} ms",
-            t < TARGET_MISS_S,
-        )
-    h = res.get("hash")
-    if h:
-        t = med(h["total_s"])
-        add(
-            f"hash chain, {h['tokens']} tokens",
-            f"{t * 1e3:.3f} ms",
-            f"< {TARGET_HASH_S * 1e3:.0f} ms",
-            t < TARGET_HASH_S,
-        )
+    for key, samples, what, limit in (
+        ("miss", "fetch_s", "fetch that finds nothing", TARGET_MISS_S),
+        ("hash", "total_s", "hash chain", TARGET_HASH_S),
+    ):
+        r = res.get(key)
+        if r:
+            t = med(r[samples])
+            add(
+                f"{what}, {r['tokens']} tokens",
+                f"{t * 1e3:.3f} ms",
+                f"< {limit * 1e3:.0f} ms",
+                t < limit,
+            )
     s = res.get("save")
     if s:
         ratio = save_ratio(s)
