@@ -69,7 +69,7 @@ class _StatsCollector:
         stores = [x for x in s.get("stores", []) if "error" not in x]
         yield from _by_tier(s)
         for name, kind, doc, key in SERVER_METRICS:
-            yield _FAMILIES[kind](name, doc, value=s.get(key, 0))
+            yield _FAMILIES[kind](name, doc, value=s[key])
         for name, kind, doc, key in STORE_METRICS:
             value = sum(x.get(key) or 0 for x in stores)
             yield _FAMILIES[kind](name, doc, value=value)
