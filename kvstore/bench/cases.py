@@ -10,7 +10,8 @@ of the whole process (every thread) over that work:
 - ``load_prompt_cache``: mlx-lm's ``load_prompt_cache`` of one file up to ``mx.eval``
   of every array, then optionally the same forward pass;
 - ``floor``: the same bytes as kvstore's node files, each read with one plain
-  ``readinto`` into a freshly allocated buffer: what any reader of those bytes pays;
+  ``readinto`` into a freshly allocated buffer, on :data:`FLOOR_THREADS` threads:
+  what any reader of those bytes pays;
 - ``open``: ``KVStore(...)`` on a store (the model's load is not timed).
 
 To profile a case: ``mkfifo ctl ack; KVSTORE_PERF_FIFOS=ctl,ack perf record -g -D -1
@@ -142,8 +143,14 @@ def _load_prompt_cache(spec: dict) -> dict:
     return out
 
 
-def read_floor(paths: List[str], *, fresh_pages: bool = False) -> list:
-    """Every file read with one plain ``readinto`` into a new buffer of its own.
+# The floor reads on as many threads as a fetch does (``KVStore``'s default
+# ``read_threads``): what any reader of these bytes pays on this machine.
+FLOOR_THREADS = 2
+
+
+def read_floor(paths: List[str], *, fresh_pages: bool = False, pool=None) -> list:
+    """Every file read with one plain ``readinto`` into a new buffer of its own: on
+    this thread, or split between the ``pool``'s :data:`FLOOR_THREADS` threads.
 
     ``fresh_pages``: buffers mapped anew from the OS (as a fresh process's allocator
     gets them: every page faults in on first write); otherwise from ``malloc``
@@ -153,8 +160,7 @@ def read_floor(paths: List[str], *, fresh_pages: bool = False) -> list:
 
     import numpy as np
 
-    buffers = []
-    for path in paths:
+    def read(path: str):
         with open(path, "rb", buffering=0) as f:
             size = f.seek(0, 2)
             f.seek(0)
@@ -167,17 +173,50 @@ def read_floor(paths: List[str], *, fresh_pages: bool = False) -> list:
             )
             if f.readinto(memoryview(buf)) != size:
                 raise RuntimeError(f"{path}: short read")
-        buffers.append(buf)
-    return buffers
+        return buf
+
+    out = [None] * len(paths)
+
+    def part(k: int, step: int) -> None:
+        out[k::step] = [read(path) for path in paths[k::step]]
+
+    _split(part, pool)
+    return out
+
+
+def read_into(paths: List[str], buffers: list, *, pool=None) -> None:
+    """Every file read with one plain ``readinto`` into its buffer (already
+    faulted): on this thread, or split between the ``pool``'s threads."""
+
+    def part(k: int, step: int) -> None:
+        for path, buf in zip(paths[k::step], buffers[k::step]):
+            with open(path, "rb", buffering=0) as f:
+                if f.readinto(memoryview(buf)) != len(buf):
+                    raise RuntimeError(f"{path}: short read")
+
+    _split(part, pool)
+
+
+def _split(part: Callable[[int, int], None], pool) -> None:
+    """``part(k, FLOOR_THREADS)`` for every k on ``pool``, or ``part(0, 1)`` here."""
+    if pool is None:
+        return part(0, 1)
+    for job in [pool.submit(part, k, FLOOR_THREADS) for k in range(FLOOR_THREADS)]:
+        job.result()
 
 
 def _floor(spec: dict) -> dict:
     import mmap  # noqa: F401  (imported before timing)
+    from concurrent.futures import ThreadPoolExecutor
 
     import numpy  # noqa: F401
 
     held = []
-    return measure(lambda: held.append(read_floor(spec["files"], fresh_pages=True)))
+    with ThreadPoolExecutor(FLOOR_THREADS) as pool:
+        pool.map(int, range(FLOOR_THREADS))  # threads started before timing
+        return measure(
+            lambda: held.append(read_floor(spec["files"], fresh_pages=True, pool=pool))
+        )
 
 
 def _open(spec: dict) -> dict:

@@ -3,11 +3,12 @@
 For each dtype and length, the same synthetic KV (SmolLM2-135M's shape) is restored
 in fresh child processes, one case per process, the cases' order rotated every
 repeat: kvstore's ``fetch``, mlx-lm's ``load_prompt_cache`` of one file, and the
-floor (kvstore's node files read with plain ``readinto`` into fresh buffers). Page
-cache warm. Where the KV is large enough for room, kvstore with ``restore_room=0``
-runs too, and every restore case also times the first forward pass over one more
-token: the trade of allocating room against growing an exactly full cache. At the
-largest length, kvstore without prefaulting its rows runs too.
+floor (kvstore's node files read with plain ``readinto`` into fresh buffers, on as
+many threads as a fetch reads with). Page cache warm. Where the KV is large enough
+for room, kvstore with ``restore_room=0`` runs too, and every restore case also
+times the first forward pass over one more token: the trade of allocating room
+against growing an exactly full cache. At the largest length, kvstore without
+prefaulting its rows runs too.
 """
 
 from typing import Dict, List, Sequence
@@ -15,6 +16,7 @@ from typing import Dict, List, Sequence
 from tqdm import tqdm
 
 from kvstore.bench import child
+from kvstore.bench.cases import FLOOR_THREADS
 from kvstore.bench.kvfiles import KVFiles, make_kv_files
 from kvstore.bench.measure import set_page_cache
 from kvstore.memutil import prefault_supported
@@ -58,7 +60,7 @@ LABELS = {
     "kvstore_room0": "kvstore fetch (restore_room=0)",
     "kvstore_no_prefault": "kvstore fetch, rows not prefaulted",
     "load_prompt_cache": "mlx-lm load_prompt_cache, 1 file",
-    "floor": "floor: readinto fresh buffers",
+    "floor": f"floor: readinto fresh buffers, {FLOOR_THREADS} threads",
 }
 
 

@@ -1,14 +1,14 @@
 """Repeated restores in one process: kvstore's ``fetch`` against mlx-lm's
 ``load_prompt_cache`` of one file of the same KV (SmolLM2-135M's shape), and the
 floor (the same bytes as kvstore's node files read with plain ``readinto`` into
-fresh buffers), alternating in one process, page cache warm, RAM tier off, memory
-freed between restores as a server frees it. Also the cost of the checksum alone:
-xxh3 of the same bytes, in memory, as a pass of its own.
+buffers read into before, on as many threads as a fetch reads with: the copy alone,
+which no reader of these bytes can beat), alternating in one process, page cache
+warm, RAM tier off, memory freed between restores as a server frees it. Also the
+cost of the checksum alone: xxh3 of the same bytes, in memory, as a pass of its own.
 
 ``recycled``: the same cases with MLX's buffer cache raised above the KV size, so
-freed arrays are reused and no restore pays page faults for new memory, and the floor
-reading into the same buffers every time: what is left is the cost of the read path
-itself (section ``recycled``).
+freed arrays are reused and no restore pays page faults for new memory: what is left
+is the cost of the read path itself (section ``recycled``).
 """
 
 import time
@@ -20,7 +20,7 @@ import xxhash
 from tqdm import tqdm
 
 from kvstore import KVStore
-from kvstore.bench.cases import read_floor, standin_model
+from kvstore.bench.cases import FLOOR_THREADS, read_floor, read_into, standin_model
 from kvstore.bench.kvfiles import make_kv_files
 from kvstore.bench.measure import (
     run_interleaved,
@@ -32,17 +32,8 @@ from kvstore.bench.measure import (
 LABELS = {
     "kvstore": "kvstore fetch",
     "load_prompt_cache": "mlx-lm load_prompt_cache, 1 file",
-    "floor": "floor: readinto fresh buffers",  # allocated on a thread of their own
+    "floor": f"floor: readinto reused buffers, {FLOOR_THREADS} threads",
 }
-RECYCLED_FLOOR = "floor: readinto reused buffers"
-
-
-def _read_into(paths, buffers) -> None:
-    """Every file read with one plain ``readinto`` into its buffer (already faulted)."""
-    for path, buf in zip(paths, buffers):
-        with open(path, "rb", buffering=0) as f:
-            if f.readinto(memoryview(buf)) != len(buf):
-                raise RuntimeError(f"{path}: short read")
 
 
 def _hash_alone(buffers, piece: int = 512 << 10) -> float:
@@ -72,7 +63,7 @@ def bench_repeat(
     desc = "recycled restores" if recycled else "repeated restores"
     for dtype, n in tqdm(todo, desc=desc, unit="size", leave=False):
         kv = make_kv_files(tmp, dtype, n, chunk_tokens=chunk_tokens, seed=n)
-        floor_thread = ThreadPoolExecutor(1)
+        floor_pool = ThreadPoolExecutor(FLOOR_THREADS)
         store = KVStore(
             kv.store, standin_model(dtype), chunk_tokens=chunk_tokens, ram_bytes=0
         )
@@ -88,18 +79,13 @@ def bench_repeat(
                 phases.append(p)
                 return p.total
 
-            reused = read_floor(kv.node_files) if recycled else None
+            # The same buffers every time: no new memory, only the copy. What any
+            # reader of these bytes pays at least, whatever its allocator recycles.
+            reused = read_floor(kv.node_files)
 
             def floor() -> float:
-                if reused is not None:  # the same buffers every time: no new memory
-                    t0 = time.perf_counter()
-                    _read_into(kv.node_files, reused)
-                    return time.perf_counter() - t0
-                # On a thread of its own, as kvstore allocates: glibc gives memory
-                # freed on the main thread back to the OS, and the floor would pay
-                # page faults that are not the copy's.
                 t0 = time.perf_counter()
-                floor_thread.submit(read_floor, kv.node_files).result()
+                read_into(kv.node_files, reused, pool=floor_pool)
                 return time.perf_counter() - t0
 
             cases = {
@@ -123,11 +109,7 @@ def bench_repeat(
                     "hash_alone_s": hash_s,
                     "cases": {
                         name: {
-                            "label": (
-                                RECYCLED_FLOOR
-                                if recycled and name == "floor"
-                                else LABELS[name]
-                            ),
+                            "label": LABELS[name],
                             "restore_s": runs.times[name],
                             "faults": runs.faults[name],
                             "user_s": runs.user[name],
@@ -143,7 +125,7 @@ def bench_repeat(
                 }
             )
         finally:
-            floor_thread.shutdown()
+            floor_pool.shutdown()
             store.close()
             kv.remove()
             if limit is not None:
