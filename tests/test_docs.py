@@ -323,9 +323,7 @@ def _tables(text: str):
     return tables
 
 
-@pytest.mark.parametrize(
-    "run", ["bench-restart.json", "bench-restart-fresh.json", "bench-calls.json"]
-)
+@pytest.mark.parametrize("run", ["bench-restart.json", "bench-calls.json"])
 def test_benchmark_tables_are_generated_from_their_runs(run, capsys):
     """docs/benchmarks.md holds ``kvstore bench --from-json RUN --markdown``'s tables
     verbatim: numbers regenerated from the saved samples, never typed by hand."""
