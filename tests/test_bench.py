@@ -373,3 +373,38 @@ def test_floor_reads_every_byte_on_threads(tmp_path):
             b[:] = 255
         read_into(paths, bufs, pool=pool)
         assert [bytes(b) for b in bufs] == want
+
+
+def test_fresh_restores_are_judged_like_for_like_with_the_room_trade_beside():
+    """After a restart, the restore without room is held against load_prompt_cache's
+    exactly full caches; the default room's cost and saving are reported beside it."""
+    from kvstore.bench.report import markdown, restart_targets
+
+    def case(label, wall, forward=None):
+        sample = {"wall_s": wall}
+        if forward is not None:
+            sample["forward_s"] = forward
+        return {"label": label, "samples": [sample]}
+
+    cases = {
+        "kvstore": case("kvstore fetch (restore_room=2048)", 0.030, forward=0.080),
+        "load_prompt_cache": case("lpc", 0.025, forward=0.120),
+        "floor": case("floor: readinto fresh buffers, 2 threads", 0.015),
+        "kvstore_room0": case("kvstore fetch (restore_room=0)", 0.020, forward=0.125),
+    }
+    res = {
+        "fresh": [
+            {"dtype": "float16", "tokens": 8, "kv_bytes": 1 << 20, "cases": cases}
+        ]
+    }
+    judged, *info = [t for t in restart_targets(res)]
+    assert "restore_room=0" in judged["what"] and judged["ok"] is True
+    assert judged["value"] == "1.25 (20.0 / 25.0 ms; the floor 1.67)"
+    trade = info[-1]
+    assert trade["ok"] is None and trade["value"].startswith("0.83; the room costs")
+    assert "+10.0 ms" in trade["value"] and "saves the first forward pass 45.0 ms" in (
+        trade["value"]
+    )
+    (row,) = [r for r in markdown(res).splitlines() if r.startswith("| float16")]
+    assert row.startswith("| float16 | 8 | 1.0 | 20.0 | 25.0 | 15.0 | 1.25 |")
+    assert row.endswith("| PASS | 30.0, 0.83 | +10.0 / -45.0 |")

@@ -1,6 +1,6 @@
 """The bench's output: targets with PASS/MISS, the tables, and the PNG chart."""
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from kvstore.bench.measure import MB, gbps, med
 
@@ -47,6 +47,23 @@ def _status(ok: Optional[bool], floor_bound: bool = False) -> str:
     if ok is None:
         return "info"
     return "PASS" if ok else "MISS, floor" if floor_bound else "MISS"
+
+
+def _like_for_like(c: Dict) -> str:
+    """The kvstore case to hold against load_prompt_cache's exactly full caches: the
+    restore without room where the run has one (the room's trade is shown beside)."""
+    return "kvstore_room0" if "kvstore_room0" in c else "kvstore"
+
+
+def _room_trade(c: Dict) -> Optional[Tuple[float, float]]:
+    """``(ms the room costs the fetch, ms it saves the first forward pass)``."""
+    if "kvstore_room0" not in c or not _col(c["kvstore"], "forward_s"):
+        return None
+    room, exact = c["kvstore"], c["kvstore_room0"]
+    return (
+        (_m(_wall(room)) - _m(_wall(exact))) * 1e3,
+        (_m(_col(exact, "forward_s")) - _m(_col(room, "forward_s"))) * 1e3,
+    )
 
 
 def _floor_bound(c: Dict, target: float) -> bool:
@@ -599,10 +616,12 @@ def restart_targets(res: Dict) -> List[Dict]:
     ):
         for r in res.get(key) or []:
             c, n = r["cases"], f"{r['dtype']} {r['tokens']} tokens"
-            ratio = _speed(c, "load_prompt_cache")
+            who = _like_for_like(c) if key == "fresh" else "kvstore"
+            ratio = _speed(c, "load_prompt_cache", who)
+            kv = "kvstore (restore_room=0)" if who != "kvstore" else "kvstore"
             add(
-                f"{what}, kvstore speed / load_prompt_cache, {n}",
-                f"{ratio:.2f} ({_ms(_m(_wall(c['kvstore'])), 0)} / "
+                f"{what}, {kv} speed / load_prompt_cache, {n}",
+                f"{ratio:.2f} ({_ms(_m(_wall(c[who])), 0)} / "
                 f"{_ms(_m(_wall(c['load_prompt_cache'])), 0)} ms; the floor "
                 f"{_speed(c, 'load_prompt_cache', 'floor'):.2f})",
                 f">= {target}",
@@ -610,11 +629,21 @@ def restart_targets(res: Dict) -> List[Dict]:
                 _floor_bound(c, target),
             )
             add(
-                f"{what}, kvstore speed / {c['floor']['label']}, {n}",
-                f"{_speed(c, 'floor'):.2f}",
+                f"{what}, {kv} speed / {c['floor']['label']}, {n}",
+                f"{_speed(c, 'floor', who):.2f}",
                 "info",
                 None,
             )
+            trade = _room_trade(c)
+            if trade is not None:
+                add(
+                    f"{what}, {c['kvstore']['label']} speed / load_prompt_cache, {n}",
+                    f"{_speed(c, 'load_prompt_cache'):.2f}; the room costs the fetch "
+                    f"{trade[0]:+.1f} ms and saves the first forward pass "
+                    f"{trade[1]:.1f} ms",
+                    "info",
+                    None,
+                )
     for r in res.get("recycled") or []:
         c, n = r["cases"], f"{r['dtype']} {r['tokens']} tokens"
         add(
@@ -711,30 +740,58 @@ def markdown(res: Dict) -> str:
         rows = res.get(key) or []
         if not rows:
             continue
+        rooms = key == "fresh" and any("kvstore_room0" in r["cases"] for r in rows)
         out += [
             f"{title}: medians of {len(_wall(rows[0]['cases']['kvstore']))} samples; "
             "speed ratio = load_prompt_cache ms / kvstore ms "
             + (f"(target >= {target}); " if target else "(info); ")
             + "floor ratio = kvstore's speed / the floor's (the same bytes, "
             f"{rows[0]['cases']['floor']['label'].split(': ', 1)[-1]})"
-            + ("; MISS, floor = the floor misses the target too." if target else "."),
+            + ("; MISS, floor = the floor misses the target too" if target else "")
+            + (
+                ". kvstore ms: `restore_room=0` where the KV is large enough for "
+                "room (like for like: load_prompt_cache's caches are exactly full); "
+                "with the default room beside it, and what the room costs the "
+                "fetch and saves the first forward pass over one more token."
+                if rooms
+                else "."
+            ),
             "",
             "| dtype | tokens | KV MB | kvstore ms | load_prompt_cache ms | floor ms "
-            "| speed ratio | floor ratio | lpc floor ratio | target |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| speed ratio | floor ratio | lpc floor ratio | target |"
+            + (
+                " room 2048: ms, ratio | room: fetch / first forward ms |"
+                if rooms
+                else ""
+            ),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+            + ("---:|---:|" if rooms else ""),
         ]
         for r in rows:
             c = r["cases"]
-            ratio = _speed(c, "load_prompt_cache")
-            out.append(
+            who = _like_for_like(c) if rooms else "kvstore"
+            ratio = _speed(c, "load_prompt_cache", who)
+            line = (
                 f"| {r['dtype']} | {r['tokens']} | {r['kv_bytes'] / MB:.1f} "
-                f"| {_m(_wall(c['kvstore'])) * 1e3:.1f} "
+                f"| {_m(_wall(c[who])) * 1e3:.1f} "
                 f"| {_m(_wall(c['load_prompt_cache'])) * 1e3:.1f} "
                 f"| {_m(_wall(c['floor'])) * 1e3:.1f} | {ratio:.2f} "
-                f"| {_speed(c, 'floor'):.2f} "
+                f"| {_speed(c, 'floor', who):.2f} "
                 f"| {_speed(c, 'floor', 'load_prompt_cache'):.2f} "
                 f"| {_status(ratio >= target, _floor_bound(c, target)) if target else 'info'} |"
             )
+            if rooms:
+                trade = _room_trade(c)
+                line += (
+                    f" {_m(_wall(c['kvstore'])) * 1e3:.1f}, "
+                    f"{_speed(c, 'load_prompt_cache'):.2f} "
+                    + (
+                        f"| {trade[0]:+.1f} / {-trade[1]:+.1f} |"
+                        if trade
+                        else "| (no room) |"
+                    )
+                )
+            out.append(line)
         out.append("")
     o = res.get("open")
     if o:
