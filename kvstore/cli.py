@@ -777,7 +777,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv and argv[0] == "bench":
         from .bench import main as bench_main
 
-        return bench_main(argv[1:])
+        try:
+            return bench_main(argv[1:])
+        except BrokenPipeError:  # `kvstore bench --from-json RUN | head`
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
     args = build_parser().parse_args(argv)
     from .index import StoreError
 

@@ -529,6 +529,19 @@ def test_ls_into_a_closed_pipe_exits_quietly(stored):
     assert proc.wait(60) == 141 and "Traceback" not in err, err
 
 
+def test_bench_replay_into_a_closed_pipe_exits_quietly():
+    run = os.path.join(os.path.dirname(__file__), "..", "docs", "bench-restart.json")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "bench", "--from-json", run, "--markdown"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # `| head` that has read enough, before anything is written
+    err = proc.stderr.read()
+    assert proc.wait(60) == 141 and "Traceback" not in err, err
+
+
 def test_dangling_store_symlink_says_so(tmp_path, capsys, tiny_model_dir):
     link = tmp_path / "store"
     os.symlink(tmp_path / "gone", link)
