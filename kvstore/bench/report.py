@@ -626,7 +626,7 @@ def restart_targets(res: Dict) -> List[Dict]:
                 f"{_speed(c, 'load_prompt_cache', 'floor'):.2f})",
                 f">= {target}",
                 ratio >= target,
-                _floor_bound(c, target),
+                ratio < target and _floor_bound(c, target),
             )
             add(
                 f"{what}, {kv} speed / {c['floor']['label']}, {n}",
