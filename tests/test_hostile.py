@@ -516,30 +516,27 @@ def test_directories_are_0755_whatever_the_umask(tmp_path, model):
             assert not mode & 0o022, (dirpath, name, oct(mode))
 
 
-@pytest.mark.slow
-def test_ls_into_a_closed_pipe_exits_quietly(stored):
+def _exits_quietly_into_a_closed_pipe(*args) -> None:
+    """``kvstore ARGS | head`` where head has read enough before anything is written."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "ls", "--no-decode", "--store", stored],
+        [sys.executable, "-m", "kvstore", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    proc.stdout.close()  # `| head` that has read enough, before anything is written
+    proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(60) == 141 and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_ls_into_a_closed_pipe_exits_quietly(stored):
+    _exits_quietly_into_a_closed_pipe("ls", "--no-decode", "--store", stored)
 
 
 def test_bench_replay_into_a_closed_pipe_exits_quietly():
     run = os.path.join(os.path.dirname(__file__), "..", "docs", "bench-restart.json")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "bench", "--from-json", run, "--markdown"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    proc.stdout.close()  # `| head` that has read enough, before anything is written
-    err = proc.stderr.read()
-    assert proc.wait(60) == 141 and "Traceback" not in err, err
+    _exits_quietly_into_a_closed_pipe("bench", "--from-json", run, "--markdown")
 
 
 def test_dangling_store_symlink_says_so(tmp_path, capsys, tiny_model_dir):
