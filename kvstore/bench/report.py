@@ -316,31 +316,25 @@ def print_targets(rows: List[Dict]) -> None:
 
 
 def print_report(res: Dict) -> None:
-    if res.get("ttft"):
-        print_ttft(res["ttft"])
-    if res.get("write"):
-        print_write(res["write"])
-    if res.get("restore"):
-        print_restore(res["restore"])
-        print_disk(res["restore"])
-    if res.get("scale"):
-        print_scale(res["scale"])
-    if res.get("fresh"):
-        print_fresh(res["fresh"])
-    if res.get("repeat"):
-        print_repeat(res["repeat"])
-    if res.get("recycled"):
-        print_recycled(res["recycled"])
-    if res.get("open"):
-        print_open(res["open"])
-    if res.get("durable"):
-        print_durable(res["durable"])
-    if res.get("miss"):
-        print_miss(res["miss"])
-    if res.get("hash"):
-        print_hash(res["hash"])
-    if res.get("save"):
-        print_save(res["save"])
+    """Every section the run has, in the order they ran, then the targets."""
+    printers = (
+        ("ttft", (print_ttft,)),
+        ("write", (print_write,)),
+        ("restore", (print_restore, print_disk)),
+        ("scale", (print_scale,)),
+        ("fresh", (print_fresh,)),
+        ("repeat", (print_repeat,)),
+        ("recycled", (print_recycled,)),
+        ("open", (print_open,)),
+        ("durable", (print_durable,)),
+        ("miss", (print_miss,)),
+        ("hash", (print_hash,)),
+        ("save", (print_save,)),
+    )
+    for key, prints in printers:
+        if res.get(key):
+            for print_section in prints:
+                print_section(res[key])
     print_targets(res["targets"])
 
 
