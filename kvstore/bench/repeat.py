@@ -97,7 +97,7 @@ def bench_repeat(
                 run()
             phases.clear()
             runs = run_interleaved(cases, repeats)
-            hash_s = [_hash_alone(read_floor(kv.node_files)) for _ in range(3)]
+            hash_s = [_hash_alone(reused) for _ in range(3)]  # the files' bytes
             rows.append(
                 {
                     "dtype": dtype,
