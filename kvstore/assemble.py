@@ -203,6 +203,10 @@ class AssemblyPlan:
         (address, length), *_ = self.row_ranges(self.ntokens - 1, self.ntokens)
         return memutil.resident(address + length - 1) is False
 
+    def row_bytes(self) -> int:
+        """Bytes of one token's row of one head, in the tensor with the shortest rows."""
+        return min(row for row, _ in self.rows.values())
+
     def prefault(self, lo: int, hi: int) -> None:
         """Make rows ``[lo, hi)`` of every array present before they are written
         (see :mod:`kvstore.memutil`; nothing where the platform cannot)."""

@@ -60,14 +60,29 @@ def test_plan_prefaults_the_rows_of_every_head(monkeypatch):
 
 
 def test_bands_cover_every_node_in_order():
-    from kvstore.restore import BAND_NODES, _bands
+    from kvstore.restore import BAND_NODES, _band_size, _bands
 
     for nodes, readers in [(1, 2), (3, 2), (8, 2), (9, 2), (128, 2), (100, 3)]:
-        bands = _bands(nodes, readers)
+        size = _band_size(nodes, readers)
+        bands = _bands(nodes, size)
         assert [i for a, b in bands for i in range(a, b)] == list(range(nodes))
         assert all(1 <= b - a <= BAND_NODES for a, b in bands)
         if nodes >= 2 * readers:
             assert len(bands) >= 2 * readers
+
+
+def test_prefaulted_bands_are_long_enough_for_big_calls():
+    from kvstore.restore import PREFAULT_CALL_BYTES, _band_size
+
+    node_row = 256 * 128  # 256 tokens of 64 float16 values: 32 KiB per head
+    want = PREFAULT_CALL_BYTES // node_row
+    assert _band_size(1024, 2, call_bytes=node_row) == want
+    # No reader is left without a band: at most one band per reader.
+    assert _band_size(8, 2, call_bytes=node_row) == 4
+    assert _band_size(9, 2, call_bytes=node_row) == 5
+    assert _band_size(1, 2, call_bytes=node_row) == 1
+    # Rows longer than a call: one node per band.
+    assert _band_size(128, 2, call_bytes=PREFAULT_CALL_BYTES * 2) == 1
 
 
 def test_disable_prefault_makes_it_a_no_op(monkeypatch):
