@@ -77,8 +77,8 @@ ROOM_MIN_BYTES = 32 << 20
 BAND_NODES = 4
 # Into fresh memory, each band's rows are first prefaulted in one call per head and
 # tensor. A call costs about 12 us beyond its pages here, so those bands are longer:
-# calls of up to this many bytes, at most one band per reader (32K float16 tokens of
-# SmolLM2's shape: 238 ms in 128 KiB calls, 216 ms in 1 MiB calls).
+# calls of up to this many bytes, but no longer than one reader's share (32K float16
+# tokens of SmolLM2's shape: 238 ms in 128 KiB calls, 216 ms in 1 MiB calls).
 PREFAULT_CALL_BYTES = 1 << 20
 
 

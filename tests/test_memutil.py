@@ -77,7 +77,7 @@ def test_prefaulted_bands_are_long_enough_for_big_calls():
     node_row = 256 * 128  # 256 tokens of 64 float16 values: 32 KiB per head
     want = PREFAULT_CALL_BYTES // node_row
     assert _band_size(1024, 2, call_bytes=node_row) == want
-    # No reader is left without a band: at most one band per reader.
+    # No longer than one reader's share: no reader is left without a band.
     assert _band_size(8, 2, call_bytes=node_row) == 4
     assert _band_size(9, 2, call_bytes=node_row) == 5
     assert _band_size(1, 2, call_bytes=node_row) == 1
