@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import mlx.core as mx
 import xxhash
 
-from . import fsutil
+from . import devices, fsutil
 from .blobs import DTYPES, CorruptBlob, OpenFile, TensorEntry
 
 # Node files one RestoreFile reads from: all of them stay open while it loads, so
@@ -47,8 +47,7 @@ def default_restore_io() -> str:
     forced = os.environ.get("KVSTORE_RESTORE_IO", "")
     if forced in ("load", "assemble"):
         return forced
-    cuda = getattr(mx, "cuda", None)
-    return "load" if cuda is not None and cuda.is_available() else "assemble"
+    return "load" if devices.cuda_backend() else "assemble"
 
 
 class FileSource:
