@@ -74,6 +74,19 @@ class NodeRecord:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
+    def same_files(self, other: "NodeRecord") -> bool:
+        """Whether ``other`` records the same node files (a pin or kind change keeps
+        them; a node evicted and saved again has another record)."""
+        return (
+            self.parent == other.parent
+            and self.start == other.start
+            and (self.nbytes, self.checksum, self.created)
+            == (other.nbytes, other.checksum, other.created)
+            and (self.state_nbytes, self.state_checksum)
+            == (other.state_nbytes, other.state_checksum)
+            and np.array_equal(self.tokens, other.tokens)
+        )
+
     _HEAD = struct.Struct("<BBBxIIQQd16s")
     _STATE = struct.Struct("<QQ")  # version 2: state file size and checksum
 

@@ -485,7 +485,7 @@ class KVStore(ReadPath, WritePath, Removal):
                     )[2]
                     self._check_meta(meta)
             except (CorruptBlob, OSError) as e:
-                self._report_broken(step.h, str(e))
+                self._read_failed(step.h, e, rec)
                 return False
         return True
 

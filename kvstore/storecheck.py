@@ -36,6 +36,7 @@ LOCK_FILE = "kvstore.lock"
 _OPENING, _HOLDING = 0, 1  # bytes of LOCK_FILE: one opener at a time; every holder
 _RACES = 3  # checks of a data.mdb whose meta page changed (a commit) meanwhile
 
+
 class Opened(NamedTuple):
     env: lmdb.Environment
     dbs: Dict[str, object]  # name -> database handle (read-only: those that exist)
