@@ -267,3 +267,29 @@ def test_quarantine_spares_a_node_saved_again_meanwhile(saved, model):
         cache, n = s.fetch(tokens)
         assert n == len(tokens) - 1
         same_kv(cache, compute_cache(model, tokens[:n]), n)
+
+
+def test_verify_fix_and_gc_never_remove_a_file_they_cannot_open_now(
+    saved, monkeypatch, capsys
+):
+    import errno
+
+    from kvstore import maintenance
+    from kvstore.blobs import Blobs
+
+    path, _ = saved
+    real = Blobs.open_file
+
+    def open_file(self, ns, h, part=""):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(Blobs, "open_file", open_file)
+    report = maintenance.verify(path, fix=True)
+    assert not report["clean"]
+    assert {p["kind"] for p in report["problems"]} == {"unreadable"}
+    assert report["fixed"]["nodes_removed"] == 0
+    gc = maintenance.gc(path)
+    assert gc["broken_nodes"] == 0 and gc["quarantined"] == []
+    monkeypatch.setattr(Blobs, "open_file", real)
+    assert maintenance.verify(path)["clean"] and quarantined(path) == []
+    assert maintenance.verify(path)["nodes"] == 100
