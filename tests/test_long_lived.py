@@ -293,3 +293,99 @@ def test_verify_fix_and_gc_never_remove_a_file_they_cannot_open_now(
     monkeypatch.setattr(Blobs, "open_file", real)
     assert maintenance.verify(path)["clean"] and quarantined(path) == []
     assert maintenance.verify(path)["nodes"] == 100
+
+
+# -- the LMDB map grows under concurrent threads and processes, invisibly ---------------
+
+GROW_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import compute_cache, random_tokens, tiny_llama
+from kvstore import KVStore
+model = tiny_llama(0)
+with KVStore({path!r}, model, chunk_tokens={C}) as s:
+    for seed in range({first}, {first} + {count}):
+        tokens = random_tokens(160, seed)
+        s.save(tokens, compute_cache(model, tokens))
+        s.flush()
+        print(s.index.env.info()["map_size"], flush=True)
+    st = s.stats()
+    assert st["writes_failed"] == 0 and st["errors"] == 0, st
+"""
+
+
+@pytest.mark.slow
+def test_map_growth_is_invisible_to_threads_and_processes(tmp_path, model, monkeypatch):
+    """From a 64 KiB map: threads of this process run stats(), lookup() and fetch()
+    while this process and another one save, both growing the map many times."""
+    import threading
+
+    monkeypatch.setenv("KVSTORE_INITIAL_MAP_BYTES", str(64 << 10))
+    path = str(tmp_path / "store")
+    base = random_tokens(160, 0)
+    mine, theirs = range(1, 25), range(100, 124)
+    errors, done = [], threading.Event()
+    with KVStore(path, model, chunk_tokens=C) as s:
+        s.save(base, compute_cache(model, base))
+        s.flush()
+        start = s.index.env.info()["map_size"]
+        other = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                GROW_SCRIPT.format(
+                    tests=os.path.dirname(__file__),
+                    path=path,
+                    C=C,
+                    first=theirs[0],
+                    count=len(theirs),
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+        def reader(what):
+            rounds = 0
+            while not done.is_set() or rounds == 0:
+                try:
+                    if what == "stats":
+                        s.stats()
+                    elif what == "lookup":
+                        assert s.lookup(base) == len(base) - 1
+                    else:
+                        assert s.fetch(base)[1] == len(base) - 1
+                except Exception as e:  # every error fails the test
+                    errors.append(f"{what}: {type(e).__name__}: {e}")
+                    return
+                rounds += 1
+
+        threads = [
+            threading.Thread(target=reader, args=(w,))
+            for w in ("stats", "lookup", "fetch", "fetch")
+        ]
+        for t in threads:
+            t.start()
+        try:
+            for seed in mine:
+                tokens = random_tokens(160, seed)
+                s.save(tokens, compute_cache(model, tokens))
+                s.flush()
+        finally:
+            out, err = other.communicate(timeout=600)
+            done.set()
+            for t in threads:
+                t.join()
+        assert other.returncode == 0, err[-3000:]
+        grown = s.index.env.info()["map_size"]
+        stats = s.stats()
+        assert errors == []
+        assert stats["writes_failed"] == 0 and stats["errors"] == 0, stats
+        assert stats["corrupt"] == 0
+        # The map grew many times, in both processes.
+        assert grown >= 8 * start, (start, grown)
+        assert len(set(map(int, out.split()))) >= 2, out
+        for seed in [0, *mine, *theirs]:
+            tokens = random_tokens(160, seed)
+            assert s.lookup(tokens) == len(tokens) - 1, seed
