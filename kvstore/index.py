@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import lmdb
 import numpy as np
 
-from . import storecheck
+from . import spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
 from .mapgate import MapGate
 from .storecheck import StoreError
@@ -376,8 +376,17 @@ class Index:
         if shared.problem is not None:
             raise StoreError(shared.problem)
 
-    def write(self, fn: Callable):
-        """Run ``fn(txn)`` in a write transaction, growing the map when it is full."""
+    def write(self, fn: Callable, *, frees: bool = False):
+        """Run ``fn(txn)`` in a write transaction, growing the map when it is full.
+
+        Args:
+            frees: The transaction deletes records whose files go afterwards: on a
+                full disk it may use the room kept in ``index/spare``
+                (:mod:`kvstore.spare`).
+
+        Raises:
+            lmdb.DiskError: the file system is full (and no spare room is left).
+        """
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: the index is open read-only")
@@ -389,6 +398,17 @@ class Index:
                 try:
                     with self.env.begin(write=True) as txn:
                         out = fn(txn)
+                except lmdb.DiskError:
+                    freed = spare.release(self.path) if frees else 0
+                    if not freed:
+                        raise
+                    log.warning(
+                        "kvstore: %s: the disk is full; used the %d bytes kept in "
+                        "index/spare for a commit that frees space",
+                        storecheck.store_name(self.path),
+                        freed,
+                    )
+                    continue
                 except lmdb.MapFullError:
                     full = self.env.info()["map_size"]  # no resize while in the gate
                 except lmdb.MapResizedError:

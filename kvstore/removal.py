@@ -77,7 +77,7 @@ class Removal:
                 return None
             return maintenance.delete_subtree(self.index, txn, ns, h)
 
-        gone = self.index.write(delete)
+        gone = self.index.write(delete, frees=True)
         if gone is not None:
             keys = [(ns, h)] + [(ns, x) for x, _ in gone if x != h]
             for _, x in keys:

@@ -21,6 +21,8 @@ C = 8  # tokens per chunk
 
 def same_kv(got, want, n):
     """``got`` (a restored cache) holds exactly the first ``n`` tokens of ``want``."""
+    if n == 0:
+        return
     for g, w in zip(got, want):
         assert mx.array_equal(g.keys[:, :, :n], w.keys[:, :, :n]).item()
         assert mx.array_equal(g.values[:, :, :n], w.values[:, :, :n]).item()
@@ -389,3 +391,70 @@ def test_map_growth_is_invisible_to_threads_and_processes(tmp_path, model, monke
         for seed in [0, *mine, *theirs]:
             tokens = random_tokens(160, seed)
             assert s.lookup(tokens) == len(tokens) - 1, seed
+
+
+# -- gc frees space on a 100% full file system -------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A fresh 8 MiB tmpfs (needs root with CAP_SYS_ADMIN; skipped otherwise)."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs Linux and root")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(fs) -> None:
+    """Fill the file system to the last byte."""
+    fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 16, 1 << 10, 1):
+            try:
+                while True:
+                    os.write(fd, bytes(size))
+            except OSError as e:
+                assert e.errno == 28
+    finally:
+        os.close(fd)
+    assert os.statvfs(fs).f_bavail == 0
+
+
+@pytest.mark.parametrize("spare", [True, False])
+def test_gc_frees_space_on_a_full_disk(small_fs, model, capsys, spare):
+    path = str(small_fs / "store")
+    prompts = [random_tokens(800, seed) for seed in (1, 2, 3)]
+    with KVStore(path, model, chunk_tokens=C) as s:
+        for tokens in prompts:
+            s.save(tokens, compute_cache(model, tokens))
+    if not spare:  # a store whose spare room is gone (made by an older kvstore, say)
+        os.unlink(os.path.join(path, "index", "spare"))
+    fill(small_fs)
+    status, out, err = run_cli(capsys, "gc", "--store", path, "--max-bytes", "60K")
+    if spare:  # was: lmdb.DiskError traceback, exit 1, nothing freed
+        assert status == 0, err
+        assert os.statvfs(small_fs).f_bavail > 0
+        assert os.path.getsize(os.path.join(path, "index", "spare")) == 1 << 20
+    else:  # one line saying what to do, nothing changed
+        assert status == 2 and len(err.strip().splitlines()) == 1, err
+        assert "file system is full" in err and "free a few MiB" in err
+        os.unlink(small_fs / "filler")
+    status, out, err = run_cli(capsys, "verify", "--store", path)
+    assert status == 0 and "clean" in out, out + err
+    with KVStore(path, model, chunk_tokens=C) as s:
+        assert s.stats()["corrupt"] == 0
+        restored = 0
+        for tokens in prompts:
+            cache, n = s.fetch(tokens)
+            same_kv(cache, compute_cache(model, tokens[:n]), n)
+            restored += n
+        assert restored > 0

@@ -491,7 +491,7 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
             done.index_repairs += 1
         return done, [k for k in gone if len(k[1]) == HASH_BYTES], quarantine
 
-    done, gone, quarantine = index.write(fix)
+    done, gone, quarantine = index.write(fix, frees=True)
     released = release_files(index, blobs, gone, quarantine=quarantine)
     done.quarantined = released.quarantined
     done.files_unlinked = released.unlinked
