@@ -783,6 +783,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             _quiet_stdout()
             return EXIT_BROKEN_PIPE
     args = build_parser().parse_args(argv)
+    import lmdb
+
     from .index import StoreError
 
     try:
@@ -793,6 +795,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:  # `kvstore ls | head`: the reader is gone
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
+    except lmdb.DiskError:
+        print(
+            f"kvstore {args.command}: {args.store}: the file system is full, and the "
+            "index needs room for the commit that records the deletions (LMDB writes "
+            "new pages before it frees old ones): free a few MiB on that file system, "
+            "then run the command again",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     except OSError as e:  # e.g. a file of the store that cannot be read
         print(f"kvstore {args.command}: {args.store}: {e}", file=sys.stderr)
         return EXIT_ERROR

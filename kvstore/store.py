@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, fsutil, maintenance, reservations, salts
+from . import adapters, fsutil, maintenance, reservations, salts, spare
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
@@ -203,6 +203,7 @@ class KVStore(ReadPath, WritePath, Removal):
         self.root = root_hash(self.namespace)
         # Reservations of saves that died with their process (or this one) free up.
         reservations.drop_stale(self.index)
+        spare.ensure(self.index.path)  # room for gc's first commit on a full disk
         if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
             maintenance.write_disk_budget(self.index, disk_bytes)
         self.blobs = Blobs(
@@ -493,7 +494,7 @@ class KVStore(ReadPath, WritePath, Removal):
                     )[2]
                     self._check_meta(meta)
             except (CorruptBlob, OSError) as e:
-                self._report_broken(step.h, str(e))
+                self._read_failed(step.h, e, rec)
                 return False
         return True
 
