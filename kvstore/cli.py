@@ -160,6 +160,7 @@ def cmd_prefill(args) -> int:
                     default_kind=args.kind,
                     default_pin=args.pin,
                     default_salt=args.salt,
+                    default_tenant=args.tenant,
                     vocab_size=vocab,
                     max_tokens=limit,
                 )
@@ -658,6 +659,14 @@ def _add_prefill(sub) -> None:
         default=None,
         help="store in this cache salt's tree, as a server request's cache_salt "
         '(default: per line\'s "salt", else unsalted)',
+    )
+    p.add_argument(
+        "--tenant",
+        type=_salt,
+        default=None,
+        help="store in this tenant's tree, as kvstore serve --salt-header serves a "
+        "request whose header has this value (with --salt: that request's "
+        'cache_salt); default: per line\'s "tenant"',
     )
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
