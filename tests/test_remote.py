@@ -666,13 +666,13 @@ def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
     a = serve("a")
     try:
         assert answer(a.chat(chat_body("w10 w11 w12 w13")))
-        assert request(a.port, "/kvstore/stats")["misses"] == 1
+        assert a.stats()["misses"] == 1
     finally:
         assert a.stop() == 0, a.output()  # uploads are drained at close
     b = serve("b")
     try:
         assert answer(b.chat(chat_body("w20 w21 w22")))
-        stats = request(b.port, "/kvstore/stats")
+        stats = b.stats()
     finally:
         assert b.stop() == 0, b.output()
     # The restore came through the remote tier, and is counted as such.
