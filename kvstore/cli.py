@@ -8,6 +8,7 @@ import time
 from typing import List, Optional
 
 from .options import (
+    add_disk_budget_option,
     add_size_options,
     default_store,
     int_at_least,
@@ -759,6 +760,7 @@ def _add_pull(sub) -> None:
     )
     _common_options(p, model=True)
     p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
+    add_disk_budget_option(p)  # a pull evicts as saves do
     p.set_defaults(func=cmd_pull)
 
 

@@ -6,9 +6,11 @@ replaced while it runs:
 * ``LRUPromptCache`` by a factory returning :class:`PersistentPromptCache` (mlx-lm's
   own ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
 * ``ModelProvider`` by a subclass that lets the cache find the loaded model;
-* ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which adds
-  ``GET /kvstore/stats`` and ``GET /metrics``, applies ``--strip-pattern`` to
-  request bodies and reads each request's cache salt;
+* ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which applies
+  ``--strip-pattern`` to request bodies (refusing a prompt left empty), reads each
+  request's cache salt, and with ``--api-metrics`` adds ``GET /kvstore/stats`` and
+  ``GET /metrics`` (else they are served on ``--metrics-port`` only,
+  :mod:`kvstore.serve_metrics`);
 * ``ResponseGenerator`` and ``BatchGenerator`` by subclasses that carry each
   request's salt to the prompt cache (:mod:`kvstore.serve_salts`).
 
@@ -25,8 +27,9 @@ example, a billing header that some clients put at the top of the system prompt:
 
 Counters: one log line per request (``kvstore: prompt N tokens: reused R
 (ram|disk|remote|miss), computing C, restore T ms``), ``GET /kvstore/stats`` (JSON:
-this process's totals, the RAM LRU, and each open store's ``KVStore.stats()``) and
-``GET /metrics`` (the same in the Prometheus text format, :mod:`kvstore.metrics`).
+this process's totals, the RAM LRU, and each open store's ``KVStore.stats()``, without
+the store's path) and ``GET /metrics`` (the same in the Prometheus text format,
+:mod:`kvstore.metrics`).
 Also runnable as ``python -m kvstore.server``.
 """
 

@@ -420,3 +420,38 @@ def test_tenant_quota_counts_its_narrowed_trees(tmp_path, model, tokenizer):
     )
     assert (kept, newest) == (0, 100)
     assert a_bytes > 2 * node_bytes + node_bytes // 2
+
+
+def test_tenant_groups_are_hashes_kept_only_while_needed(tmp_path, model, tokenizer):
+    from kvstore.index import Index
+    from kvstore.maintenance.common import prefixed_items
+    from kvstore.salts import GROUP_PREFIX
+
+    def groups(path):
+        index = Index(os.path.join(path, "index"), create=False)
+        try:
+            return index.read(
+                lambda txn: [
+                    k for k, _ in prefixed_items(txn, index.db["meta"], GROUP_PREFIX)
+                ]
+            )
+        finally:
+            index.close()
+
+    prompts = [[10 + i] + random_tokens(99, seed=90 + i) for i in range(6)]
+    caches = [compute_cache(model, p) for p in prompts]
+    path = tmp_path / "s"
+    with kvstore.KVStore(path, model, tokenizer, salt_disk_bytes=1) as store:
+        for i in range(5):  # a quota below one prompt: each save evicts the last
+            store.save(prompts[i], caches[i], salt=kvstore.Tenant("tenant-a", f"s{i}"))
+            store.flush()
+        store.save(prompts[5], caches[5], salt=kvstore.Tenant("tenant-b"))
+        store.flush()
+        ns = store.namespace
+        keys = groups(path)
+        # Hashes only; a narrowed tree found empty is forgotten, so five cache_salts
+        # leave two records (the last, and the one its save emptied).
+        assert len(keys) == 2 and all(k.startswith(GROUP_PREFIX + ns) for k in keys)
+        assert b"tenant" not in b"".join(keys)
+    maintenance.gc(path, drop_namespaces=[ns.hex()])
+    assert groups(path) == []
