@@ -463,6 +463,65 @@ def strip_body(body: Dict[str, Any], patterns: Sequence["re.Pattern"]) -> None:
                     part["text"] = strip_text(part["text"], patterns)
 
 
+_PENALTY_WINDOWS = (
+    "repetition_context_size",
+    "presence_context_size",
+    "frequency_context_size",
+)
+MAX_PENALTY_WINDOW = 1 << 20  # tokens a penalty looks back over: past any context
+
+
+def check_body(body: Dict[str, Any], vocab_size: Optional[int]) -> None:
+    """Refuse what mlx-lm's server lets through to its generation thread and cannot
+    survive there: ``stop`` that is not text and penalty windows too large to
+    allocate (the thread dies), ``logit_bias`` token ids outside the vocabulary (the
+    process crashes in MLX).
+
+    Raises:
+        ValueError: naming the field (sent back as a 400).
+    """
+    for name in _PENALTY_WINDOWS:
+        size = body.get(name)
+        if isinstance(size, int) and size > MAX_PENALTY_WINDOW:
+            raise ValueError(f"{name} must be at most {MAX_PENALTY_WINDOW}")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list) or not all(isinstance(w, str) for w in stop):
+            raise ValueError("stop must be a string or a list of strings")
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):
+        for key in bias:
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                continue  # mlx-lm's own check names it
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                ids = "not negative" if vocab_size is None else f"0 to {vocab_size - 1}"
+                raise ValueError(
+                    f"logit_bias token id {token} is not a token of this model "
+                    f"(ids are {ids})"
+                )
+
+
+def _vocab_size(provider) -> Optional[int]:
+    """The loaded model's output size (its vocabulary), None when not told."""
+    model = getattr(provider, "model", None)
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        size = (
+            source.get("vocab_size")
+            if isinstance(source, dict)
+            else getattr(source, "vocab_size", None)
+        )
+        if isinstance(size, int) and size > 0:
+            return size
+    tokenizer = getattr(provider, "tokenizer", None)
+    try:
+        return len(tokenizer) if tokenizer is not None else None
+    except TypeError:
+        return None
+
+
 def make_handler_class(
     base,
     patterns: Sequence["re.Pattern"],
@@ -478,6 +537,8 @@ def make_handler_class(
     class KVStoreAPIHandler(base):
         def validate_model_parameters(self):
             super().validate_model_parameters()
+            provider = getattr(self.response_generator, "model_provider", None)
+            check_body(self.body, _vocab_size(provider))
             try:
                 self.kvstore_salt = policy.salt_of(self.body, self.headers)
             except ValueError:  # mlx-lm answers 400 with the message

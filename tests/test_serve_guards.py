@@ -112,6 +112,21 @@ def test_no_request_ends_the_generation_thread(tmp_path, tiny_model_dir):
         ):
             status, out = post(s.port, CHAT, b, h)
             assert status == 400 and match in out["error"], (match, out)
+        # Fields mlx-lm checks too little, which end its generation thread (stop
+        # that is not text, a penalty window too large to allocate) or the whole
+        # process (a logit_bias id outside the vocabulary: MLX crashes).
+        for extra, match in (
+            ({"stop": [5]}, "stop must be a string or a list of strings"),
+            ({"logit_bias": {"999999": 1}}, "logit_bias token id 999999"),
+            ({"logit_bias": {"-1": 1}}, "logit_bias token id -1"),
+            (
+                {"frequency_penalty": 1.0, "frequency_context_size": 10**12},
+                "frequency_context_size must be at most",
+            ),
+        ):
+            status, out = post(s.port, CHAT, dict(chat("w1"), **extra), tenant("a"))
+            assert status == 400 and match in out["error"], (match, out)
+            assert healthy(s.port)
         status, out = post(s.port, CHAT, chat("w50 w51"), tenant("acme"))
         assert status == 200 and healthy(s.port), out
         # Only HTTP's optional whitespace is cut: " acme\t" is acme, "acme" + a
