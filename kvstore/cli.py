@@ -8,6 +8,7 @@ import time
 from typing import List, Optional
 
 from .options import (
+    add_disk_budget_option,
     add_size_options,
     default_store,
     int_at_least,
@@ -160,6 +161,7 @@ def cmd_prefill(args) -> int:
                     default_kind=args.kind,
                     default_pin=args.pin,
                     default_salt=args.salt,
+                    default_tenant=args.tenant,
                     vocab_size=vocab,
                     max_tokens=limit,
                 )
@@ -659,6 +661,14 @@ def _add_prefill(sub) -> None:
         help="store in this cache salt's tree, as a server request's cache_salt "
         '(default: per line\'s "salt", else unsalted)',
     )
+    p.add_argument(
+        "--tenant",
+        type=_salt,
+        default=None,
+        help="store in this tenant's tree, as kvstore serve --salt-header serves a "
+        "request whose header has this value (with --salt: that request's "
+        'cache_salt); default: per line\'s "tenant"',
+    )
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     add_size_options(p)
@@ -750,6 +760,7 @@ def _add_pull(sub) -> None:
     )
     _common_options(p, model=True)
     p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
+    add_disk_budget_option(p)  # a pull evicts as saves do
     p.set_defaults(func=cmd_pull)
 
 

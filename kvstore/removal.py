@@ -91,11 +91,17 @@ class Removal:
         with self._lock:
             self._broken.discard(h)
 
-    def _make_room(self, txn, written: list, root: Optional[bytes] = None) -> list:
+    def _make_room(
+        self,
+        txn,
+        written: list,
+        root: Optional[bytes] = None,
+        group: Optional[bytes] = None,
+    ) -> list:
         """In the commit's transaction: evict what the new nodes need to fit the salted
-        tree's quota (``salt_disk_bytes``, for a save under a salt: that tree's nodes
-        only) and the disk budget (:func:`kvstore.maintenance.make_room`), sparing the
-        nodes they hang from.
+        tree's quota (``salt_disk_bytes``, for a save under a salt: the nodes of the
+        trees counting against ``group``, a tenant's, only) and the disk budget
+        (:func:`kvstore.maintenance.make_room`), sparing the nodes they hang from.
         """
         quota = self.salt_disk_bytes if root not in (None, self.root) else None
         if self.disk_bytes is None and quota is None:
@@ -113,7 +119,7 @@ class Removal:
         gone = []
         if quota is not None:
             gone += salts.make_tree_room(
-                self.index, txn, ns, root, quota, incoming, keep=keep
+                self.index, txn, ns, root, quota, incoming, keep=keep, group=group
             )
         if self.disk_bytes is not None:
             gone += maintenance.make_room(

@@ -269,13 +269,15 @@ class KVStore(ReadPath, WritePath, Removal):
 
     # -- fetch -------------------------------------------------------------
 
-    def fetch(self, tokens, *, salt: Optional[str] = None) -> Tuple[List[Any], int]:
+    def fetch(self, tokens, *, salt: salts.Salt = None) -> Tuple[List[Any], int]:
         """Restore the longest stored prefix of ``tokens``.
 
         Args:
             tokens: The prompt's token ids.
             salt: Reuse only KV saved with this salt (a tenant's tree; see
-                :mod:`kvstore.salts`); None: the unsalted tree.
+                :mod:`kvstore.salts`): a string, or a :class:`kvstore.Tenant` (a
+                gateway's tenant, apart from every string salt); None: the
+                unsalted tree.
 
         Returns:
             ``(cache, n)``: fresh cache objects (owned by the caller) holding the KV
@@ -284,17 +286,17 @@ class KVStore(ReadPath, WritePath, Removal):
 
         Raises:
             TypeError, ValueError: ``tokens`` is not a list of token ids, or ``salt``
-                not a non-empty string of at most 256 bytes.
+                (or a part of a Tenant) not a non-empty string of at most 256 bytes.
         """
         self._check_open()
         arr = as_token_array(tokens)
-        raw_salt = salts.check_salt(salt)
+        parts = salts.parse_salt(salt)
         tic = time.perf_counter()
-        if self.remote is not None and raw_salt is None:
+        if self.remote is not None and parts is None:
             # Salted trees stay local: another machine's store has another secret.
             self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
-            cache, n = self._fetch(arr, root=self._root_of(raw_salt))
+            cache, n = self._fetch(arr, root=self._tree_of(parts)[0])
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             with self._lock:
@@ -319,7 +321,7 @@ class KVStore(ReadPath, WritePath, Removal):
         kind: str = "user",
         pin: bool = False,
         boundaries: Sequence[int] = (),
-        salt: Optional[str] = None,
+        salt: salts.Salt = None,
     ) -> int:
         """Store the KV of ``tokens`` held by ``cache``, sharing stored prefixes.
 
@@ -344,11 +346,17 @@ class KVStore(ReadPath, WritePath, Removal):
                 ``len(tokens)`` tokens or has another number of layers.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
-        root = self._root_of(salts.check_salt(salt))
+        root, group = self._tree_of(salts.parse_salt(salt))
         if not self._storable(cache, len(arr), exact=True):
             return 0
         return self._save(
-            arr, cache, kind=kind, pin=pin, boundaries=boundaries, root=root
+            arr,
+            cache,
+            kind=kind,
+            pin=pin,
+            boundaries=boundaries,
+            root=root,
+            group=group,
         )
 
     def save_prefix(
@@ -358,7 +366,7 @@ class KVStore(ReadPath, WritePath, Removal):
         *,
         kind: str = "user",
         pin: bool = False,
-        salt: Optional[str] = None,
+        salt: salts.Salt = None,
     ) -> int:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
         (a generate loop's cache after the first new token): only the prefix is stored.
@@ -366,10 +374,12 @@ class KVStore(ReadPath, WritePath, Removal):
         back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save", pin=pin)
-        root = self._root_of(salts.check_salt(salt))
+        root, group = self._tree_of(salts.parse_salt(salt))
         if not self._storable(cache, len(arr), exact=False):
             return 0
-        return self._save(arr, cache, kind=kind, pin=pin, boundaries=(), root=root)
+        return self._save(
+            arr, cache, kind=kind, pin=pin, boundaries=(), root=root, group=group
+        )
 
     def _storable(self, cache: Sequence[Any], ntokens: int, *, exact: bool) -> bool:
         """Check ``cache`` against the layout. A wrong call (token count, layer count)
@@ -421,7 +431,7 @@ class KVStore(ReadPath, WritePath, Removal):
         pin: bool = False,
         boundaries: Sequence[int] = (),
         step_tokens: int = 512,
-        salt: Optional[str] = None,
+        salt: salts.Salt = None,
     ) -> Dict[str, int]:
         """Compute what is missing of ``tokens`` (after the longest stored prefix) and save it.
 
@@ -433,7 +443,7 @@ class KVStore(ReadPath, WritePath, Removal):
         """
         arr = self._checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
         check_int("step_tokens", step_tokens, minimum=1)
-        root = self._root_of(salts.check_salt(salt))
+        root, group = self._tree_of(salts.parse_salt(salt))
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         if isinstance(vocab, int) and arr.max() >= vocab:
             bad = int(np.flatnonzero(arr >= vocab)[0])
@@ -467,7 +477,13 @@ class KVStore(ReadPath, WritePath, Removal):
             pos = stop
             bounds = [b for b in boundaries if b < stop]
             self._save(
-                arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds, root=root
+                arr[:stop],
+                cache,
+                kind=kind,
+                pin=pin,
+                boundaries=bounds,
+                root=root,
+                group=group,
             )
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
 
@@ -512,26 +528,26 @@ class KVStore(ReadPath, WritePath, Removal):
         """An empty cache of the layout this store holds (what ``fetch`` returns on a miss)."""
         return self.layout.make_cache()
 
-    def lookup(self, tokens, *, salt: Optional[str] = None) -> int:
+    def lookup(self, tokens, *, salt: salts.Salt = None) -> int:
         """How many tokens :meth:`fetch` would restore now (index only, no file is
         read): a caller holding a prefix elsewhere (a RAM cache) can skip a restore
         that would not be longer. A broken file found later makes the fetch shorter.
         """
         self._check_open()
         arr = as_token_array(tokens)
-        root = self._root_of(salts.check_salt(salt))
+        root = self._tree_of(salts.parse_salt(salt))[0]
         path = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
         )
         return sum(step.take for step in path)
 
-    def _root_of(self, raw_salt: Optional[bytes]) -> bytes:
-        """The root hash of the salt's tree (bytes from ``salts.check_salt``)."""
-        if raw_salt is None:
-            return self.root
+    def _tree_of(self, parts) -> Tuple[bytes, bytes]:
+        """``(tree root, quota root)`` of a salt parsed by ``salts.parse_salt``."""
+        if parts is None:
+            return self.root, self.root
         if self._secret is None:
             self._secret = salts.store_secret(self.index)
-        return salts.salted_root(self.root, self._secret, raw_salt)
+        return salts.tree_of(self.root, self._secret, parts)
 
     def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
         """Tokens ``cache`` holds, as far as its layers tell (None: only recurrent

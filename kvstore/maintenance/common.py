@@ -15,6 +15,7 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
 from ..index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
 from ..policy import DiskNode, disk_victims
+from ..salts import GROUP_PREFIX
 from ..storecheck import check_store_dirs
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
@@ -224,6 +225,9 @@ def delete_namespace(
     for key, value in prefixed_items(txn, index.db["meta"], MODEL_KEY_PREFIX):
         if value == ns:
             txn.delete(key, db=index.db["meta"])
+    # Which narrowed trees count against which tenant (kvstore.salts.join_group).
+    for key, _ in prefixed_items(txn, index.db["meta"], GROUP_PREFIX + ns):
+        txn.delete(key, db=index.db["meta"])
     return gone
 
 
