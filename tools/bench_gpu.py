@@ -11,9 +11,12 @@ server does before its first request):
   the first token, then 64 tokens decoded;
 - ``cold+save``: the same after opening an empty store, saving the prompt's KV in
   the background after the first token (decode runs while it is written);
-- ``kvstore`` / ``kvstore-room0``: open the store, ``fetch`` the stored prompt (its
-  default room / ``restore_room=0``), the rest of the prompt and the first token,
-  then 64 tokens decoded;
+- ``kvstore`` / ``kvstore-room0`` / ``kvstore-2threads``: open the store, ``fetch``
+  the stored prompt (``restore="always"``; its default room / ``restore_room=0`` /
+  two reader threads), the rest of the prompt and the first token, then 64 tokens
+  decoded;
+- ``kvstore-auto``: the same with ``restore="auto"``: the store decides by the
+  rates kept in it (the set-up's prefill rate, earlier children's restores);
 - ``load_prompt_cache``: mlx-lm's one-file cache of the same prompt.
 
 Usage (on the GPU machine; see docs/gpu.md)::
@@ -79,6 +82,7 @@ CASES = [
     "kvstore",
     "kvstore-room0",
     "kvstore-2threads",
+    "kvstore-auto",
     "load_prompt_cache",
 ]
 DECODE = 64
@@ -161,7 +165,12 @@ def child(spec: dict) -> dict:
         threads = {"kvstore-2threads": 2}.get(case)
         path = spec["store"] if case != "cold+save" else spec["scratch"]
         store = kvstore.KVStore(
-            path, model, ram_bytes=0, restore_room=room, read_threads=threads
+            path,
+            model,
+            ram_bytes=0,
+            restore_room=room,
+            read_threads=threads,
+            restore="auto" if case == "kvstore-auto" else "always",
         )
         out["read_threads"] = store.read_threads
         out["open_s"] = time.perf_counter() - t0
@@ -173,8 +182,11 @@ def child(spec: dict) -> dict:
         cache = load_prompt_cache(spec["lpc"])
         n = len(tokens) - 1
     else:
+        from kvstore import loadpath
+
         cache, n = store.fetch(tokens)
         out["fetch_s"] = time.perf_counter() - t0
+        out["fetch_read_s"] = loadpath.READ_SECONDS[0]
         out["restore_io"] = store.restore_io
     out["restored"] = n
     if case == "cold+save":
