@@ -48,16 +48,6 @@ SEGMENT_TENSOR_BYTES = 16 << 20
 READ_SECONDS = [0.0]
 
 
-def default_read_threads(restore_io: str) -> int:
-    """Reader threads of a restore when the caller sets none: 2 for the CPU path
-    (measured on 2 cores: the copies share one memory bus), up to 8 for the load
-    path, whose reads fill host buffers on a machine built around a GPU (one
-    thread reads the page cache at ~7 GB/s on an H100 host)."""
-    if restore_io == "load":
-        return max(2, min(8, os.cpu_count() or 2))
-    return 2
-
-
 def default_restore_io() -> str:
     """How restores reach their arrays: ``"load"`` (this module) with MLX's CUDA
     backend, ``"assemble"`` (:mod:`kvstore.assemble`) on the CPU and Metal, where
