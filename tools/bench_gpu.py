@@ -343,6 +343,8 @@ def main(argv=None) -> int:
                     spec["page_cache_dropped"] = drop_page_cache()
                 r = spawn(spec)
                 r.update(case=case, length=length, repeat=rep)
+                if args.cold_disk:
+                    r["page_cache_dropped"] = spec["page_cache_dropped"]
                 samples.append(r)
                 print(json.dumps(r), flush=True)
                 if case == "cold+save":
