@@ -435,6 +435,7 @@ class Fixed:
     skipped: int = 0  # problem nodes changed by another process before the fix
     quarantined: List[str] = field(default_factory=list)
     files_unlinked: int = 0
+    unremovable: List[str] = field(default_factory=list)  # "path: why", left there
 
     def report(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -495,6 +496,7 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
     released = release_files(index, blobs, gone, quarantine=quarantine)
     done.quarantined = released.quarantined
     done.files_unlinked = released.unlinked
+    done.unremovable = released.failed
     return done
 
 
@@ -581,8 +583,9 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
         each problem is ``{"kind", "namespace", "node", "file", "detail"}`` (hex ids,
         None where not applicable); ``fixed`` is None, or with ``fix`` and errors,
         ``{"nodes_removed", "bytes_removed", "index_repairs", "skipped", "quarantined",
-        "files_unlinked"}`` (``skipped``: problem nodes another process changed before
-        the fix, left alone).
+        "files_unlinked", "unremovable"}`` (``skipped``: problem nodes another process
+        changed before the fix, left alone; ``unremovable``: ``"path: why"`` of files
+        that could not be unlinked or moved, left in place).
 
     Raises:
         StoreError: ``path`` is not a kvstore directory.
