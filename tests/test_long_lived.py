@@ -566,3 +566,60 @@ def test_eviction_goes_on_past_files_it_cannot_remove(tmp_path, model, monkeypat
             os.path.getsize(p) for p in all_files(os.path.join(path, "blobs"))
         )
         assert on_disk <= 100_000 + sum(os.path.getsize(p) for p in refused) + 20_000
+
+
+# -- temp files of dead writers go at once ----------------------------------------------
+
+
+def test_gc_removes_temp_files_of_dead_writers_at_once(saved, capsys):
+    """A writer SIGKILLed mid-write leaves its temp file; gc kept it for an hour and
+    verify said "clean"."""
+    import signal
+
+    from kvstore import maintenance
+    from kvstore.publish import temp_name, temp_writer
+
+    path, _ = saved
+    directory = os.path.dirname(next(p for p in all_files(os.path.join(path, "blobs"))))
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from kvstore.publish import temp_name
+        p = os.path.join({directory!r}, temp_name(b"\\x01" * 16))
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, b"half a node")
+        print(p, flush=True)
+        time.sleep(600)
+        """)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+    )
+    dead = writer.stdout.readline().strip()
+    assert temp_writer(os.path.basename(dead))[0] == writer.pid
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    live = os.path.join(directory, temp_name(b"\x02" * 16))  # this process: alive
+    with open(live, "wb") as f:
+        f.write(b"being written")
+    status, out, err = run_cli(capsys, "verify", "--store", path)
+    assert status == 0 and "1 temp files of writer processes that are gone" in out
+    report = maintenance.gc(path)
+    assert (report["temp_removed"], report["temp_kept"]) == (1, 1)
+    assert not os.path.exists(dead) and os.path.exists(live)
+    # An old-style name (no start time) of a dead pid goes too; one of a live pid stays.
+    old_dead = os.path.join(directory, f".{'03' * 16}.{writer.pid}.aa.tmp")
+    old_live = os.path.join(directory, f".{'04' * 16}.{os.getpid()}.bb.tmp")
+    for p in (old_dead, old_live):
+        open(p, "wb").close()
+    report = maintenance.gc(path)
+    assert not os.path.exists(old_dead) and os.path.exists(old_live)
+
+
+def test_temp_names_are_unique_and_say_who_writes():
+    from kvstore import reservations
+    from kvstore.publish import temp_name, temp_writer
+
+    names = {temp_name(b"\x05" * 16) for _ in range(1000)}
+    assert len(names) == 1000
+    assert {temp_writer(n) for n in names} == {reservations.own_identity()}
+    for name in ("x.tmp", ".a.b.tmp", ".h.-1.r.tmp", ".h.1.2.3.4.tmp", ".h.0.r.tmp"):
+        assert temp_writer(name) is None, name

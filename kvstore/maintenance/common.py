@@ -16,6 +16,7 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
 from ..index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
 from ..policy import DiskNode, disk_victims
+from ..publish import temp_writer
 from ..storecheck import check_store_dirs
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
@@ -209,6 +210,13 @@ def release_files(
         out.quarantined += done.quarantined
         out.failed += done.failed
     return out
+
+
+def writer_alive(path: str) -> bool:
+    """Whether the process that made temp file ``path`` may still be writing it (True
+    for a name that does not say who made it)."""
+    writer = temp_writer(os.path.basename(path))
+    return writer is None or reservations.process_alive(*writer)
 
 
 def cannot_remove(path: str, error: OSError) -> str:

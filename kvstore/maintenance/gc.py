@@ -21,6 +21,7 @@ from .common import (
     resolve_namespace,
     resolve_node,
     spec_list,
+    writer_alive,
 )
 from .verify import Fixed, scan_files, verify_open_store
 
@@ -42,8 +43,8 @@ def gc(
     In order: drops whole namespaces; removes broken nodes as ``verify(fix=True)``
     does; evicts down to the budget, least recently used unpinned leaves first
     (leaf-first) and only if that is not enough, pinned leaves too (least recently used
-    first); finally unlinks orphan chunk files and temp files older than
-    ``temp_age_seconds``, and drops the disk reservations of saves whose process is
+    first); finally unlinks orphan chunk files, temp files whose writer process is
+    gone and any older than ``temp_age_seconds``, and drops the disk reservations of saves whose process is
     gone. Every deletion leaves the index first and unlinks the file afterwards,
     re-checking the index under the writer lock.
 
@@ -55,7 +56,7 @@ def gc(
             description): hex ids or prefixes of at least 8 hex digits.
         keep_namespaces: If given, every namespace not named here is dropped too.
         temp_age_seconds: Temp files younger than this may be writes in progress and
-            are kept.
+            are kept, unless the process that made them is gone.
         now: The current time (Unix seconds) for temp file ages; default ``time.time()``.
         check_data: Read and checksum every file to find broken nodes; False checks
             only that files exist with the recorded size.
@@ -226,8 +227,9 @@ def _remove_orphans(index: Index, blobs, *, now: float) -> Dict[str, Any]:
 
 
 def _remove_temp_files(blobs, *, now: float, min_age: float) -> Dict[str, Any]:
-    """Step 4: temp files older than ``min_age`` seconds (younger ones may be writes
-    in progress)."""
+    """Step 4: temp files whose writer is gone (its pid and start time are in the
+    name: :func:`kvstore.publish.temp_writer`), and any older than ``min_age``
+    seconds (younger ones of live writers may be writes in progress)."""
     temp_removed = temp_bytes = temp_kept = 0
     unremovable: List[str] = []
     for kind, p in blobs.iter_files():
@@ -235,7 +237,7 @@ def _remove_temp_files(blobs, *, now: float, min_age: float) -> Dict[str, Any]:
             continue
         try:
             st = os.lstat(p)
-            if now - st.st_mtime <= min_age:
+            if now - st.st_mtime <= min_age and writer_alive(p):
                 temp_kept += 1
                 continue
             os.unlink(p)

@@ -28,6 +28,7 @@ from .common import (
     namespace_descriptions,
     opened,
     release_files,
+    writer_alive,
 )
 
 # Findings that are reported but do not make a store unclean: leftovers of crashes and
@@ -408,6 +409,8 @@ def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
         elif kind == "temp":
             age = max(0.0, now - st.st_mtime)
             detail = f"temp file of {st.st_size} bytes, {age:.0f} s old"
+            if not writer_alive(p):
+                detail += ", of a writer process that is gone: `kvstore gc` removes it"
             out.append(_Finding(_problem("temp", file=p, detail=detail)))
         else:
             detail = f"not a kvstore file ({st.st_size} bytes)"
@@ -532,6 +535,10 @@ def verify_open_store(
         "errors": errors,
         "orphans": kinds.count("orphan"),
         "temp_files": kinds.count("temp"),
+        "dead_writer_temp_files": sum(
+            p["kind"] == "temp" and "writer process that is gone" in p["detail"]
+            for p in problems
+        ),
         "stray_files": kinds.count("stray"),
         "namespaces": len(set(scan.descriptions) | {ns for ns, _ in scan.nodes}),
         "nodes": len(scan.nodes),
@@ -576,7 +583,8 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
             are left to :func:`gc`.
 
     Returns:
-        ``{"path", "clean", "errors", "orphans", "temp_files", "stray_files",
+        ``{"path", "clean", "errors", "orphans", "temp_files",
+        "dead_writer_temp_files", "stray_files",
         "namespaces", "nodes", "files_checked", "bytes_checked", "problems", "fixed"}``:
         ``clean`` is
         True when nothing but orphan, temp and stray files was found (before any fix);
