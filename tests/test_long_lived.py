@@ -623,3 +623,21 @@ def test_temp_names_are_unique_and_say_who_writes():
     assert {temp_writer(n) for n in names} == {reservations.own_identity()}
     for name in ("x.tmp", ".a.b.tmp", ".h.-1.r.tmp", ".h.1.2.3.4.tmp", ".h.0.r.tmp"):
         assert temp_writer(name) is None, name
+
+
+def test_spare_room_is_kept_whole_and_leftovers_go(tmp_path):
+    from kvstore import spare
+
+    index = str(tmp_path)
+    leftover = tmp_path / ".spare.1.abcd"
+    leftover.write_bytes(b"x" * 10)
+    os.utime(leftover, (1, 1))
+    young = tmp_path / ".spare.2.ef01"
+    young.write_bytes(b"x")  # maybe being written now
+    assert spare.ensure(index)
+    st = os.stat(tmp_path / "spare")
+    assert st.st_size == spare.SPARE_BYTES and st.st_blocks * 512 >= spare.SPARE_BYTES
+    assert not leftover.exists() and young.exists()
+    os.truncate(tmp_path / "spare", 100)  # short: made again
+    assert spare.ensure(index) and os.path.getsize(tmp_path / "spare") == 1 << 20
+    assert spare.release(index) == 1 << 20 and spare.release(index) == 0
