@@ -641,3 +641,63 @@ def test_spare_room_is_kept_whole_and_leftovers_go(tmp_path):
     os.truncate(tmp_path / "spare", 100)  # short: made again
     assert spare.ensure(index) and os.path.getsize(tmp_path / "spare") == 1 << 20
     assert spare.release(index) == 1 << 20 and spare.release(index) == 0
+
+
+EVICTING_WRITER = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import compute_cache, random_tokens, tiny_llama
+from kvstore import KVStore
+model = tiny_llama(0)
+with KVStore({path!r}, model, chunk_tokens={C}, disk_bytes={budget}) as s:
+    for seed in range(1000, 1000 + {count}):
+        tokens = random_tokens(400, seed)
+        s.save(tokens, compute_cache(model, tokens))
+        s.flush()
+    print(s.stats()["nodes_evicted"])
+"""
+
+
+@pytest.mark.slow
+def test_reader_beside_an_evicting_writer_process_reports_no_corruption(
+    tmp_path, model
+):
+    """A reader process fetching while a budgeted writer process evicts what it reads:
+    every node unlinked under it is a plain miss (it counted them as corrupt and
+    skipped them for its lifetime)."""
+    path = str(tmp_path / "store")
+    prompts = [random_tokens(400, seed) for seed in range(6)]
+    with KVStore(path, model, chunk_tokens=C, ram_bytes=0) as s:
+        for tokens in prompts:
+            s.save(tokens, compute_cache(model, tokens))
+        s.flush()
+        budget = s.stats()["bytes_on_disk"]
+        writer = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                EVICTING_WRITER.format(
+                    tests=os.path.dirname(__file__),
+                    path=path,
+                    C=C,
+                    budget=budget,
+                    count=12,
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        fetches = 0
+        while writer.poll() is None:
+            for tokens in prompts:
+                cache, n = s.fetch(tokens)
+                same_kv(cache, compute_cache(model, tokens[:n]), n)
+                fetches += 1
+        out, err = writer.communicate()
+        assert writer.returncode == 0, err[-3000:]
+        stats = s.stats()
+        assert int(out) > 0 and fetches > 20  # it evicted while this one read
+        assert stats["corrupt"] == 0 and stats["quarantined"] == [], stats
+        assert not s._broken
+    assert quarantined(path) == []
