@@ -32,21 +32,32 @@ def same_kv(got, want, n):
 
 
 @pytest.fixture
-def gc_shrunk(tmp_path, model, capsys):
-    """A store whose ``gc --max-bytes`` evicted most of it, so that LMDB left pages it
-    allocated and freed in one transaction unwritten past the file's end."""
+def shrunk(tmp_path, model, capsys):
+    """A store most of which one transaction deleted (``verify --fix`` of broken nodes
+    high in both 100-node prompts), so that LMDB left pages it allocated and freed in
+    that transaction unwritten past the file's end; then ``gc --max-bytes``."""
     path = str(tmp_path / "store")
     prompts = [random_tokens(800, seed) for seed in (1, 2)]
     with KVStore(path, model, chunk_tokens=C) as s:
         for tokens in prompts:
             s.save(tokens, compute_cache(model, tokens))
+        s.flush()
+        for tokens, at in zip(prompts, (1, 3)):
+            walk = s.index.read(
+                lambda txn, t=tokens: s._walk(txn, np.array(t), limit=len(t))
+            )
+            with open(s.blobs.path(s.namespace, walk[at].h), "r+b") as f:
+                f.seek(-4, os.SEEK_END)
+                f.write(b"XXXX")  # a checksum mismatch
+    status, out, err = run_cli(capsys, "verify", "--store", path, "--fix")
+    assert status == 1 and "problems found (fixed)" in out, out + err
     status, out, err = run_cli(capsys, "gc", "--store", path, "--max-bytes", "60K")
-    assert status == 0, err
+    assert status == 0, err  # was: "data.mdb is truncated ... delete index/"
     return path, prompts
 
 
-def test_gc_of_most_of_the_store_leaves_it_openable(gc_shrunk, model, capsys):
-    path, prompts = gc_shrunk
+def test_a_big_delete_transaction_leaves_the_store_openable(shrunk, model, capsys):
+    path, prompts = shrunk
     data = os.path.join(path, "index", "data.mdb")
     fd = os.open(data, os.O_RDONLY)
     try:
@@ -60,28 +71,29 @@ def test_gc_of_most_of_the_store_leaves_it_openable(gc_shrunk, model, capsys):
     status, out, err = run_cli(capsys, "verify", "--store", path)
     assert status == 0 and "truncated" not in err, err
     with KVStore(path, model, chunk_tokens=C) as s:
-        for tokens in prompts:
+        for tokens, kept in zip(prompts, (1, 3)):
             cache, n = s.fetch(tokens)
-            if n:
-                same_kv(cache, compute_cache(model, tokens[:n]), n)
-        assert s.stats()["corrupt"] == 0
-        assert s.stats()["nodes"] > 0
+            assert n == kept * C
+            same_kv(cache, compute_cache(model, tokens[:n]), n)
+        assert s.stats()["corrupt"] == 0 and s.stats()["nodes"] == 1 + 3
 
 
 @pytest.mark.slow
-def test_truncation_of_pages_lmdb_reads_is_still_refused(gc_shrunk, tmp_path):
-    """Every cut of the gc-shrunk file at a page boundary is either refused, or, when
+def test_truncation_of_pages_lmdb_reads_is_still_refused(shrunk, tmp_path):
+    """Every cut of the shrunk file at a page boundary is either refused, or, when
     accepted, mapped by LMDB with every record read in a child process, which a page
     past the end would kill with SIGBUS."""
-    path, _ = gc_shrunk
+    path, _ = shrunk
     data = os.path.join(path, "index", "data.mdb")
     full = os.path.getsize(data)
     psize = 4096
     accepted, refused = [], []
+    with open(data, "rb") as f:
+        whole = f.read()
     for size in range(2 * psize, full + 1, psize):
         cut = tmp_path / f"cut-{size}"
-        shutil.copytree(path, cut)
-        os.truncate(cut / "index" / "data.mdb", size)
+        os.makedirs(cut / "index")
+        (cut / "index" / "data.mdb").write_bytes(whole[:size])
         try:
             check_data_file(str(cut / "index" / "data.mdb"), str(cut))
             accepted.append(str(cut))
@@ -385,9 +397,10 @@ def test_map_growth_is_invisible_to_threads_and_processes(tmp_path, model, monke
         assert errors == []
         assert stats["writes_failed"] == 0 and stats["errors"] == 0, stats
         assert stats["corrupt"] == 0
-        # The map grew many times, in both processes.
-        assert grown >= 8 * start, (start, grown)
-        assert len(set(map(int, out.split()))) >= 2, out
+        # The map grew from 64 KiB past 1 MiB (four doublings at least), in both
+        # processes (each grows it, or adopts the other's growth).
+        assert start < 1 << 20 <= grown, (start, grown)
+        assert int(out.split()[-1]) >= 1 << 20, out
         for seed in [0, *mine, *theirs]:
             tokens = random_tokens(160, seed)
             assert s.lookup(tokens) == len(tokens) - 1, seed
