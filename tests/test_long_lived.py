@@ -311,6 +311,19 @@ def test_verify_fix_and_gc_never_remove_a_file_they_cannot_open_now(
 
 # -- the LMDB map grows under concurrent threads and processes, invisibly ---------------
 
+
+def spawn(script: str, **fields) -> subprocess.Popen:
+    """A Python child running ``script`` formatted with ``fields``, the tests'
+    directory (``tests``) and the chunk size (``C``); text pipes."""
+    code = script.format(tests=os.path.dirname(__file__), C=C, **fields)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 GROW_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -343,22 +356,7 @@ def test_map_growth_is_invisible_to_threads_and_processes(tmp_path, model, monke
         s.save(base, compute_cache(model, base))
         s.flush()
         start = s.index.env.info()["map_size"]
-        other = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                GROW_SCRIPT.format(
-                    tests=os.path.dirname(__file__),
-                    path=path,
-                    C=C,
-                    first=theirs[0],
-                    count=len(theirs),
-                ),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        other = spawn(GROW_SCRIPT, path=path, first=theirs[0], count=len(theirs))
 
         def reader(what):
             rounds = 0
@@ -685,22 +683,7 @@ def test_reader_beside_an_evicting_writer_process_reports_no_corruption(
             s.save(tokens, compute_cache(model, tokens))
         s.flush()
         budget = s.stats()["bytes_on_disk"]
-        writer = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                EVICTING_WRITER.format(
-                    tests=os.path.dirname(__file__),
-                    path=path,
-                    C=C,
-                    budget=budget,
-                    count=12,
-                ),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        writer = spawn(EVICTING_WRITER, path=path, budget=budget, count=12)
         fetches = 0
         while writer.poll() is None:
             for tokens in prompts:
