@@ -123,6 +123,34 @@ def test_truncation_of_pages_lmdb_reads_is_still_refused(shrunk, tmp_path):
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_damaged_free_list_is_refused_never_a_crash(shrunk, tmp_path):
+    """Random bytes over the short file's free-list pages: accepted or "truncated",
+    never another exception (the free list is parsed from untrusted bytes)."""
+    path, _ = shrunk
+    with open(os.path.join(path, "index", "data.mdb"), "rb") as f:
+        whole = bytearray(f.read())
+    fd = os.open(os.path.join(path, "index", "data.mdb"), os.O_RDONLY)
+    meta = mdbfile.newest_meta(fd)
+    os.close(fd)
+    page = meta.free_root * meta.page_size
+    rng = np.random.default_rng(0)
+    target = tmp_path / "index"
+    target.mkdir()
+    outcomes = set()
+    for _ in range(300):
+        data = bytearray(whole)
+        for at in rng.integers(page, page + meta.page_size, size=rng.integers(1, 6)):
+            data[at] = rng.integers(0, 256)
+        (target / "data.mdb").write_bytes(bytes(data))
+        try:
+            check_data_file(str(target / "data.mdb"), str(tmp_path))
+            outcomes.add("accepted")
+        except StoreError as e:
+            assert "truncated" in str(e)
+            outcomes.add("refused")
+    assert "refused" in outcomes
+
+
 # -- transient resource errors in a fetch are a miss, never a quarantine ----------------
 
 
