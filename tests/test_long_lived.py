@@ -432,6 +432,47 @@ def test_map_growth_is_invisible_to_threads_and_processes(tmp_path, model, monke
             assert s.lookup(tokens) == len(tokens) - 1, seed
 
 
+def test_map_gate_resize_waits_for_transactions_and_holds_new_ones_back():
+    import threading
+    import time
+
+    from kvstore.mapgate import MapGate, NestedResize
+
+    gate, events = MapGate(), []
+    inside, leave = threading.Event(), threading.Event()
+
+    def reader():
+        with gate.transaction():
+            with gate.transaction():  # nested: passes at once
+                inside.set()
+                leave.wait()
+                events.append("reader done")
+
+    def late_reader():
+        with gate.transaction():
+            events.append("late reader")
+
+    r = threading.Thread(target=reader)
+    r.start()
+    inside.wait()
+    resize = threading.Thread(
+        target=lambda: gate.alone(lambda: events.append("resize"))
+    )
+    resize.start()
+    time.sleep(0.1)
+    late = threading.Thread(target=late_reader)
+    late.start()
+    time.sleep(0.1)
+    assert events == []  # the resize waits for the reader, the late reader for it
+    leave.set()
+    for t in (r, resize, late):
+        t.join()
+    assert events == ["reader done", "resize", "late reader"]
+    with gate.transaction():
+        with pytest.raises(NestedResize):
+            gate.alone(lambda: None)
+
+
 # -- gc frees space on a 100% full file system -------------------------------------------
 
 
