@@ -601,11 +601,21 @@ class Blobs:
         return sum(sizes) if sizes else None
 
     def remove(self, ns: bytes, h: bytes) -> None:
-        """Unlink node ``h``'s files (both parts)."""
+        """Unlink node ``h``'s files (both parts).
+
+        Raises:
+            OSError: a part could not be unlinked (the other part was tried too).
+        """
         if not self._real_dirs(ns, h):
             return
+        error = None
         for part in (DELTA_PART, STATE_PART):
-            fsutil.unlink_if_exists(self.path(ns, h, part))
+            try:
+                fsutil.unlink_if_exists(self.path(ns, h, part))
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
         """Move a broken node's files aside (with a note saying why); None if gone."""
