@@ -1,4 +1,7 @@
-"""The shared remote tier against a real S3-compatible server (moto) on 127.0.0.1.
+"""The shared remote tier against real S3 servers on 127.0.0.1: moto's, and Ceph's
+RADOS Gateway over a one-machine cluster (``tools/ceph_cluster.py``; those tests skip,
+saying why, where Ceph is not installed). Every test that talks to a server runs
+against both.
 
 Two store directories stand for two machines sharing one bucket. Faults: the server
 stopped mid-run, slow responses (a delaying TCP proxy), corrupted or hostile objects,
@@ -57,32 +60,54 @@ def stop_moto(srv):
     srv._server.server_close()  # refuse connections from now on
 
 
-@pytest.fixture(scope="module")
-def moto():
-    """The module's S3 server, with the environment pointing at it."""
-    srv, endpoint = start_moto()
+class Backend:
+    """An S3 server the module's tests run against: ``name``, ``endpoint`` and the
+    credentials of its test user."""
+
+    def __init__(self, name, endpoint, key="testing", secret="testing", cluster=None):
+        self.name, self.endpoint = name, endpoint
+        self.key, self.secret = key, secret
+        self.cluster = cluster  # the CephCluster, for the gateway's
+
+
+@pytest.fixture(scope="module", params=["moto", "ceph"])
+def backend(request):
+    """Each test of the module runs against moto and against Ceph's S3 gateway (a
+    real RADOS cluster on this machine; skipped, saying why, without Ceph), with the
+    environment pointing at it."""
+    if request.param == "moto":
+        srv, endpoint = start_moto()
+        server = Backend("moto", endpoint)
+    else:
+        cluster = request.getfixturevalue("ceph")
+        srv, server = None, Backend(
+            "ceph", cluster.endpoint, cluster.access_key, cluster.secret_key, cluster
+        )
     env = pytest.MonkeyPatch()
-    aws_env(env, endpoint)
-    yield endpoint
+    aws_env(env, server)
+    yield server
     env.undo()
-    stop_moto(srv)
+    if srv is not None:
+        stop_moto(srv)
 
 
-def aws_env(monkeypatch, endpoint):
-    """Test credentials and the endpoint; nothing from the user's AWS configuration."""
+def aws_env(monkeypatch, server):
+    """``server``'s endpoint and credentials; nothing from the user's AWS configuration."""
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
+    # boto3's default session keeps the credentials it first read: a new one.
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
 
 
 @pytest.fixture
-def s3(moto):
+def s3(backend):
     """A boto3 client of the module's server."""
     return boto3.client("s3")
 
@@ -96,7 +121,7 @@ def url(s3):
 
 
 @pytest.fixture(scope="module")
-def golden(moto, model, tmp_path_factory):
+def golden(backend, model, tmp_path_factory):
     """Machine A's store and upload of SYSTEM, made once: ``(url, A's store path)``."""
     boto3.client("s3").create_bucket(Bucket="kv-golden")
     url = "s3://kv-golden/fleet"
@@ -533,10 +558,16 @@ def test_manifest_decoder_is_strict(tmp_path, model):
 # -- a failing remote: the local path keeps working --------------------------------------------
 
 
-def test_remote_stopped_mid_run(tmp_path, model, monkeypatch):
-    srv, endpoint = start_moto()
-    aws_env(monkeypatch, endpoint)
-    bucket = "kv-stopped"
+def test_remote_stopped_mid_run(tmp_path, model, backend, monkeypatch):
+    """moto: a server of this test's own, shut down; Ceph: radosgw killed (SIGKILL),
+    restarted after the test."""
+    if backend.name == "moto":
+        srv, endpoint = start_moto()
+        aws_env(monkeypatch, Backend("moto", endpoint))
+        stop = lambda: stop_moto(srv)  # noqa: E731
+    else:
+        stop = lambda: backend.cluster.kill("rgw")  # noqa: E731
+    bucket = f"kv-stopped-{uuid.uuid4().hex[:8]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     url = f"s3://{bucket}/fleet"
     try:
@@ -548,8 +579,8 @@ def test_remote_stopped_mid_run(tmp_path, model, monkeypatch):
             b.save(local, compute_cache(model, local))
             b.flush()
             assert b.remote.wait_uploads(10)
-            stop_moto(srv)
-            srv = None
+            stop()
+            stop = None
 
             # A prompt whose continuation B does not have: the remote is asked, fails.
             tic = time.perf_counter()
@@ -578,16 +609,18 @@ def test_remote_stopped_mid_run(tmp_path, model, monkeypatch):
             tic = time.perf_counter()
         assert time.perf_counter() - tic < 5  # close does not wait for a dead remote
     finally:
-        if srv is not None:
-            stop_moto(srv)
+        if backend.name == "ceph" and stop is None:
+            backend.cluster.start_rgw()  # the module's next tests need it
+        elif backend.name == "moto" and stop is not None:
+            stop()
     assert_clean(tmp_path / "b")
 
 
 def test_slow_remote_is_waited_for_at_most_lookup_timeout(
-    tmp_path, model, shared, moto
+    tmp_path, model, shared, backend
 ):
     url = shared
-    proxy = DelayProxy(moto, delay=0.25)
+    proxy = DelayProxy(backend.endpoint, delay=0.25)
     try:
         # Slower than the lookup budget but within the read timeout: the fetch goes on
         # without the remote, the download finishes in the background.
