@@ -17,7 +17,7 @@ import boto3
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import random_tokens
+from conftest import compute_cache, random_tokens
 from test_remote import (
     C,
     OTHER,
@@ -196,3 +196,50 @@ def test_gateway_killed_during_a_fetch(tmp_path, model, url, gateway, caplog):
             assert n == len(SYSTEM) and b.stats()["nodes"] == nodes
     assert killed and "Could not connect" in caplog.text
     assert_complete(tmp_path / "b", tmp_path / "a", model, [SYSTEM])
+
+
+# -- the storage under the gateway stopped ------------------------------------------------
+
+
+def test_osd_frozen_local_tiers_serve_and_it_is_said_once(
+    tmp_path, model, url, gateway, caplog
+):
+    """The OSD stops answering (SIGSTOP): the gateway accepts connections but every
+    request stalls. Fetches return the local store's answer within ``lookup_timeout``,
+    the remote is given up after a few timed-out requests, and the log says so a few
+    times, not once per request."""
+    import signal
+
+    source_store(tmp_path / "a", model, [SYSTEM])
+    push(str(tmp_path / "a"), fast(url, upload=False))
+    tier = fast(url, read_timeout=1.0, lookup_timeout=0.5, open_seconds=60.0)
+    with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=tier) as b:
+        local = random_tokens(100, seed=70)
+        b.save(local, compute_cache(model, local))
+        b.flush()
+        gateway.kill("osd", signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING, logger="kvstore"):
+            caplog.clear()
+            waits = []
+            for seed in range(30):
+                tic = time.perf_counter()
+                assert b.fetch(local + random_tokens(80, 100 + seed))[1] == len(local)
+                waits.append(time.perf_counter() - tic)
+                time.sleep(0.1)
+            # New nodes saved meanwhile are kept locally; close does not hang.
+            more = random_tokens(130, seed=71)
+            b.save(more, compute_cache(model, more))
+            b.flush()
+            assert b.fetch(more + [1])[1] == len(more)
+            said = [r.getMessage() for r in caplog.records if r.name == "kvstore"]
+        stats = b.stats()
+        tic = time.perf_counter()
+    assert time.perf_counter() - tic < tier.close_timeout + 1
+    assert max(waits) < tier.lookup_timeout + 0.5, waits
+    assert stats["remote_open"] and stats["remote_skipped"] >= 20
+    assert "timeout" in stats["remote_last_error"].lower()
+    # Said once each: the lookup timed out, a request failed, the remote is skipped.
+    assert len(said) == 3, said
+    assert "no answer within" in said[0] and "skipping the remote" in said[-1]
+    assert stats["remote_timeouts"] >= 2
+    assert_clean(tmp_path / "b")
