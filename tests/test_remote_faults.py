@@ -21,6 +21,7 @@ from conftest import compute_cache, random_tokens
 from test_remote import (
     C,
     OTHER,
+    DelayProxy,
     PROMPT,
     SYSTEM,
     Backend,
@@ -243,3 +244,72 @@ def test_osd_frozen_local_tiers_serve_and_it_is_said_once(
     assert "no answer within" in said[0] and "skipping the remote" in said[-1]
     assert stats["remote_timeouts"] >= 2
     assert_clean(tmp_path / "b")
+
+
+# -- writers racing, readers in between ---------------------------------------------------
+
+
+def perturbed_store(path, model, prompts):
+    """Like :func:`source_store`, with KV differing in the last bits (another machine's
+    arithmetic): the same nodes, other files and checksums."""
+    with KVStore(path, model, chunk_tokens=C) as s:
+        for p in prompts:
+            cache = compute_cache(model, p)
+            for c in cache:
+                c.keys = c.keys * (1 + 2**-20)
+            s.save(p, cache, boundaries=[len(SYSTEM)])
+        s.flush()
+        return s.stats()["nodes"]
+
+
+def test_two_stores_push_one_namespace_while_a_third_pulls(
+    tmp_path, model, url, gateway
+):
+    """A and B hold overlapping conversations (shared nodes with different bytes) and
+    push at once, slowed by a proxy; C pulls over and over meanwhile. Every node C
+    takes is whole and verifies, and after the pushes C has every node."""
+    source_store(tmp_path / "a", model, PROMPTS[:3])
+    perturbed_store(tmp_path / "b", model, PROMPTS[1:])
+    with KVStore(tmp_path / "a", model, chunk_tokens=C) as a:
+        ns = a.namespace
+        hashes = {
+            h for _, h, _ in a.index.read(lambda t: list(a.index.iter_nodes(t, ns)))
+        }
+    with KVStore(tmp_path / "b", model, chunk_tokens=C) as b:
+        hashes |= {
+            h for _, h, _ in b.index.read(lambda t: list(b.index.iter_nodes(t, ns)))
+        }
+    reports, errors = {}, []
+    proxy = DelayProxy(gateway.endpoint, delay=0.05)
+
+    def pusher(name):
+        tier = fast(url, upload=False, threads=2, endpoint_url=proxy.endpoint)
+        try:
+            reports[name] = push(str(tmp_path / name), tier)
+        except BaseException as e:
+            errors.append(e)
+
+    writers = [threading.Thread(target=pusher, args=(n,)) for n in "ab"]
+    for t in writers:
+        t.start()
+    pulls = []
+    while any(t.is_alive() for t in writers) or not pulls:
+        pulls.append(pull(tmp_path / "c", model, url, cache_seconds=0.0))
+    for t in writers:
+        t.join()
+    proxy.close()
+    assert not errors
+    assert all(r["uploaded"] + r["present"] == r["nodes"] for r in reports.values())
+    assert all(p["invalid"] == 0 and not p["problems"] for p in pulls), pulls
+    assert_clean(tmp_path / "c")
+    final = pull(tmp_path / "c", model, url)
+    assert final["remote_nodes"] == len(hashes) and final["invalid"] == 0
+    with KVStore(tmp_path / "c", model, chunk_tokens=C) as c:
+        assert c.stats()["nodes"] == len(hashes)
+        for p in PROMPTS:
+            assert c.fetch(p + OTHER)[1] == len(p)
+    assert_clean(tmp_path / "c")
+    # Shared nodes were sent by both, each manifest naming its own files.
+    blobs = [k for k in keys(boto3.client("s3"), url) if "/blobs/" in k]
+    assert len(blobs) > len(hashes)
+    assert sum(p["pulled"] for p in pulls) > 0  # C did take nodes during the pushes
