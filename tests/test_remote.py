@@ -685,6 +685,30 @@ def test_misconfigured_remote_is_reported_not_raised(
     assert_clean(tmp_path / "b")
 
 
+@pytest.mark.parametrize(
+    "code, message, said",
+    [
+        (
+            "NoSuchBucket",
+            "The specified bucket does not exist",
+            "NoSuchBucket: The spec",
+        ),
+        # Ceph's gateway answers without a message:
+        ("InvalidAccessKeyId", None, "InvalidAccessKeyId: the store knows no such"),
+        ("SignatureDoesNotMatch", "", "SignatureDoesNotMatch: the secret key does"),
+        # A HEAD's error: no body, botocore gives the status and its reason phrase.
+        ("403", "Forbidden", "HTTP 403 Forbidden: access denied (wrong or revoked"),
+        ("418", "I'm a teapot", "HTTP 418 I'm a teapot"),
+        ("SlowDown", None, "SlowDown"),
+    ],
+)
+def test_error_answers_are_described(code, message, said):
+    from kvstore.remote.client import _describe
+
+    assert _describe(code, message).startswith(said)
+    assert "None" not in _describe(code, message)
+
+
 @pytest.mark.slow
 def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
     """``kvstore serve --remote`` as real processes on two stores: B answers with the

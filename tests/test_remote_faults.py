@@ -22,6 +22,8 @@ from test_remote import (
     C,
     OTHER,
     DelayProxy,
+    _blob_key,
+    _flip,
     PROMPT,
     SYSTEM,
     Backend,
@@ -30,6 +32,7 @@ from test_remote import (
     bucket_of,
     fast,
     keys,
+    node_hashes,
 )
 
 from kvstore import KVStore
@@ -313,3 +316,125 @@ def test_two_stores_push_one_namespace_while_a_third_pulls(
     blobs = [k for k in keys(boto3.client("s3"), url) if "/blobs/" in k]
     assert len(blobs) > len(hashes)
     assert sum(p["pulled"] for p in pulls) > 0  # C did take nodes during the pushes
+
+
+def spans(prompt):
+    """The nodes of ``prompt`` in a :func:`source_store`: chunks, cut at SYSTEM's end."""
+    cuts = [0, 64, 128, len(SYSTEM)] + list(range(len(SYSTEM) + C, len(prompt), C))
+    return list(zip(cuts, cuts[1:] + [len(prompt)]))
+
+
+def test_objects_replaced_or_deleted_between_listing_and_reading(tmp_path, model, url):
+    """Between pull's listing and its reads another client replaces the first node
+    with its own version (manifest and files), deletes a manifest, and overwrites a
+    file with other bytes: the replacement is taken whole, the deleted node and its
+    subtree are not reached, the overwritten file is refused and reported."""
+    nodes = source_store(tmp_path / "a", model)
+    push(str(tmp_path / "a"), fast(url, upload=False))
+    other = url.replace("/fleet", "/other")
+    perturbed_store(tmp_path / "w", model, PROMPTS[:1])
+    push(str(tmp_path / "w"), fast(other, upload=False))
+    s3, bucket = boto3.client("s3"), bucket_of(url)
+    with KVStore(tmp_path / "w", model, chunk_tokens=C) as w:
+        first = node_hashes(w, PROMPTS[0], spans(PROMPTS[0]))[0]
+        theirs = w.index.get_node(w.namespace, first)
+        deleted = node_hashes(w, PROMPTS[3], spans(PROMPTS[3]))[3]
+        flipped = node_hashes(w, PROMPTS[1], spans(PROMPTS[1]))[3]
+        ns = w.namespace.hex()
+
+    tier = fast(url, upload=False)
+    listing = tier.list_nodes
+
+    def racing(namespace):
+        out = listing(namespace)
+        mkey = lambda h: f"fleet/{ns}/nodes/{out[h].hex()}/{h.hex()}.json"  # noqa
+        for key in keys(s3, other):
+            name = key.rsplit("/", 1)[-1]
+            if key.startswith("other/") and name.startswith(first.hex()):
+                dst = key.replace("other/", "fleet/", 1)
+                s3.copy_object(
+                    Bucket=bucket, Key=dst, CopySource={"Bucket": bucket, "Key": key}
+                )
+        s3.delete_object(Bucket=bucket, Key=mkey(deleted))
+        blob = _blob_key(s3, url, mkey(flipped))
+        s3.put_object(
+            Bucket=bucket,
+            Key=blob,
+            Body=_flip(s3.get_object(Bucket=bucket, Key=blob)["Body"].read()),
+        )
+        return out
+
+    tier.list_nodes = racing
+    with KVStore(tmp_path / "c", model, chunk_tokens=C, remote=tier) as c:
+        report = tier.pull()
+        got = c.index.get_node(c.namespace, first)
+    assert report["remote_nodes"] == nodes and report["invalid"] == 1
+    assert "checksum mismatch" in report["problems"][0]
+    assert flipped.hex() in report["problems"][0]
+    # Not reached: the deleted node's 4 descendants, the refused node's 2.
+    assert report["unreachable"] == 6
+    assert report["pulled"] == nodes - 1 - 4 - 1 - 2
+    assert (got.nbytes, got.checksum) == (theirs.nbytes, theirs.checksum)
+    assert_clean(tmp_path / "c")
+
+
+def test_credentials_revoked_mid_run(
+    tmp_path, model, url, gateway, monkeypatch, capsys
+):
+    """A user's key removed on the gateway while a store uses it: the local path goes
+    on, the log says it once (plus the breaker opening), and ``kvstore push`` fails
+    with one clear line naming the error."""
+    from conftest import run_cli
+
+    uid = f"revoked-{uuid.uuid4().hex[:8]}"
+    key, secret = uid + "-key", uuid.uuid4().hex
+    gateway.admin(
+        "user", "create", f"--uid={uid}", "--display-name=revoked",
+        f"--access-key={key}", f"--secret={secret}",
+    )  # fmt: skip
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    bucket = f"kv-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/fleet"
+    source_store(tmp_path / "a", model, [SYSTEM])
+    tier = fast(url, open_seconds=60.0)
+    logs = []
+    with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=tier) as b:
+        assert b.prefill(PROMPT)["computed"] == len(PROMPT)
+        b.flush()
+        assert b.remote.wait_uploads(10) and b.stats()["uploads"] == 3
+        gateway.admin("key", "rm", f"--uid={uid}", f"--access-key={key}")
+        handler = logging.Handler()
+        handler.emit = lambda r: logs.append(r.getMessage())
+        logging.getLogger("kvstore").addHandler(handler)
+        try:
+            for seed in range(10):
+                p = PROMPT + random_tokens(70, seed=80 + seed)
+                assert b.fetch(p)[1] == len(PROMPT)
+                b.save(p, compute_cache(model, p))
+            b.flush()
+            b.remote.wait_uploads(5)
+            stats = b.stats()
+        finally:
+            logging.getLogger("kvstore").removeHandler(handler)
+    assert stats["upload_errors"] + stats["uploads_dropped"] >= 1
+    assert stats["remote_open"] and stats["uploads"] == 3
+    assert "InvalidAccessKeyId" in stats["remote_last_error"]
+    # Said once (and once more as the breaker opens); then no line per request.
+    said = [m for m in logs if "node uploads not done at close" not in m]
+    assert len(said) == 2 and "skipping the remote" in said[1], logs
+    assert "InvalidAccessKeyId: the store knows no such access key" in said[0]
+    assert (
+        "InvalidAccessKeyId" in said[1]
+        or "HTTP 403 Forbidden: access denied" in said[1]
+    )
+    assert_clean(tmp_path / "b")
+    status, out, err = run_cli(
+        capsys, "push", "--remote", url, "--store", tmp_path / "a"
+    )
+    assert status == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"--remote {url}" in lines[0]
+    assert "InvalidAccessKeyId: the store knows no such access key" in lines[0]
