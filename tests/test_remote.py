@@ -20,6 +20,7 @@ import time
 import uuid
 
 import boto3  # the "test" extra installs boto3 and moto[server]: no skipping
+import botocore.exceptions
 import mlx.core as mx
 import moto.server as moto_server
 import numpy as np
@@ -240,6 +241,56 @@ def machine_a(path, model, url, prompts=(SYSTEM,)):
 def assert_clean(path):
     report = maintenance.verify(path)
     assert report["clean"], report["problems"]
+
+
+# -- the store: what kvstore needs of it, and where moto and Ceph differ ----------------------
+
+
+def test_what_kvstore_needs_from_the_store(s3, url, backend):
+    """The S3 calls and semantics the remote tier relies on (docs/remote.md), checked
+    on each server, and the differences between them found so far."""
+    bucket = bucket_of(url)
+    other = boto3.client(
+        "s3", aws_access_key_id=backend.key, aws_secret_access_key="wrong"
+    )
+    s3.put_object(Bucket=bucket, Key="p/a", Body=b"one", Metadata={"state": "1"})
+    # Read after write, overwrite and delete, at once; user metadata on HEAD.
+    assert s3.get_object(Bucket=bucket, Key="p/a")["Body"].read() == b"one"
+    assert s3.head_object(Bucket=bucket, Key="p/a")["Metadata"] == {"state": "1"}
+    s3.put_object(Bucket=bucket, Key="p/a", Body=b"two")
+    assert s3.get_object(Bucket=bucket, Key="p/a")["Body"].read() == b"two"
+    s3.put_object(Bucket=bucket, Key="p/empty", Body=b"")
+    assert s3.get_object(Bucket=bucket, Key="p/empty")["ContentLength"] == 0
+    s3.delete_object(Bucket=bucket, Key="p/empty")
+    for call in (s3.get_object, s3.head_object):
+        with pytest.raises(botocore.exceptions.ClientError) as e:
+            call(Bucket=bucket, Key="p/empty")
+        assert e.value.response["Error"]["Code"] in ("NoSuchKey", "404")
+    # Listings: a prefix, pages with continuation tokens, new keys listed at once.
+    for i in range(5):
+        s3.put_object(Bucket=bucket, Key=f"p/n/{i}", Body=b"")
+    page = s3.list_objects_v2(Bucket=bucket, Prefix="p/n/", MaxKeys=2)
+    assert page["IsTruncated"] and page["KeyCount"] == 2
+    page = s3.list_objects_v2(
+        Bucket=bucket, Prefix="p/n/", ContinuationToken=page["NextContinuationToken"]
+    )
+    assert [o["Key"] for o in page["Contents"]] == ["p/n/2", "p/n/3", "p/n/4"]
+    with pytest.raises(botocore.exceptions.ClientError, match="NoSuchBucket"):
+        s3.list_objects_v2(Bucket="kv-no-such-bucket", Prefix="p/")
+
+    # Differences. botocore sends a CRC32 with each PUT: moto keeps and returns it (and
+    # botocore checks it on GET); Ceph 16 does neither. kvstore checks its own xxh3.
+    head = s3.head_object(Bucket=bucket, Key="p/a", ChecksumMode="ENABLED")
+    assert ("ChecksumCRC32" in head) == (backend.name == "moto")
+    # Ceph caps a page at 1,000 keys whatever MaxKeys asks (kvstore asks 1,000).
+    page = s3.list_objects_v2(Bucket=bucket, Prefix="p/n/", MaxKeys=5000)
+    assert page["MaxKeys"] == (5000 if backend.name == "moto" else 1000)
+    # moto accepts any credentials; the gateway checks them.
+    if backend.name == "moto":
+        assert other.get_object(Bucket=bucket, Key="p/a")["Body"].read() == b"two"
+    else:
+        with pytest.raises(botocore.exceptions.ClientError, match="SignatureDoesNot"):
+            other.get_object(Bucket=bucket, Key="p/a")
 
 
 # -- two machines --------------------------------------------------------------------------
