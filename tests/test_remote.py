@@ -949,3 +949,17 @@ def test_bench_remote_vs_cold_vs_disk(tmp_path, model, url):
     assert all(r["restored"] == rows[1]["restored"] for r in rows[1:])
     for r in rows:
         print(f"{r['case']:<14} {r['ms']:9.1f} ms  restored {r['restored']}")
+    # push, pull and a warm start, next to boto3 copying the same files.
+    before = keys(boto3.client("s3"), url)
+    rows = bench.run_sync(
+        model, url, tmp_path, prompts=2, tokens=300, chunk_tokens=C, repeats=1
+    )
+    assert [r["case"] for r in rows] == [
+        "push (kvstore)",
+        "upload (boto3)",
+        "pull (kvstore)",
+        "download (boto3)",
+        "warm start",
+    ]
+    assert all(r["s"] > 0 and r["mb"] > 0 for r in rows)
+    assert keys(boto3.client("s3"), url) == before  # its own objects deleted

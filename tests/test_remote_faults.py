@@ -389,9 +389,13 @@ def test_credentials_revoked_mid_run(
     uid = f"revoked-{uuid.uuid4().hex[:8]}"
     key, secret = uid + "-key", uuid.uuid4().hex
     gateway.admin(
-        "user", "create", f"--uid={uid}", "--display-name=revoked",
-        f"--access-key={key}", f"--secret={secret}",
-    )  # fmt: skip
+        "user",
+        "create",
+        f"--uid={uid}",
+        "--display-name=revoked",
+        f"--access-key={key}",
+        f"--secret={secret}",
+    )
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)

@@ -130,7 +130,7 @@ class CephCluster:
     """A monitor, one OSD and a gateway under ``root`` (a new temp directory if None).
 
     Args:
-        root: The cluster's directory (config, data, logs, sockets): an empty one,
+        root: The cluster's directory (config, data, logs, sockets): new or empty,
             kept; None: a new temp directory, removed by :meth:`stop`.
         memstore_bytes: The OSD's capacity (held in RAM as it fills).
         timeout: Seconds each step of :meth:`start` may take.
@@ -205,6 +205,7 @@ class CephCluster:
         self.stop()
 
     def _bootstrap(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
         if os.listdir(self.root):
             raise CephError(f"{self.root} is not empty: a new cluster needs its own")
         for d in ("run", "log", "crash", "mon", "osd", "rgw"):
