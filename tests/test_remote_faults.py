@@ -15,7 +15,6 @@ import uuid
 
 import boto3
 import mlx.core as mx
-import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens
 from test_remote import (
@@ -99,7 +98,7 @@ def assert_complete(path, source, model, prompts):
 def pull(path, model, url, **kw):
     """``kvstore pull`` through the library: the report."""
     tier = fast(url, upload=False, **kw)
-    with KVStore(path, model, chunk_tokens=C, remote=tier) as s:
+    with KVStore(path, model, chunk_tokens=C, remote=tier):
         return tier.pull()
 
 

@@ -5,7 +5,7 @@ One monitor, one memstore OSD (data in RAM) and ``radosgw`` (beast frontend) on 
 loopback ports, all under one directory with its own ``ceph.conf``: no systemd, no
 fixed ports, nothing written outside that directory. An S3 user is created; clients
 use path-style addressing and region us-east-1. Needs Debian's (or Ubuntu's)
-``ceph-mon``, ``ceph-osd``, ``radosgw`` and ``ceph-common`` packages; run as any user.
+``ceph-mon``, ``ceph-osd``, ``radosgw`` and ``ceph-common`` packages.
 
 Usage::
 
@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 BINARIES = (
     "ceph-mon",
@@ -99,7 +99,7 @@ osd client watch timeout = 3
 [client.rgw.a]
 rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
 rgw thread pool size = 64
-# Deleted objects' data goes at once when gc is asked to run (tests check leftovers).
+# Deleted objects' data goes as soon as gc runs (the bench frees the OSD's RAM so).
 rgw gc obj min wait = 0
 """
 
