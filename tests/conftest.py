@@ -201,11 +201,13 @@ def ceph(request):
             pytest.fail(f"KVSTORE_TEST_CEPH=require: {reason}")
         pytest.skip(reason)
     cluster = ceph_cluster.CephCluster().start()
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(
-            f"\nCeph cluster ({cluster.version().split(' (')[0]}) at {cluster.endpoint}: "
-            f"started in {cluster.startup_seconds:.2f} s"
-        )
+    plugins = request.config.pluginmanager
+    reporter = plugins.get_plugin("terminalreporter")
+    if reporter is not None:  # on the terminal, past pytest's capture
+        with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
+            reporter.write_line(
+                f"\nCeph cluster ({cluster.version().split(' (')[0]}) at "
+                f"{cluster.endpoint}: started in {cluster.startup_seconds:.2f} s"
+            )
     yield cluster
     cluster.stop()

@@ -5,7 +5,8 @@ One monitor, one memstore OSD (data in RAM) and ``radosgw`` (beast frontend) on 
 loopback ports, all under one directory with its own ``ceph.conf``: no systemd, no
 fixed ports, nothing written outside that directory. An S3 user is created; clients
 use path-style addressing and region us-east-1. Needs Debian's (or Ubuntu's)
-``ceph-mon``, ``ceph-osd``, ``radosgw`` and ``ceph-common`` packages.
+``ceph-mon``, ``ceph-osd``, ``radosgw`` and ``ceph-common`` packages; no root needed
+to run it.
 
 Usage::
 
