@@ -441,3 +441,58 @@ def test_credentials_revoked_mid_run(
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and f"--remote {url}" in lines[0]
     assert "InvalidAccessKeyId: the store knows no such access key" in lines[0]
+
+
+@pytest.mark.slow
+def test_gateway_frozen_then_killed_during_a_serve_request(
+    tmp_path, tiny_model_dir, url, gateway
+):
+    """``kvstore serve --remote`` (default timeouts) answers while the gateway is
+    frozen, waiting at most ``lookup_timeout`` (10 s) for it; the gateway is then
+    killed: the lookup left waiting in the background fails and commits nothing;
+    restarted, the first request after the breaker closes restores A's other system
+    prompt through it."""
+    import signal
+
+    from serving import Server, answer, chat_body, request
+
+    def serve(name):
+        store = str(tmp_path / name)
+        kv = ["kvstore.server", "--model", tiny_model_dir, "--store", store]
+        return Server(kv + ["--remote", url], tmp_path / f"{name}.log")
+
+    other = " ".join(f"w{5 + (i * 11) % 500}" for i in range(300))
+    a = serve("a")
+    try:  # A computes two system prompts and uploads them
+        assert answer(a.chat(chat_body("w10 w11 w12 w13")))
+        assert answer(a.chat(chat_body("w10 w11", system=other)))
+    finally:
+        assert a.stop() == 0, a.output()
+    b = serve("b")
+    try:
+        gateway.kill("rgw", signal.SIGSTOP)
+        tic = time.perf_counter()
+        assert answer(b.chat(chat_body("w20 w21 w22")))
+        waited = time.perf_counter() - tic
+        stats = request(b.port, "/kvstore/stats")
+        assert stats["remote_hits"] == 0 and stats["stores"][0]["remote_timeouts"] == 1
+        # SIGKILL: the lookup still waiting in the background fails (its retries
+        # find no gateway), nothing of it is committed.
+        gateway.kill("rgw")
+        time.sleep(1.0)
+        assert request(b.port, "/kvstore/stats")["stores"][0]["remote_nodes_down"] == 0
+        gateway.start_rgw()
+        # The failed requests (the lookup's, B's own uploads') opened the breaker:
+        # the remote is skipped for its 30 s, then asked again.
+        deadline = time.monotonic() + 40
+        while request(b.port, "/kvstore/stats")["stores"][0]["remote_open"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert answer(b.chat(chat_body("w30 w31", system=other)))
+        stats = request(b.port, "/kvstore/stats")
+    finally:
+        assert b.stop() == 0, b.output()
+    assert waited < 10 + 5, waited  # lookup_timeout, plus the tiny model's answer
+    assert stats["remote_hits"] == 1 and stats["tokens_reused_remote"] >= 300
+    assert stats["stores"][0]["remote_corrupt"] == 0
+    assert_clean(tmp_path / "b")
