@@ -18,14 +18,14 @@ import mlx.core as mx
 import pytest
 from conftest import compute_cache, random_tokens
 from test_remote import (
-    C,
     OTHER,
-    DelayProxy,
-    _blob_key,
-    _flip,
     PROMPT,
     SYSTEM,
     Backend,
+    C,
+    DelayProxy,
+    _blob_key,
+    _flip,
     assert_clean,
     aws_env,
     bucket_of,
