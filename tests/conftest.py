@@ -179,3 +179,40 @@ def assert_same_as_cold(model, store, prompt, expect_n, steps=20):
     assert mx.allclose(warm_logits, cold_logits, atol=1e-4, rtol=1e-4).item()
     warm = greedy(model, store.fetch(prompt)[0], prompt[n:], steps)
     assert warm == greedy(model, compute_cache(model, []), prompt, steps)
+
+
+def _load_tool(name: str):
+    """A module of tools/ (plain scripts, not a package), imported once."""
+    import importlib.util
+
+    if name not in sys.modules:
+        where = os.path.join(os.path.dirname(__file__), "..", "tools", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def ceph(request):
+    """A one-machine Ceph cluster and its S3 gateway (tools/ceph_cluster.py), started
+    once per session. Skips, saying why, where Ceph is not installed, unless
+    ``KVSTORE_TEST_CEPH=require`` (CI, which installs it): then that is a failure."""
+    ceph_cluster = _load_tool("ceph_cluster")
+    reason = ceph_cluster.missing()
+    if reason:
+        if os.environ.get("KVSTORE_TEST_CEPH") == "require":
+            pytest.fail(f"KVSTORE_TEST_CEPH=require: {reason}")
+        pytest.skip(reason)
+    cluster = ceph_cluster.CephCluster().start()
+    plugins = request.config.pluginmanager
+    reporter = plugins.get_plugin("terminalreporter")
+    if reporter is not None:  # on the terminal, past pytest's capture
+        with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
+            reporter.write_line(
+                f"\nCeph cluster ({cluster.version().split(' (')[0]}) at "
+                f"{cluster.endpoint}: started in {cluster.startup_seconds:.2f} s"
+            )
+    yield cluster
+    cluster.stop()

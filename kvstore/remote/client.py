@@ -170,7 +170,7 @@ class S3Client:
                 if code == "NoSuchKey":
                     self._succeeded()
                 raise NotFound(key) from None
-            reason = f"{op} {key}: {code}: {err.get('Message', '')}".rstrip(": ")
+            reason = f"{op} {key}: {_describe(code, err.get('Message'))}"
             self._failed(reason)
             raise RemoteError(reason) from None
         except (BotoCoreError, HTTPError, OSError, ValueError) as e:
@@ -295,6 +295,27 @@ class S3Client:
                 f"the listing of {prefix} {problem}: the server's answer never ends"
             )
         raise AssertionError("unreachable")
+
+
+# What an error means, where the answer does not say (Ceph's gateway often sends no
+# message; a HEAD's error has no body, only its HTTP status).
+_HINTS = {
+    "400": "bad request",
+    "403": "access denied (wrong or revoked credentials, or no permission)",
+    "500": "the server failed",
+    "503": "the server is unavailable or slowing requests down",
+    "InvalidAccessKeyId": "the store knows no such access key (wrong or revoked)",
+    "SignatureDoesNotMatch": "the secret key does not match the access key",
+    "AccessDenied": "no permission for this request",
+}
+
+
+def _describe(code: str, message: Optional[str]) -> str:
+    """``CODE: message`` of an S3 error answer."""
+    if code.isdigit():  # botocore's message is the status's reason phrase
+        code, message = f"HTTP {code} {message or ''}".rstrip(), _HINTS.get(code)
+    message = message or _HINTS.get(code)
+    return f"{code}: {message}" if message else code
 
 
 _SESSIONS_LOCK = threading.Lock()

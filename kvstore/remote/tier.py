@@ -179,6 +179,7 @@ class RemoteTier:
         self._closing = threading.Event()
         self._lookups: Optional[ThreadPoolExecutor] = None
         self._lookup_slots = threading.BoundedSemaphore(2)
+        self._slow = False  # the last lookup timed out (warned once per streak)
         self._uploads = Uploader(
             self._s3,
             max_pending=max_pending_uploads,
@@ -256,14 +257,18 @@ class RemoteTier:
             return
         try:
             job.result(timeout=self.lookup_timeout)
+            self._slow = False
         except FutureTimeout:
             self._counters.add(remote_timeouts=1)
-            log.warning(
-                "kvstore: remote %s: no answer within %g s; going on without it "
-                "(the download continues in the background)",
-                self.url,
-                self.lookup_timeout,
-            )
+            if not self._slow:  # said once per streak: a stalled remote is not news
+                self._slow = True
+                log.warning(
+                    "kvstore: remote %s: no answer within %g s; going on without it "
+                    "(the download continues in the background; further timeouts "
+                    "are counted in remote_timeouts until it answers in time)",
+                    self.url,
+                    self.lookup_timeout,
+                )
         except Exception:  # a bug, not the remote: still never the caller's problem
             log.exception("kvstore: remote lookup failed")
             self._counters.add(remote_errors=1)
