@@ -28,6 +28,7 @@ from .blobs import (
 )
 from .chunking import chain_hash
 from .index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
+from .loadpath import Failures, FileSource, MemorySource, load_arrays
 from .ram import RamEntry
 
 log = logging.getLogger("kvstore")
@@ -49,20 +50,6 @@ class Step:
     h: bytes
     rec: NodeRecord
     take: int
-
-
-class _Failures:
-    """Errors of one restore's node reads, by index in its path; thread-safe."""
-
-    def __init__(self, nodes: int):
-        self.errors: Dict[int, BaseException] = {}
-        self.first = nodes  # the lowest failed index; ``nodes`` while none failed
-        self._lock = threading.Lock()
-
-    def add(self, index: int, error: BaseException) -> None:
-        with self._lock:
-            self.errors.setdefault(index, error)
-            self.first = min(self.first, index)
 
 
 # Restores of less KV than this get no room: room needs a buffer of its own per tensor
@@ -131,7 +118,8 @@ class ReadPath:
         )
         if not path:
             return self.new_cache(), 0
-        failures, state_job, plan = self._read_path(path, len(arr))
+        read = self._load_path if self.restore_io == "load" else self._read_path
+        failures, state_job, delta = read(path, len(arr))
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
             error = failures.errors[failed]
@@ -158,18 +146,19 @@ class ReadPath:
             return self.new_cache(), 0
         self._touch(step.h for step in path)
         with MLX_LOCK:
-            return self.layout.build(plan.delta_arrays(), state or {}, n), n
+            return self.layout.build(delta, state or {}, n), n
 
     def _read_path(
         self, path: List[Step], query: int
-    ) -> Tuple["_Failures", Optional[Future], AssemblyPlan]:
+    ) -> Tuple["Failures", Optional[Future], Dict[str, Any]]:
         """Allocate the restore of ``path`` and read its nodes (and the last node's
         state file, if the layout has state) on the reader threads and this one.
 
-        Returns ``(failures, state job or None, plan)``; every job is done.
+        Returns ``(failures, state job or None, delta arrays by name)``; every job
+        is done.
         """
         n = sum(step.take for step in path)
-        failures = _Failures(len(path))
+        failures = Failures(len(path))
         jobs = []  # (the path index its crash is charged to, future)
         state_job = None
         if self.layout.has_state:  # first: it runs beside the node readers
@@ -216,7 +205,65 @@ class ReadPath:
             for f in list(opened.values()):  # nodes cut off or found in the RAM tier
                 if isinstance(f, OpenFile):
                     f.close()
-        return failures, state_job, plan
+        return failures, state_job, plan.delta_arrays()
+
+    def _load_path(
+        self, path: List[Step], query: int
+    ) -> Tuple["Failures", Optional[Future], Dict[str, Any]]:
+        """:meth:`_read_path` through ``mx.load`` (see :mod:`kvstore.loadpath`):
+        on CUDA, the arrays reach device memory in one host-to-device copy."""
+        n = sum(step.take for step in path)
+        failures = Failures(len(path))
+        state_job = None
+        if self.layout.has_state:
+            state_job = self._readers.submit(self._read_state, path[-1])
+        delta: Dict[str, Any] = {}
+        try:
+            if self.layout.rows:
+                capacity = _capacity(n, query, self.restore_room, self._token_bytes)
+                offsets = list(itertools.accumulate((s.take for s in path), initial=0))
+                with MLX_LOCK:
+                    delta = load_arrays(
+                        self.layout.rows,
+                        capacity,
+                        offsets=offsets[:-1],
+                        takes=[step.take for step in path],
+                        open_source=lambda i: self._node_source(path[i]),
+                        failures=failures,
+                        pool=self._readers,
+                        threads=min(self.read_threads, len(path)),
+                    )
+        finally:
+            if state_job is not None and state_job.exception() is not None:
+                failures.add(len(path) - 1, state_job.exception())
+        return failures, state_job, delta
+
+    def _node_source(self, step: Step):
+        """Where :func:`kvstore.loadpath.load_arrays` reads ``step``'s node from: the
+        RAM tier, the open file of a whole node, or a node cut short read whole."""
+        rec = step.rec
+        entry = self.ram.get(step.h)
+        if entry is not None:
+            return MemorySource(entry.data, entry.tensors)
+        if step.take == rec.ntokens:
+            opened = self._open_node(step)
+            try:
+                self._check_meta(opened.metadata)
+            except BaseException:
+                opened.close()
+                raise
+            return FileSource(opened, checksum=rec.checksum)
+        self._check_sizes(rec)
+        data, tensors, meta = self.blobs.read_staged(
+            self.namespace,
+            step.h,
+            nbytes=rec.nbytes,
+            checksum=rec.checksum,
+            expected=self._expected(rec.ntokens),
+            staging=bytearray(rec.nbytes),
+        )
+        self._check_meta(meta)
+        return MemorySource(data, tensors)
 
     def _walk(
         self,
@@ -391,7 +438,7 @@ class ReadPath:
         plan: AssemblyPlan,
         offsets: List[int],
         pending: "queue.SimpleQueue[Tuple[int, int]]",
-        failures: "_Failures",
+        failures: "Failures",
         opened: Dict[int, _Opened],
         fresh: bool,
     ) -> None:

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import maintenance, reservations
+from . import devices, maintenance, reservations
 from .blobs import DELTA_PART, STATE_PART, NodeFile, node_metadata, parse_header
 from .chunking import chain_hashes, split_spans
 from .index import NodeRecord
@@ -24,6 +24,49 @@ from .restore import MLX_LOCK, state_key
 log = logging.getLogger("kvstore")
 
 
+class HeldTokens:
+    """The new tokens of every delta tensor of one save, held for the writer thread.
+
+    On the CPU and Metal these are views of the cache's own buffers (no copy, and
+    immune to the caller's updates: while a view holds a buffer, MLX copies it to
+    update it). With CUDA they are device copies, read on the host only on the
+    writer thread (:mod:`kvstore.devices`): the caller's live cache stays in
+    device memory, and ``save()`` does not wait for the copy to reach the host.
+    """
+
+    def __init__(self, views: Dict[str, mx.array]):
+        self._arrays = devices.readable_copies(views)
+        self._host: Optional[Dict[str, np.ndarray]] = None
+        if not devices.host_access_moves_arrays():
+            self.host()
+
+    def host(self) -> Dict[str, np.ndarray]:
+        """``name -> (1, heads, tokens, width)`` host arrays (made once)."""
+        if self._host is None:
+            with MLX_LOCK:
+                self._host = {k: np.asarray(v) for k, v in self._arrays.items()}
+            self._arrays = {}
+        return self._host
+
+    def nbytes(self, a: int, b: int) -> int:
+        """Bytes of tokens ``[a, b)`` of every tensor."""
+        arrays = self._host if self._host is not None else self._arrays
+        return sum(x.nbytes // x.shape[2] * (b - a) for x in arrays.values())
+
+
+@dataclass
+class NodeSlices:
+    """Tokens ``[a, b)`` of a save's :class:`HeldTokens`: one node's delta tensors."""
+
+    held: HeldTokens
+    a: int
+    b: int
+
+    def items(self):
+        """``(name, numpy view)`` pairs (host arrays made on first use)."""
+        return ((k, x[:, :, self.a : self.b]) for k, x in self.held.host().items())
+
+
 @dataclass
 class NewNode:
     """A node to write: its delta slices (None: already stored) and maybe a state."""
@@ -32,7 +75,7 @@ class NewNode:
     parent: bytes
     start: int
     tokens: np.ndarray
-    slices: Optional[Dict[str, np.ndarray]]  # views of the cache's buffers
+    slices: Optional[NodeSlices]
     state: Optional[Dict[str, Tuple[str, mx.array]]] = None
     raw: Optional[Dict[str, bytes]] = None  # files by part, validated (remote tier)
 
@@ -77,15 +120,13 @@ class WritePath:
             )
             if self.layout.has_state and (spans or not path[-1].rec.has_state):
                 state = self.layout.state_arrays(cache)
-            # Views of the cache's buffers: no copy, and immune to the caller's
-            # updates (while these arrays hold a buffer, MLX copies it to update it).
-            mx.eval(views, state)
-            held = {name: np.asarray(v) for name, v in views.items()}
+                copies = devices.readable_copies({k: a for k, (_, a) in state.items()})
+                state = {k: (dtype, copies[k]) for k, (dtype, _) in state.items()}
+            held = HeldTokens(views)
         for (s, e), h in zip(spans, hashes):
             a, b = s - spans[0][0], e - spans[0][0]
-            slices = {name: x[:, :, a:b] for name, x in held.items()}
-            nbytes += sum(x.nbytes for x in slices.values())
-            nodes.append(NewNode(h, parent, s, arr[s:e].copy(), slices))
+            nbytes += held.nbytes(a, b)
+            nodes.append(NewNode(h, parent, s, arr[s:e].copy(), NodeSlices(held, a, b)))
             parent = h
         if state is not None:
             if not nodes:  # a checkpoint for the stored node ``arr`` ends at
@@ -147,10 +188,11 @@ class WritePath:
             }
             delta = NodeFile.from_tensors(tensors, node_metadata(ns))
         if node.state is not None and (rec is None or not rec.has_state):
-            tensors = {
-                name: (dtype, a.shape, np.asarray(a))
-                for name, (dtype, a) in node.state.items()
-            }
+            with MLX_LOCK:
+                tensors = {
+                    name: (dtype, a.shape, np.asarray(a))
+                    for name, (dtype, a) in node.state.items()
+                }
             state = NodeFile.from_tensors(tensors, node_metadata(ns))
         node.slices = node.state = None  # the files' buffers keep what they need
         return delta, state

@@ -23,6 +23,7 @@ from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
+from .loadpath import default_restore_io
 from .maintenance.common import check_int
 from .namespace import open_namespace
 from .ram import RamTier
@@ -210,6 +211,7 @@ class KVStore(ReadPath, WritePath, Removal):
             for dtype, heads, width in self.layout.rows.values()
         )
         self.read_threads = read_threads
+        self.restore_io = default_restore_io()
         self._readers = ThreadPoolExecutor(
             read_threads, thread_name_prefix="kvstore-read"
         )

@@ -261,8 +261,17 @@ def test_crash_in_a_node_read_is_a_miss_and_an_error(
             raise RuntimeError("test: read crashed")
         return real_read(self, opened, **kwargs)
 
+    Source = kvstore.loadpath.FileSource  # the restore path CUDA takes
+    real_source_read = Source.read
+
+    def source_read(self, pieces):
+        if self.opened.fd in victim_fds:
+            raise RuntimeError("test: read crashed")
+        return real_source_read(self, pieces)
+
     monkeypatch.setattr(Blobs, "open_checked", open_checked)
     monkeypatch.setattr(Blobs, "read_into", read_into)
+    monkeypatch.setattr(Source, "read", source_read)
     with KVStore(
         stored, model, chunk_tokens=C, ram_bytes=0, read_threads=read_threads
     ) as s:

@@ -1,0 +1,124 @@
+"""The CUDA branches of kvstore.devices, namespace and saving, run on the CPU.
+
+On CUDA, kvstore never reads the model's weights or the caller's live cache on the
+host: it reads device copies. Whether MLX moved a buffer cannot be seen on the CPU
+(the GPU benchmark measures it), but what these branches compute can: the same
+bytes, files and restores as the in-place path.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import compute_cache, next_logits, random_tokens, tiny_llama
+
+import kvstore
+from kvstore import devices, namespace
+
+C = 16
+
+
+def _data(file: bytes) -> bytes:
+    """A node file's tensor bytes (after its header)."""
+    (hlen,) = np.frombuffer(file[:8], "<u8")
+    return file[8 + int(hlen) :]
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    monkeypatch.setattr(devices, "host_access_moves_arrays", lambda: True)
+    monkeypatch.setenv("KVSTORE_RESTORE_IO", "load")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint32])
+def test_device_copy_keeps_every_bit_in_a_buffer_of_its_own(dtype):
+    raw = np.array([0x7FC00001, 0x80000000, 0x3F800000, 0xFFFFFFFF, 7], np.uint32)
+    size = mx.array(0, dtype).dtype.size
+    a = mx.array(raw.view(np.uint8)[: 5 * size].copy()).view(dtype)
+    b = devices.device_copy(a)
+    mx.eval(a, b)
+    assert b.dtype == a.dtype and b.shape == a.shape
+    assert bytes(memoryview(b)) == bytes(memoryview(a))
+    address = lambda x: np.frombuffer(memoryview(x), np.uint8).ctypes.data  # noqa
+    assert address(a) != address(b)
+
+
+def test_weights_digest_on_cuda_reads_samples_and_sees_changes(as_on_cuda, monkeypatch):
+    """Deterministic, and changed by a byte in a sampled place of a large tensor."""
+    monkeypatch.setattr(namespace, "DEVICE_SAMPLE", 4096)
+    model = tiny_llama(0)
+    headers, content = namespace.weights_digest(model)
+    assert namespace.weights_digest(model) == (headers, content)
+    assert namespace.weights_digest(tiny_llama(1))[1] != content
+
+    weight = model.model.embed_tokens.weight
+    flat = np.array(weight).reshape(-1)
+    assert flat.nbytes > 3 * namespace.DEVICE_SAMPLE  # sampled, not whole
+    flat[1] += 1.0  # inside the first sample
+    model.model.embed_tokens.weight = mx.array(flat.reshape(weight.shape))
+    changed = namespace.weights_digest(model)
+    assert changed[0] == headers and changed[1] != content
+
+
+def test_save_and_restore_as_on_cuda_equal_the_cpu_path(tmp_path, as_on_cuda):
+    """Saved from device copies (host arrays made on the writer thread), restored
+    through mx.load: the node files are byte for byte the CPU path's, and the
+    restore continues like a cold run."""
+    model = tiny_llama(0, dtype=mx.float16)
+    tokens = random_tokens(5 * C + 4, 2)
+    cache = compute_cache(model, tokens)
+    cuda_dir, cpu_dir = tmp_path / "cuda", tmp_path / "cpu"
+    with kvstore.KVStore(cuda_dir, model, chunk_tokens=C, ram_bytes=0) as s:
+        assert s.save(tokens, cache) == 6
+        s.flush()
+        assert s.stats()["writes_failed"] == 0
+        files = sorted(p.name for p in (cuda_dir / "blobs").rglob("*.safetensors"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(devices, "host_access_moves_arrays", lambda: False)
+        mp.setattr(namespace.devices, "host_access_moves_arrays", lambda: False)
+        with kvstore.KVStore(cpu_dir, model, chunk_tokens=C, ram_bytes=0) as s:
+            s.save(tokens, cache)
+    cpu_files = {
+        p.name: p.read_bytes() for p in (cpu_dir / "blobs").rglob("*.safetensors")
+    }
+    cuda_files = {
+        p.name: p.read_bytes() for p in (cuda_dir / "blobs").rglob("*.safetensors")
+    }
+    assert len(files) == 6 and len(cpu_files) == 6
+    # The same data; the headers name another namespace (the weights digest
+    # differs), so compare the files' tensor bytes.
+    assert sorted(_data(f) for f in cuda_files.values()) == sorted(
+        _data(f) for f in cpu_files.values()
+    )
+    with kvstore.KVStore(cuda_dir, model, chunk_tokens=C, ram_bytes=0) as s:
+        restored, n = s.fetch(tokens + [3])
+        assert n == len(tokens) and s.stats()["corrupt"] == 0
+    cold = next_logits(model, compute_cache(model, tokens), [3])
+    warm = next_logits(model, restored, [3])
+    assert np.allclose(
+        np.array(cold.astype(mx.float32)), np.array(warm.astype(mx.float32)), atol=1e-2
+    )
+    for x, y in zip(restored, compute_cache(model, tokens)):
+        k = np.array(x.keys[..., :n, :].view(mx.uint16))
+        assert np.array_equal(k, np.array(y.keys[..., :n, :].view(mx.uint16)))
+
+
+def test_a_save_is_immune_to_the_callers_later_updates_as_on_cuda(tmp_path, as_on_cuda):
+    """The device copies are taken at save(): tokens the caller feeds afterwards,
+    before the writer runs, do not reach the files."""
+    model = tiny_llama(0)
+    tokens = random_tokens(3 * C, 4)
+    cache = compute_cache(model, tokens)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        s.writer.submit(lambda: __import__("time").sleep(0.3))  # the writer is busy
+        s.save(tokens, cache)
+        next_logits(model, cache, random_tokens(2 * C, 5))  # updates in place
+        for layer in cache:
+            layer.keys[..., : 3 * C, :] = 0.0
+        s.flush()
+        restored, n = s.fetch(tokens + [1])
+    assert n == len(tokens)
+    fresh = compute_cache(model, tokens)
+    for x, y in zip(restored, fresh):
+        assert np.array_equal(
+            np.array(x.keys[..., :n, :]), np.array(y.keys[..., :n, :])
+        )

@@ -1,0 +1,190 @@
+"""The restore path MLX's CUDA backend takes (kvstore.loadpath), run on the CPU.
+
+The whole store and corruption suites also run through it in CI
+(``KVSTORE_RESTORE_IO=load``); these tests pin what is particular to it: segments
+joined on the device, reads that arrive out of order, and the choice of path.
+"""
+
+import io
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import compute_cache, next_logits, random_tokens, tiny_llama
+
+import kvstore
+from kvstore import loadpath
+from kvstore.loadpath import Failures, FileSource, MemorySource, RestoreFile
+
+C = 16
+
+
+def _stored(path, model, tokens):
+    with kvstore.KVStore(path, model, chunk_tokens=C, ram_bytes=0) as s:
+        s.save(tokens, compute_cache(model, tokens))
+
+
+def _kv(cache, n):
+    return [
+        np.array(a[..., :n, :].view(mx.uint16))
+        for layer in cache
+        for a in (layer.keys, layer.values)
+    ]
+
+
+@pytest.mark.parametrize("segment_nodes", [1, 3, 64])
+@pytest.mark.parametrize("room", [0, 40])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_load_path_restores_what_assemble_does(
+    tmp_path, monkeypatch, segment_nodes, room, dtype
+):
+    """Bit-identical KV from both paths, with the restore split into segments that
+    are joined on the device, with and without room; then the same next logits."""
+    model = tiny_llama(2, dtype=dtype)
+    tokens = random_tokens(150, 3)
+    _stored(tmp_path, model, tokens)
+    monkeypatch.setattr(loadpath, "SEGMENT_NODES", segment_nodes)
+    monkeypatch.setattr(kvstore.restore, "ROOM_MIN_BYTES", 0)
+    out = {}
+    for io_path in ("assemble", "load"):
+        monkeypatch.setenv("KVSTORE_RESTORE_IO", io_path)
+        with kvstore.KVStore(
+            tmp_path, model, chunk_tokens=C, ram_bytes=0, restore_room=room
+        ) as s:
+            assert s.restore_io == io_path
+            cache, n = s.fetch(tokens + [7])
+            assert n == len(tokens) and s.stats()["corrupt"] == 0
+            if room:
+                assert cache[0].keys.shape[2] > n
+            logits = next_logits(model, cache, [7]).astype(mx.float32)
+            out[io_path] = (_kv(cache, n), np.array(logits))
+    for a, b in zip(out["assemble"][0], out["load"][0]):
+        assert np.array_equal(a, b)
+    assert np.array_equal(out["assemble"][1], out["load"][1])
+    cold = next_logits(model, compute_cache(model, tokens), [7]).astype(mx.float32)
+    assert np.allclose(np.array(cold), out["load"][1], atol=1e-2)
+
+
+def _node_sources(store, tokens):
+    """The whole nodes of ``tokens``' restore, opened as the load path opens them."""
+    arr = np.array(tokens, np.int32)
+    path = store.index.read(lambda txn: store._walk(txn, arr, limit=len(arr)))
+    return path, [store._node_source(step) for step in path]
+
+
+def _restore_file(store, path, sources, failures, *, threads=2):
+    offsets = np.cumsum([0] + [s.take for s in path])[:-1].tolist()
+    name = next(iter(store.layout.rows))
+    return RestoreFile(
+        {name: store.layout.rows[name]},
+        sum(s.take for s in path),
+        sources=sources,
+        offsets=offsets,
+        takes=[s.take for s in path],
+        first=0,
+        failures=failures,
+        pool=None,
+        threads=threads,
+    )
+
+
+def test_reads_out_of_order_are_placed_right_and_verified_again(tmp_path, model):
+    """A reader that asks for the file in odd pieces, backwards, gets the same bytes
+    as one that reads it in order; the nodes are then hashed again from disk, and a
+    flipped byte is still found."""
+    tokens = random_tokens(4 * C, 5)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        path, sources = _node_sources(s, tokens)
+        whole = _restore_file(s, path, sources, Failures(len(path)))
+        expected = whole.read()
+        assert all(src.in_order for src in sources)
+        for src in sources:
+            src.verify()
+            src.close()
+
+        path, sources = _node_sources(s, tokens)
+        odd = _restore_file(s, path, sources, Failures(len(path)))
+        size = len(expected)
+        got = bytearray(size)
+        for start in reversed(range(0, size, 1000)):
+            odd.seek(start)
+            odd.readinto(memoryview(got)[start : start + 1000])
+        assert bytes(got) == expected
+        assert not any(src.in_order for src in sources)
+        for src in sources:
+            src.verify()  # hashed again from disk: passes
+
+        victim = s.blobs.path(s.namespace, path[2].h)
+        with open(victim, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(kvstore.blobs.CorruptBlob, match="checksum"):
+            sources[2].verify()
+        for src in sources:
+            src.close()
+
+
+def test_a_failed_node_stops_the_reads_after_it(tmp_path, model):
+    """Nodes after the first one that fails are not read (their rows stay as they
+    were), and the failure names the node."""
+    tokens = random_tokens(4 * C, 6)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        path, sources = _node_sources(s, tokens)
+        failures = Failures(len(path))
+        sources[1].opened.close()  # reading it now fails: EBADF
+        file = _restore_file(s, path, sources, failures, threads=1)
+        data = file.read()
+        assert failures.first == 1 and isinstance(failures.errors[1], OSError)
+        reads_after = [src.pos > len(src.opened.head) for src in sources[2:]]
+        assert reads_after == [False, False]
+        assert len(data) == file.seek(0, io.SEEK_END)
+        for src in sources:
+            src.close()
+
+
+def test_memory_sources_copy_only_the_rows_taken():
+    data = bytes(range(48))  # one tensor, 2 heads of 4 rows of 6 bytes
+    entry = kvstore.blobs.TensorEntry("U8", (1, 2, 4, 6), 0, 48)
+    src = MemorySource(data, {"t": entry})
+    out = bytearray(12)
+    src.read([(0, memoryview(out)[:6]), (24, memoryview(out)[6:])])
+    assert bytes(out) == data[0:6] + data[24:30]
+
+
+def test_the_path_is_chosen_by_backend_and_can_be_forced(monkeypatch):
+    monkeypatch.delenv("KVSTORE_RESTORE_IO", raising=False)
+    cuda = getattr(mx, "cuda", None)
+    on_cuda = cuda is not None and cuda.is_available()
+    assert loadpath.default_restore_io() == ("load" if on_cuda else "assemble")
+    for forced in ("load", "assemble"):
+        monkeypatch.setenv("KVSTORE_RESTORE_IO", forced)
+        assert loadpath.default_restore_io() == forced
+    monkeypatch.setenv("KVSTORE_RESTORE_IO", "bogus")
+    assert loadpath.default_restore_io() == ("load" if on_cuda else "assemble")
+
+
+def test_file_source_is_hashed_in_order_through_a_real_load(tmp_path, model):
+    """Through mx.load itself every node file is read once, front to back."""
+    tokens = random_tokens(5 * C + 3, 8)
+    _stored(tmp_path, model, tokens)
+    seen = []
+    real = FileSource.verify
+
+    def verify(self):
+        seen.append((self.in_order, self.pos == self.opened.nbytes))
+        return real(self)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(FileSource, "verify", verify)
+    mp.setenv("KVSTORE_RESTORE_IO", "load")
+    try:
+        with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+            assert s.fetch(tokens + [1])[1] == len(tokens)
+    finally:
+        mp.undo()
+    assert seen == [(True, True)] * 6
