@@ -57,6 +57,8 @@ from typing import Any, Dict, List, Optional
 VOCAB = 512
 FIRST_WORD = 8  # tokens below are special or the chat template's role words
 HERE = os.path.abspath(__file__)
+TENANTS = [f"tenant-{i}" for i in range(3)]
+NARROW = ["a", "b", "c", "d", "e"]  # body cache_salts narrowing a tenant's tree
 
 # -- the model and the prompts ----------------------------------------------------------
 
@@ -216,6 +218,7 @@ def worker_writer(a) -> int:
                     **counters(after),
                 }
             )
+            stop.wait(rng.random() * a.pause)  # leave the CPU to the others too
         emit({"final": counters(store.stats())})
     return 0
 
@@ -305,6 +308,7 @@ def worker_main(argv: List[str]) -> int:
     p.add_argument("--prompt-seed", type=int, default=0)
     p.add_argument("--salt")
     p.add_argument("--pin-rate", type=float, default=0.0)
+    p.add_argument("--pause", type=float, default=0.2)
     p.add_argument("--acks")
     p.add_argument("--fd-pressure", action="store_true")
     p.add_argument("argv", nargs=argparse.REMAINDER)
@@ -422,6 +426,8 @@ class Soak:
         self.lock = threading.Lock()
         self.acked: Dict[tuple, dict] = {}  # (salt, tokens) -> {"pin", "t"}
         self.failures: List[str] = []
+        self.failure_counts: Counter = Counter()
+        self.metrics_port_option = False
         self.events: Counter = Counter()
         self.evictions = Counter()  # by who: gc, and each process's last count
         self.corrupt = Counter()  # by process: the last "corrupt" it reported
@@ -443,9 +449,14 @@ class Soak:
     # -- helpers ---------------------------------------------------------------------
 
     def fail(self, what: str) -> None:
+        """Record a failure; the same text again only counts."""
         with self.lock:
-            self.failures.append(what)
-        print(f"soak: FAIL {what}", file=sys.stderr, flush=True)
+            seen = self.failure_counts[what]
+            self.failure_counts[what] += 1
+            if not seen:
+                self.failures.append(what)
+        if not seen:
+            print(f"soak: FAIL {what}", file=sys.stderr, flush=True)
 
     def worker(self, role: str, *extra: str) -> List[str]:
         """``soak.py worker [options] ROLE``: options first, the role last."""
@@ -484,8 +495,6 @@ class Soak:
     # -- setup -----------------------------------------------------------------------
 
     def setup(self) -> None:
-        from kvstore import maintenance  # noqa: F401  (fail early when not installed)
-
         self.model_dir = build_model(os.path.join(self.dir, "model"))
         # Record the budget in the store: gc and the CLI read it from there.
         self.run_job(
@@ -649,7 +658,11 @@ class Soak:
             self.reader_progress[proc.name] = msg["progress"]
 
     def start_server(self) -> None:
-        self.server_port = free_port()
+        self.server_port = self.stats_port = free_port()
+        metrics = []
+        if self.metrics_port_option:  # stats and metrics are off the API port
+            self.stats_port = free_port()
+            metrics = ["--metrics-port", str(self.stats_port)]
         self.procs["serve"] = Proc(
             self,
             "serve",
@@ -667,6 +680,7 @@ class Soak:
                 "127.0.0.1",
                 "--port",
                 str(self.server_port),
+                *metrics,
             ),
         )
         self.server_ready.clear()
@@ -683,12 +697,24 @@ class Soak:
                 return
             time.sleep(0.3)
 
+    def serve_has(self, option: str) -> bool:
+        """Whether ``kvstore serve`` takes ``option`` (its --help names it)."""
+        run = subprocess.run(
+            [sys.executable, "-m", "kvstore", "serve", "--help"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+        )
+        return option in run.stdout
+
     def long_lived(self) -> None:
         for k in range(self.a.writers):
             self.start_writer(k)
         for k in range(2):
             self.start_reader(k)
         if self.a.clients:
+            self.metrics_port_option = self.serve_has("--metrics-port")
             self.start_server()
 
     def restart_dead(self) -> None:
@@ -710,7 +736,6 @@ class Soak:
 
     def client(self, k: int) -> None:
         rng = random.Random(self.a.seed * 100 + k)
-        tenants = [f"tenant-{i}" for i in range(3)]
         while not self.stop.is_set():
             if not self.server_ready.wait(0.5):
                 continue
@@ -725,10 +750,10 @@ class Soak:
             elif r < 0.15:
                 kind = "unsalted"
             else:
-                headers["X-Tenant"] = rng.choice(tenants)
+                headers["X-Tenant"] = rng.choice(TENANTS)
                 kind = "tenant"
                 if rng.random() < 0.3:
-                    body_salt = rng.choice(["a", "b", "c", "d", "e"])
+                    body_salt = rng.choice(NARROW)
                     kind = "narrowed"
             system = words(self.systems[rng.randrange(3)])
             body = {
@@ -747,24 +772,22 @@ class Soak:
             status, out = http(port, "/v1/chat/completions", body, headers, timeout=120)
             with self.lock:
                 self.events[f"requests {kind}: {status}"] += 1
-            if status == 0 or status >= 500:
-                if p is not None and p.alive() and self.procs.get("serve") is p:
-                    # Up but not answering: is the server still able to serve?
-                    time.sleep(1)
-                    hs, _ = http(port, "/health", timeout=30)
-                    if p.alive() and self.procs.get("serve") is p and hs != 200:
-                        died = _first_line(p.output(), "generation thread died")
-                        self.fail(
-                            f"{p.name} is up but unhealthy (health {hs}) after a "
-                            f"{kind} request answered {status}: {died or out}"
-                        )
-                        p.kill()  # restarted by the main loop
-                else:
-                    time.sleep(0.5)
-            elif kind == "long salt" and status not in (200, 400):
-                self.fail(f"a long combined salt answered {status}: {out}")
+            expected = status == 200 or (kind == "long salt" and status == 400)
+            current = p is not None and p.alive() and self.procs.get("serve") is p
+            if not expected and current and not p.killed:
+                if status:  # an answer (no answer: is the server still serving?)
+                    error = out.get("error") if isinstance(out, dict) else out
+                    self.fail(f"a {kind} request answered {status}: {error}")
+                time.sleep(1)
+                hs, _ = http(port, "/health", timeout=30)
+                if p.alive() and not p.killed and hs != 200:
+                    died = _first_line(p.output(), "generation thread died")
+                    self.fail(f"{p.name} is up but unhealthy (health {hs}): {died}")
+                    p.kill()  # restarted by the main loop
+            elif not expected:
+                time.sleep(0.5)  # killed: the main loop restarts it
             if k == 0 and rng.random() < 0.2:
-                status, stats = http(port, "/kvstore/stats", timeout=30)
+                status, stats = http(self.stats_port, "/kvstore/stats", timeout=30)
                 if status == 200 and p is not None:
                     self.server_stats[p.name] = stats
 
@@ -902,8 +925,16 @@ class Soak:
                 self.due[kind] = now + period * (0.5 + self.rng.random())
 
     def kill_one(self) -> None:
+        """SIGKILL a random process: a long-lived one, or (one time in three) a
+        running gc, prefill or pull once one of its kind has finished."""
         victims = [p for p in self.procs.values() if p.alive()]
-        victims += [p for k, p in self.jobs.items() if k != "verify" and p.alive()]
+        jobs = [
+            p
+            for kind, p in self.jobs.items()
+            if kind != "verify" and p.alive() and self.events[f"{kind} runs"]
+        ]
+        if jobs and (not victims or self.rng.random() < 1 / 3):
+            victims = jobs
         if not victims:
             return
         p = self.rng.choice(victims)
@@ -966,7 +997,8 @@ class Soak:
             self.finish_job(kind, p)
         serve = self.procs.pop("serve", None)
         if serve is not None and serve.alive():
-            status, stats = http(self.server_port, "/kvstore/stats", timeout=30)
+            self.server_ready.wait(120)  # SIGTERM while loading the model is a kill
+            status, stats = http(self.stats_port, "/kvstore/stats", timeout=30)
             if status == 200:
                 self.server_stats[serve.name] = stats
         for p in self.procs.values():
@@ -1084,9 +1116,9 @@ class Soak:
         }
 
     def audit(self, store, model) -> dict:
-        """Every stored prompt (leaf) of every tree whose salt is known: restored and
-        compared with recomputed KV; each tenant's trees against its quota."""
-        from kvstore import salts
+        """Every stored prompt (a leaf of the trie) restored and compared with recomputed
+        KV, its tree's salt found by ``lookup`` among the salts the soak used; each
+        tenant's trees (its own and those its requests narrowed) against its quota."""
         from kvstore.index import NodeRecord
 
         index = store.index
@@ -1098,40 +1130,35 @@ class Soak:
             }
         )
         parents = {r.parent for r in nodes.values()}
-        roots = {}
-        for h in nodes:
+        roots, tree_bytes = {}, Counter()
+        for h, rec in nodes.items():
             r = h
             while r in nodes:
                 r = nodes[r].parent
             roots[h] = r
-        tenants = [f"tenant-{i}" for i in range(3)]
-        known = [None, "prefill"] + [f"writer-{k}" for k in range(self.a.writers)]
-        known += tenants + [t + "\n" + b for t in tenants for b in "abcde"]
-        secret = salts.store_secret(index)
-        root_salt = {
-            (
-                store.root
-                if s is None
-                else salts.salted_root(store.root, secret, salts.check_salt(s))
-            ): s
-            for s in known
-        }
+            tree_bytes[r] += rec.total_bytes
+        candidates = self.salts()
+        root_salt: Dict[bytes, Any] = {}
         out = Counter()
-        tree_bytes = Counter()
-        for h, rec in nodes.items():
-            tree_bytes[roots[h]] += rec.total_bytes
         for h in nodes:
             if h in parents:
-                continue
-            root = roots[h]
-            if root not in root_salt:
-                out["leaves in unknown trees"] += 1
                 continue
             tokens, x = [], h
             while x in nodes:
                 tokens = [int(t) for t in nodes[x].tokens] + tokens
                 x = nodes[x].parent
-            cache, n = store.fetch(tokens + [FIRST_WORD], salt=root_salt[root])
+            probe = tokens + [FIRST_WORD]
+            found = [
+                owner_salt
+                for owner_salt in candidates
+                if store.lookup(probe, salt=owner_salt[1]) == len(tokens)
+            ]
+            if not found:
+                out["leaves of unknown trees"] += 1
+                continue
+            if len(found) == 1:
+                root_salt.setdefault(roots[h], found[0])
+            cache, n = store.fetch(probe, salt=found[0][1])
             out["leaves"] += 1
             if n != len(tokens):
                 out["leaves not restored"] += 1
@@ -1139,11 +1166,13 @@ class Soak:
                 out["leaves wrong"] += 1
         if out["leaves wrong"]:
             self.fail(f"{out['leaves wrong']} stored prompts restore wrong KV")
-        for t in tenants:
+        if out["leaves not restored"]:
+            self.fail(f"{out['leaves not restored']} stored prompts do not restore")
+        for t in TENANTS:
             used = sum(
                 b
                 for root, b in tree_bytes.items()
-                if (root_salt.get(root) or "").split("\n")[0] == t
+                if root_salt.get(root, ("",))[0] == t
             )
             out[f"bytes {t}"] = used
             if used > self.a.salt_disk_bytes:
@@ -1151,9 +1180,26 @@ class Soak:
                     f"{t}'s trees hold {used} bytes, over its quota of "
                     f"{self.a.salt_disk_bytes}"
                 )
-        out["trees"] = len(set(roots.values()))
-        out["unknown trees"] = len(set(roots.values()) - set(root_salt))
+        out["trees"] = len(tree_bytes)
+        out["trees of known salt"] = len(root_salt)
         return dict(out)
+
+    def salts(self) -> List[tuple]:
+        """``(tenant or "", library salt)`` of every salt the soak's processes used:
+        plain salts, and the trees ``serve --salt-header`` keeps for a tenant header
+        alone and narrowed by a body ``cache_salt`` (``kvstore.Tenant`` where this
+        kvstore has it, else the joined string older servers used)."""
+        import kvstore
+
+        out = [("", None), ("", "prefill")]
+        out += [("", f"writer-{k}") for k in range(self.a.writers)]
+        tenant = getattr(kvstore, "Tenant", None)
+        for t in TENANTS:
+            if tenant is not None:
+                out += [(t, tenant(t))] + [(t, tenant(t, b)) for b in NARROW]
+            else:
+                out += [(t, t)] + [(t, t + "\n" + b) for b in NARROW]
+        return out
 
     def scan_logs(self):
         broken = tracebacks = 0
