@@ -690,7 +690,7 @@ class Soak:
 
     def _await_server(self, p: Proc) -> None:
         """Set ``server_ready`` once ``p`` answers /health (it loads the model first)."""
-        while p.alive() and not self.stop.is_set():
+        while p.alive():
             if http(self.server_port, "/health", timeout=5)[0] == 200:
                 if self.procs.get("serve") is p:
                     self.server_ready.set()
