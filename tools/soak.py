@@ -133,11 +133,18 @@ def same_kv(model, cache, tokens: List[int], n: int) -> bool:
 # -- the small LMDB map ------------------------------------------------------------------
 
 
+MAP_ENV = "KVSTORE_INITIAL_MAP_BYTES"  # the starting LMDB map of every index opened
+
+
 def small_map(nbytes: int) -> None:
-    """Open every index of this process with an LMDB map of ``nbytes`` (it grows)."""
+    """Open every index of this process with an LMDB map of ``nbytes`` (it grows):
+    through ``KVSTORE_INITIAL_MAP_BYTES``, or where this kvstore does not read it
+    yet, through the default of ``Index``'s ``map_size``."""
     from kvstore import index
 
-    index.Index.__init__.__kwdefaults__["map_size"] = nbytes
+    os.environ[MAP_ENV] = str(nbytes)
+    if getattr(index, "INITIAL_MAP_ENV", None) != MAP_ENV:
+        index.Index.__init__.__kwdefaults__["map_size"] = nbytes
 
 
 def map_size(data_mdb: str) -> Optional[int]:
@@ -420,6 +427,7 @@ class Soak:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             PYTHONUNBUFFERED="1",
+            **{MAP_ENV: str(a.map_bytes)},
         )
         self.started: Counter = Counter()
         self.kills: Counter = Counter()
