@@ -315,7 +315,7 @@ def worker_main(argv: List[str]) -> int:
     p.add_argument("--prompt-seed", type=int, default=0)
     p.add_argument("--salt")
     p.add_argument("--pin-rate", type=float, default=0.0)
-    p.add_argument("--pause", type=float, default=0.2)
+    p.add_argument("--pause", type=float, default=1.0)
     p.add_argument("--acks")
     p.add_argument("--fd-pressure", action="store_true")
     p.add_argument("argv", nargs=argparse.REMAINDER)
@@ -960,6 +960,7 @@ class Soak:
         a = self.a
         t0 = time.monotonic()
         self.setup()
+        phases = {"setup": time.monotonic() - t0}
         self.long_lived()
         clients = [
             threading.Thread(target=self.client, args=(k,), daemon=True)
@@ -990,8 +991,13 @@ class Soak:
         self.stop.set()
         for c in clients:
             c.join(180)
+        tic = time.monotonic()
         self.wind_down()
+        phases["wind_down"] = time.monotonic() - tic
+        tic = time.monotonic()
         result = self.final_checks()
+        phases["checks"] = time.monotonic() - tic
+        result["phases"] = {k: round(v, 1) for k, v in phases.items()}
         result["seconds"] = round(soaked, 1)
         result["seconds_total"] = round(time.monotonic() - t0, 1)
         return result
@@ -1189,7 +1195,6 @@ class Soak:
                     f"{self.a.salt_disk_bytes}"
                 )
         out["trees"] = len(tree_bytes)
-        out["trees of known salt"] = len(root_salt)
         return dict(out)
 
     def salts(self) -> List[tuple]:
@@ -1244,7 +1249,8 @@ def _first_line(text: str, needle: str) -> str:
 def report(result: dict) -> str:
     r = result
     lines = [
-        f"soak: {r['seconds']} s ({r['seconds_total']} s with setup and checks), "
+        f"soak: {r['seconds']} s ({r['seconds_total']} s with "
+        f"{_pairs(r['phases'])}), "
         f"{r['processes']} processes started ({_pairs(r['started'])})",
         f"kills: {sum(r['kills'].values())} SIGKILLs ({_pairs(r['kills'])})",
         f"LMDB map: every process opens it at {_size(r['map_start'])}; {r['map_resizes']} "
@@ -1297,8 +1303,8 @@ def parse_args(argv):
     p.add_argument("--verify-every", type=float, default=12.0)
     p.add_argument("--pull-every", type=float, default=15.0)
     p.add_argument("--map-bytes", type=int, default=64 << 10, help="initial LMDB map")
-    p.add_argument("--disk-bytes", type=int, default=6 << 20, help="the store's budget")
-    p.add_argument("--gc-bytes", type=int, default=4 << 20, help="gc --max-bytes")
+    p.add_argument("--disk-bytes", type=int, default=8 << 20, help="the store's budget")
+    p.add_argument("--gc-bytes", type=int, default=6 << 20, help="gc --max-bytes")
     p.add_argument(
         "--salt-disk-bytes", type=int, default=1 << 20, help="serve's per-salt quota"
     )
