@@ -59,6 +59,7 @@ FIRST_WORD = 8  # tokens below are special or the chat template's role words
 HERE = os.path.abspath(__file__)
 TENANTS = [f"tenant-{i}" for i in range(3)]
 NARROW = ["a", "b", "c", "d", "e"]  # body cache_salts narrowing a tenant's tree
+LONG_TENANT, LONG_NARROW = "t" * 200, "b" * 60  # over 256 bytes together
 
 # -- the model and the prompts ----------------------------------------------------------
 
@@ -289,7 +290,7 @@ def worker_reader(a) -> int:
             finally:
                 for fd in held:
                     os.close(fd)
-            if time.monotonic() - last_report > 2:
+            if time.monotonic() - last_report > 1:
                 emit({"progress": dict(figures), **counters(store.stats())})
                 last_report = time.monotonic()
         emit({"final": counters(store.stats()), "progress": dict(figures)})
@@ -752,8 +753,8 @@ class Soak:
             headers, body_salt = {}, None
             r = rng.random()
             if r < 0.05:  # header + body salt: over 256 bytes together
-                headers["X-Tenant"] = "t" * 200
-                body_salt = "b" * 60
+                headers["X-Tenant"] = LONG_TENANT
+                body_salt = LONG_NARROW
                 kind = "long salt"
             elif r < 0.15:
                 kind = "unsalted"
@@ -1207,11 +1208,14 @@ class Soak:
         out = [("", None), ("", "prefill")]
         out += [("", f"writer-{k}") for k in range(self.a.writers)]
         tenant = getattr(kvstore, "Tenant", None)
-        for t in TENANTS:
+        for t in TENANTS + [LONG_TENANT]:
+            narrow = [LONG_NARROW] if t == LONG_TENANT else NARROW
             if tenant is not None:
-                out += [(t, tenant(t))] + [(t, tenant(t, b)) for b in NARROW]
-            else:
-                out += [(t, t)] + [(t, t + "\n" + b) for b in NARROW]
+                out += [(t, tenant(t))] + [(t, tenant(t, b)) for b in narrow]
+            else:  # a joined salt over 256 bytes is no salt any tree can have
+                out += [(t, t)] + [
+                    (t, t + "\n" + b) for b in narrow if len(t) + len(b) < 256
+                ]
         return out
 
     def scan_logs(self):
