@@ -3,7 +3,14 @@
 from .adapters import UnsupportedCacheError
 from .generate import stream_generate
 from .index import StoreError
+from .salts import Tenant
 from .store import KVStore
 
-__all__ = ["KVStore", "StoreError", "UnsupportedCacheError", "stream_generate"]
+__all__ = [
+    "KVStore",
+    "StoreError",
+    "Tenant",
+    "UnsupportedCacheError",
+    "stream_generate",
+]
 __version__ = "0.1.0"

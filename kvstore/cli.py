@@ -8,6 +8,7 @@ import time
 from typing import List, Optional
 
 from .options import (
+    add_disk_budget_option,
     add_size_options,
     default_store,
     int_at_least,
@@ -160,6 +161,7 @@ def cmd_prefill(args) -> int:
                     default_kind=args.kind,
                     default_pin=args.pin,
                     default_salt=args.salt,
+                    default_tenant=args.tenant,
                     vocab_size=vocab,
                     max_tokens=limit,
                 )
@@ -659,6 +661,14 @@ def _add_prefill(sub) -> None:
         help="store in this cache salt's tree, as a server request's cache_salt "
         '(default: per line\'s "salt", else unsalted)',
     )
+    p.add_argument(
+        "--tenant",
+        type=_salt,
+        default=None,
+        help="store in this tenant's tree, as kvstore serve --salt-header serves a "
+        "request whose header has this value (with --salt: that request's "
+        'cache_salt); default: per line\'s "tenant"',
+    )
     p.add_argument("--max-tokens-per-prompt", type=_positive, default=None)
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     add_size_options(p)
@@ -750,6 +760,7 @@ def _add_pull(sub) -> None:
     )
     _common_options(p, model=True)
     p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
+    add_disk_budget_option(p)  # a pull evicts as saves do
     p.set_defaults(func=cmd_pull)
 
 
@@ -783,6 +794,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             _quiet_stdout()
             return EXIT_BROKEN_PIPE
     args = build_parser().parse_args(argv)
+    import lmdb
+
     from .index import StoreError
 
     try:
@@ -793,6 +806,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:  # `kvstore ls | head`: the reader is gone
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
+    except lmdb.DiskError:
+        print(
+            f"kvstore {args.command}: {args.store}: the file system is full, and the "
+            "index needs room for the commit that records the deletions (LMDB writes "
+            "new pages before it frees old ones): free a few MiB on that file system, "
+            "then run the command again",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     except OSError as e:  # e.g. a file of the store that cannot be read
         print(f"kvstore {args.command}: {args.store}: {e}", file=sys.stderr)
         return EXIT_ERROR

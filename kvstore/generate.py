@@ -1,11 +1,13 @@
 """``stream_generate`` with persistence: a one-line change for mlx-lm generate loops."""
 
-from typing import Generator, List, Optional, Union
+from typing import Generator, List, Union
 
 import mlx.core as mx
 from mlx_lm import stream_generate as _mlx_stream_generate
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .salts import Salt
 
 
 def encode_prompt(tokenizer, prompt: Union[str, mx.array, List[int]]) -> List[int]:
@@ -30,7 +32,7 @@ def stream_generate(
     store,
     kind: str = "user",
     pin: bool = False,
-    salt: Optional[str] = None,
+    salt: Salt = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """``mlx_lm.stream_generate`` that reuses and persists the prompt's KV.

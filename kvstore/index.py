@@ -17,8 +17,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import lmdb
 import numpy as np
 
-from . import storecheck
+from . import spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
+from .mapgate import MapGate
 from .storecheck import StoreError
 
 log = logging.getLogger("kvstore")
@@ -33,6 +34,9 @@ CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
 MODEL_KEY_PREFIX = b"model-key:"
 _PAD = b"\xff\xff\xff\xff"  # sorts after every big-endian token id < 2**31
 _MAX_MAP = 1 << 40
+DEFAULT_MAP_SIZE = 64 << 20
+INITIAL_MAP_ENV = "KVSTORE_INITIAL_MAP_BYTES"
+_RESIZED_TRIES = 64  # transactions begun in a row while other processes grow the map
 
 _OPEN: Dict[Tuple[str, int], "_Env"] = {}
 _OPEN_LOCK = threading.Lock()
@@ -73,6 +77,19 @@ class NodeRecord:
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    def same_files(self, other: "NodeRecord") -> bool:
+        """Whether ``other`` records the same node files (a pin or kind change keeps
+        them; a node evicted and saved again has another record)."""
+        return (
+            self.parent == other.parent
+            and self.start == other.start
+            and (self.nbytes, self.checksum, self.created)
+            == (other.nbytes, other.checksum, other.created)
+            and (self.state_nbytes, self.state_checksum)
+            == (other.state_nbytes, other.state_checksum)
+            and np.array_equal(self.tokens, other.tokens)
+        )
 
     _HEAD = struct.Struct("<BBBxIIQQd16s")
     _STATE = struct.Struct("<QQ")  # version 2: state file size and checksum
@@ -154,6 +171,22 @@ def child_key(
     return ns + parent + head + child
 
 
+def initial_map_size() -> int:
+    """The map size an index opens with when none is given (see :class:`Index`)."""
+    raw = os.environ.get(INITIAL_MAP_ENV)
+    if raw is None:
+        return DEFAULT_MAP_SIZE
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if not 0 < size <= _MAX_MAP:
+        raise ValueError(
+            f"{INITIAL_MAP_ENV}={raw!r}: expected a number of bytes up to {_MAX_MAP}"
+        )
+    return size
+
+
 class _Env:
     """One process's open LMDB environment of an index directory, shared by every
     :class:`Index` opened on that directory (LMDB allows one per process)."""
@@ -166,6 +199,7 @@ class _Env:
         self.lock_id = opened.lock_id  # (st_dev, st_ino) of lock.mdb as opened
         self.refs = 0
         self.problem: Optional[str] = None  # set when lock.mdb was deleted under us
+        self.gate = MapGate()  # every transaction passes it; a map resize waits alone
 
     def close(self) -> None:
         self.env.close()
@@ -187,7 +221,9 @@ class Index:
         create: Create a new index when none exists.
         readonly: Open without ever writing: LMDB's read-only mode, without its lock
             file where the directory is not writable. :meth:`write` then raises.
-        map_size: Initial map size; the map doubles when it fills up.
+        map_size: Initial map size; the map doubles when it fills up. None: 64 MiB,
+            or the bytes in the environment variable ``KVSTORE_INITIAL_MAP_BYTES``
+            (for tests that make the map grow from a tiny start, in every process).
 
     Raises:
         StoreError: not a kvstore index, another format version, files that are not
@@ -214,7 +250,7 @@ class Index:
         *,
         create: bool = True,
         readonly: bool = False,
-        map_size: int = 64 << 20,
+        map_size: Optional[int] = None,
     ):
         self.path = path
         self.readonly = readonly
@@ -231,7 +267,7 @@ class Index:
                     dbs=self._DBS,
                     create=create,
                     readonly=readonly,
-                    map_size=map_size,
+                    map_size=map_size or initial_map_size(),
                     format_version=FORMAT_VERSION,
                 )
                 shared = _Env(opened, readonly=readonly)
@@ -279,13 +315,33 @@ class Index:
     def read(self, fn: Callable):
         """Run ``fn(txn)`` in a read transaction, adopting a map grown by another process."""
         self._check_pid()
-        for attempt in range(3):
+        for _ in range(_RESIZED_TRIES):
             try:
-                with self.env.begin(write=False) as txn:
-                    return fn(txn)
+                with self._shared.gate.transaction():
+                    with self.env.begin(write=False) as txn:
+                        return fn(txn)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                self._adopt_map_size()
         raise StoreError(f"{self.path}: the LMDB map keeps being resized")
+
+    def _adopt_map_size(self) -> None:
+        """Take the map size another process grew the map to, once no transaction of
+        this process is active (LMDB's rule for ``mdb_env_set_mapsize``)."""
+        self._shared.gate.alone(lambda: self.env.set_mapsize(0))
+
+    def _grow(self, full: int) -> None:
+        """Double the map that was ``full`` bytes when a write found it full, unless
+        another thread grew it meanwhile; with no transaction of this process active."""
+        if full >= _MAX_MAP:
+            raise lmdb.MapFullError(
+                f"{self.path}: the LMDB map is full at {full} bytes"
+            )
+
+        def grow():
+            if self.env.info()["map_size"] <= full:
+                self.env.set_mapsize(min(full * 2, _MAX_MAP))
+
+        self._shared.gate.alone(grow)
 
     def check_lock_file(self, *, committed: bool = False) -> None:
         """Raise StoreError if ``lock.mdb`` is no longer the file this process opened.
@@ -320,28 +376,55 @@ class Index:
         if shared.problem is not None:
             raise StoreError(shared.problem)
 
-    def write(self, fn: Callable):
-        """Run ``fn(txn)`` in a write transaction, growing the map when it is full."""
+    def write(self, fn: Callable, *, frees: bool = False):
+        """Run ``fn(txn)`` in a write transaction, growing the map when it is full.
+
+        Args:
+            frees: The transaction deletes records whose files go afterwards: on a
+                full disk it may use the room kept in ``index/spare``
+                (:mod:`kvstore.spare`).
+
+        Raises:
+            lmdb.DiskError: the file system is full (and no spare room is left).
+        """
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: the index is open read-only")
         self.check_lock_file()
+        resized = 0
         while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    out = fn(txn)
-                self.check_lock_file(committed=True)
-                return out
-            except lmdb.MapFullError:
-                # Pages a killed process's read snapshot held are free again.
-                if _clear_stale_readers(self.env):
+            full = None
+            with self._shared.gate.transaction():
+                try:
+                    with self.env.begin(write=True) as txn:
+                        out = fn(txn)
+                except lmdb.DiskError:
+                    freed = spare.release(self.path) if frees else 0
+                    if not freed:
+                        raise
+                    log.warning(
+                        "kvstore: %s: the disk is full; used the %d bytes kept in "
+                        "index/spare for a commit that frees space",
+                        storecheck.store_name(self.path),
+                        freed,
+                    )
                     continue
-                size = self.env.info()["map_size"]
-                if size >= _MAX_MAP:
-                    raise
-                self.env.set_mapsize(size * 2)
-            except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                except lmdb.MapFullError:
+                    full = self.env.info()["map_size"]  # no resize while in the gate
+                except lmdb.MapResizedError:
+                    resized += 1
+                    if resized >= _RESIZED_TRIES:
+                        raise StoreError(
+                            f"{self.path}: the LMDB map keeps being resized"
+                        ) from None
+                else:
+                    self.check_lock_file(committed=True)
+                    return out
+            if full is None:
+                self._adopt_map_size()
+            elif not _clear_stale_readers(self.env):
+                # (else pages a killed process's read snapshot held are free again)
+                self._grow(full)
 
     # -- namespaces and counters ---------------------------------------------
 

@@ -83,9 +83,8 @@ def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
         return None
 
 
-def add_size_options(p: argparse.ArgumentParser) -> None:
-    """``--disk-bytes``, ``--ram-bytes``, ``--salt-disk-bytes`` and ``--restore-room``
-    (shared by prefill and serve)."""
+def add_disk_budget_option(p: argparse.ArgumentParser) -> None:
+    """``--disk-bytes`` (prefill, serve and pull)."""
     p.add_argument(
         "--disk-bytes",
         type=parse_budget,
@@ -94,6 +93,12 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
         help="disk budget of the store, e.g. 20G: least recently used unpinned "
         "prefixes are evicted (default: the budget last given to this store, if any)",
     )
+
+
+def add_size_options(p: argparse.ArgumentParser) -> None:
+    """``--disk-bytes``, ``--ram-bytes``, ``--salt-disk-bytes`` and ``--restore-room``
+    (shared by prefill and serve)."""
+    add_disk_budget_option(p)
     p.add_argument(
         "--ram-bytes",
         type=parse_size,
@@ -106,8 +111,9 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
         type=parse_size,
         default=None,
         metavar="SIZE",
-        help="quota of each cache salt's tree, e.g. 2G: a salted save evicts that "
-        "tree's least recently used prefixes, never another tenant's (default: none)",
+        help="quota of each cache salt, e.g. 2G: a salted save evicts that salt's "
+        "least recently used prefixes, never another's; a tenant's quota covers "
+        "all its cache_salt trees (default: none)",
     )
     p.add_argument(
         "--restore-room",

@@ -2,8 +2,8 @@
 
 Each line is one of ``{"messages": [...]}`` (rendered with the tokenizer's chat
 template), ``{"prompt": "text"}`` or ``{"tokens": [ints]}``, with optional ``"id"``,
-``"kind"``, ``"pin"`` and ``"salt"`` (the tenant's cache salt, as a server request's
-``cache_salt``). Every problem is a :class:`PromptError` naming the field,
+``"kind"``, ``"pin"``, ``"salt"`` (the tenant's cache salt, as a server request's
+``cache_salt``) and ``"tenant"`` (as ``kvstore serve --salt-header``'s header). Every problem is a :class:`PromptError` naming the field,
 and concerns that line only (invalid UTF-8, JSON that Python's parser rejects in any
 way, a line too long to read), so the lines after it are still processed.
 """
@@ -17,10 +17,10 @@ from typing import BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
 from .chunking import as_token_array
 from .generate import encode_prompt
 from .index import KINDS
-from .salts import check_salt
+from .salts import Salt, Tenant, check_salt
 
 SHAPES = ("messages", "prompt", "tokens")
-OPTIONAL = ("id", "kind", "pin", "salt")
+OPTIONAL = ("id", "kind", "pin", "salt", "tenant")
 MAX_LINE_BYTES = 64 << 20  # longer lines are refused unread (bounded memory)
 
 
@@ -37,7 +37,7 @@ class PromptLine:
     id: Optional[str] = None
     kind: str = "user"
     pin: bool = False
-    salt: Optional[str] = None  # stored in this salt's tree (kvstore.salts)
+    salt: Salt = None  # stored in this salt's tree (kvstore.salts)
     system_end: int = 0  # tokens of the system prompt (stored with kind "system")
     boundaries: List[int] = field(default_factory=list)
 
@@ -78,10 +78,16 @@ def parse_line(
     default_kind: str = "user",
     default_pin: bool = False,
     default_salt: Optional[str] = None,
+    default_tenant: Optional[str] = None,
     vocab_size: Optional[int] = None,
     max_tokens: Optional[int] = None,
 ) -> PromptLine:
     """Parse one JSONL line into tokens; raises PromptError with the reason.
+
+    The line's ``"salt"`` and ``"tenant"`` win over ``default_salt`` and
+    ``default_tenant``; with a tenant the line's salt is ``Tenant(tenant, salt)``
+    (the tree ``kvstore serve --salt-header`` serves that tenant's requests with
+    that ``cache_salt`` from).
 
     ``max_tokens``: a text that cannot fit is refused after tokenizing a bounded
     prefix of it (see :func:`_check_length`); the caller checks the token count.
@@ -111,7 +117,7 @@ def parse_line(
     if unknown:
         raise PromptError(f"unknown field {unknown[0]!r}")
     line = PromptLine(lineno, [], kind=default_kind, pin=default_pin)
-    line.salt = default_salt
+    salt, tenant = default_salt, default_tenant
     if "id" in obj:
         if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
             raise PromptError(
@@ -130,12 +136,15 @@ def parse_line(
                 f"field 'pin' must be true or false, got {_type(obj['pin'])}"
             )
         line.pin = obj["pin"]
-    if "salt" in obj:
-        try:
-            check_salt(obj["salt"], what="field 'salt'")
-        except (TypeError, ValueError) as e:
-            raise PromptError(str(e)) from None
-        line.salt = obj["salt"]
+    for name in ("salt", "tenant"):
+        if name in obj:
+            try:
+                check_salt(obj[name], what=f"field {name!r}")
+            except (TypeError, ValueError) as e:
+                raise PromptError(str(e)) from None
+    salt = obj.get("salt", salt)
+    tenant = obj.get("tenant", tenant)
+    line.salt = salt if tenant is None else Tenant(tenant, salt)
 
     shape = shapes[0]
     if shape == "tokens":

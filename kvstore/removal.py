@@ -9,6 +9,7 @@ import logging
 from typing import Optional, Sequence
 
 from . import maintenance, salts
+from .index import NodeRecord
 from .restore import state_key
 
 log = logging.getLogger("kvstore")
@@ -60,28 +61,47 @@ class Removal:
             self.index, self.blobs, [(self.namespace, h) for h in hashes]
         )
 
-    def _quarantine(self, h: bytes, reason: str) -> None:
+    def _quarantine(self, h: bytes, reason: str, rec: Optional[NodeRecord]) -> None:
         """Writer thread: remove a broken node and its descendants from the index, then
-        move its file to quarantine and unlink theirs."""
-        ns = self.namespace
-        gone = self.index.write(
-            lambda txn: maintenance.delete_subtree(self.index, txn, ns, h)
-        )
-        keys = [(ns, h)] + [(ns, x) for x, _ in gone if x != h]
-        for _, x in keys:
-            self._forget(x)
-        released = maintenance.release_files(
-            self.index, self.blobs, keys, quarantine={(ns, h): reason}
-        )
-        if released.quarantined:
-            with self._lock:
-                self._counters.quarantined.extend(released.quarantined)
+        move its file to quarantine and unlink theirs.
 
-    def _make_room(self, txn, written: list, root: Optional[bytes] = None) -> list:
+        Only while its record is still ``rec``, the one found broken (checked in the
+        deleting transaction): a node another process evicted, or evicted and saved
+        again, meanwhile is not this process's to remove. Either way the node is no
+        longer skipped by this process's walks afterwards (a new record is usable).
+        """
+        ns = self.namespace
+
+        def delete(txn):
+            if not self._same_record(txn, h, rec):
+                return None
+            return maintenance.delete_subtree(self.index, txn, ns, h)
+
+        gone = self.index.write(delete, frees=True)
+        if gone is not None:
+            keys = [(ns, h)] + [(ns, x) for x, _ in gone if x != h]
+            for _, x in keys:
+                self._forget(x)
+            released = maintenance.release_files(
+                self.index, self.blobs, keys, quarantine={(ns, h): reason}
+            )
+            if released.quarantined:
+                with self._lock:
+                    self._counters.quarantined.extend(released.quarantined)
+        with self._lock:
+            self._broken.discard(h)
+
+    def _make_room(
+        self,
+        txn,
+        written: list,
+        root: Optional[bytes] = None,
+        group: Optional[bytes] = None,
+    ) -> list:
         """In the commit's transaction: evict what the new nodes need to fit the salted
-        tree's quota (``salt_disk_bytes``, for a save under a salt: that tree's nodes
-        only) and the disk budget (:func:`kvstore.maintenance.make_room`), sparing the
-        nodes they hang from.
+        tree's quota (``salt_disk_bytes``, for a save under a salt: the nodes of the
+        trees counting against ``group``, a tenant's, only) and the disk budget
+        (:func:`kvstore.maintenance.make_room`), sparing the nodes they hang from.
         """
         quota = self.salt_disk_bytes if root not in (None, self.root) else None
         if self.disk_bytes is None and quota is None:
@@ -99,7 +119,7 @@ class Removal:
         gone = []
         if quota is not None:
             gone += salts.make_tree_room(
-                self.index, txn, ns, root, quota, incoming, keep=keep
+                self.index, txn, ns, root, quota, incoming, keep=keep, group=group
             )
         if self.disk_bytes is not None:
             gone += maintenance.make_room(

@@ -122,13 +122,8 @@ class ReadPath:
         failures, state_job, delta = read(path, len(arr))
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
-            error = failures.errors[failed]
-            if isinstance(error, (CorruptBlob, CorruptRecord, OSError)):
-                self._report_broken(path[failed].h, str(error))
-            else:
-                log.error("kvstore: reading node failed", exc_info=error)
-                with self._lock:
-                    self._counters.errors += 1
+            step = path[failed]
+            self._read_failed(step.h, failures.errors[failed], step.rec)
         state = None
         if state_job is not None:
             if failed < len(path):
@@ -539,7 +534,52 @@ class ReadPath:
         if not metadata_matches(meta, self.namespace):
             raise CorruptBlob("file belongs to another namespace")
 
-    def _report_broken(self, h: bytes, reason: str) -> None:
+    def _read_failed(
+        self, h: bytes, error: BaseException, rec: Optional[NodeRecord]
+    ) -> None:
+        """A node's files could not be read for a fetch (or a prefill, a preload).
+
+        Only evidence that the data is bad (:class:`CorruptBlob`: checksum, header,
+        size, a missing file; :class:`CorruptRecord`) reports the node broken, and
+        only while the index still holds the record it was read for. Any other
+        ``OSError`` (out of descriptors or memory, an interrupted call, EIO) is a
+        miss and a counted error: nothing is removed, the next fetch tries again.
+        """
+        if isinstance(error, (CorruptBlob, CorruptRecord)):
+            self._report_broken(h, str(error), rec)
+            return
+        if isinstance(error, OSError):
+            log.warning(
+                "kvstore: cannot read node %s now (%s); a miss, nothing removed",
+                h.hex()[:12],
+                error,
+            )
+        else:
+            log.error("kvstore: reading node failed", exc_info=error)
+        with self._lock:
+            self._counters.errors += 1
+
+    def _same_record(self, txn, h: bytes, rec: Optional[NodeRecord]) -> bool:
+        """Whether node ``h``'s record in ``txn`` is still ``rec`` (the same files);
+        with ``rec`` None, whether it is still a record that does not decode."""
+        try:
+            now = self.index.get_node(self.namespace, h, txn)
+        except CorruptRecord:
+            return rec is None
+        return now is not None and rec is not None and now.same_files(rec)
+
+    def _report_broken(
+        self, h: bytes, reason: str, rec: Optional[NodeRecord] = None
+    ) -> None:
+        """Report node ``h`` broken (a miss from it on) and have the writer quarantine
+        it: ``rec`` is the record its files were read for (None: a record that does
+        not decode). A node whose record has gone or changed since (another process
+        evicted it, or evicted and saved it again) is a plain miss instead."""
+        if rec is not None and not self.index.read(
+            lambda txn: self._same_record(txn, h, rec)
+        ):
+            log.debug("kvstore: node %s went while it was read: a miss", h.hex()[:12])
+            return
         with self._lock:
             if h in self._broken:
                 return
@@ -551,13 +591,14 @@ class ReadPath:
             reason,
         )
         self._forget(h)
-        self.writer.submit(lambda: self._quarantine(h, reason))
+        self.writer.submit(lambda: self._quarantine(h, reason, rec))
 
     def _preload_pinned(self) -> None:
         """Load pinned nodes' files into the RAM tier (as far as its budget allows)."""
         if self.ram.max_bytes == 0:
             return
         for h in self.index.pinned(self.namespace):
+            rec = None
             try:
                 rec = self.index.get_node(self.namespace, h)
                 if (
@@ -591,4 +632,4 @@ class ReadPath:
                         self.layout.decode_state(memoryview(data), tensors, rec.end)
                     self.ram.put(key, RamEntry(data, tensors, rec.kind, True))
             except (CorruptBlob, CorruptRecord, OSError) as e:
-                self._report_broken(h, str(e))
+                self._read_failed(h, e, rec)

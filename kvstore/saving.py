@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import devices, maintenance, reservations
+from . import devices, maintenance, reservations, salts
 from .blobs import DELTA_PART, STATE_PART, NodeFile, node_metadata, parse_header
 from .chunking import chain_hashes, split_spans
 from .index import NodeRecord
@@ -97,7 +97,7 @@ class WritePath:
     """Saves of :class:`kvstore.store.KVStore`: :meth:`_save` captures the nodes and
     queues :meth:`_write_nodes` on the background writer."""
 
-    def _save(self, arr, cache, *, kind, pin, boundaries, root=None) -> int:
+    def _save(self, arr, cache, *, kind, pin, boundaries, root=None, group=None) -> int:
         root = (
             self.root if root is None else root
         )  # a salted tree's, or the namespace's
@@ -142,7 +142,9 @@ class WritePath:
         self._touch(existing)
 
         def job():
-            self._write_nodes(nodes, kind=kind, pin=pin, existing=existing, root=root)
+            self._write_nodes(
+                nodes, kind=kind, pin=pin, existing=existing, root=root, group=group
+            )
 
         if (nodes or pin) and not self.writer.submit(job, nbytes):
             with self._lock:
@@ -266,12 +268,14 @@ class WritePath:
         pin: bool,
         existing: List[bytes],
         root: Optional[bytes] = None,
+        group: Optional[bytes] = None,
     ):
         """Writer thread: serialize the files, reserve their bytes under the disk budget
         (:meth:`_reserve`), write them, then commit their nodes in one transaction that
         also drops the reservation. A file is reserved until it is indexed or unlinked.
         ``root``: a salted tree's (its nodes stay off the remote tier and count
-        against ``salt_disk_bytes``); None: the namespace's.
+        against ``salt_disk_bytes``); None: the namespace's. ``group``: the root whose
+        quota the tree counts against (a tenant's, :func:`kvstore.salts.tree_of`).
         """
         ns = self.namespace
         files = [self._serialize(node) for node in nodes]
@@ -294,7 +298,9 @@ class WritePath:
         def commit(txn):
             if reservation is not None:
                 reservations.delete(self.index, txn, reservation)
-            evicted[:] = self._make_room(txn, written, root)
+            if root is not None and group not in (None, root):
+                salts.join_group(self.index, txn, ns, group, root)
+            evicted[:] = self._make_room(txn, written, root, group)
             added, superseded, skipped[0] = self._index_nodes(
                 txn, written, kind=kind, pin=pin, now=now
             )

@@ -19,10 +19,11 @@ change in mlx-lm's loop costs reuse, never a leak between salts.
 """
 
 import threading
+import unicodedata
 from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
-from .salts import check_salt
+from .salts import Salt, Tenant, check_salt
 
 UNKNOWN = object()  # a cache whose request cannot be told: never stored
 
@@ -42,11 +43,12 @@ class SaltPolicy:
     """Where a request's salt comes from.
 
     Args:
-        header: ``--salt-header``: take the salt from this header (set by a gateway).
-            A ``cache_salt`` in the body then only narrows the header's tree
-            (``header + "\\n" + cache_salt``); without the header it is
-            ``"\\n" + cache_salt``. Header values cannot hold a newline, so no body
-            can name another tenant's tree.
+        header: ``--salt-header``: the header's value is the request's tenant
+            (:class:`~kvstore.salts.Tenant`, set by a gateway), whose trees are apart
+            from every ``cache_salt``'s. A ``cache_salt`` in the body then narrows the
+            tenant's tree (``Tenant(header, cache_salt)``, within the tenant's
+            quota); without the header it is a plain salt, as on a server without
+            ``--salt-header``, and never reaches a tenant's tree.
         required: ``--require-salt``: a request without a salt (without the header,
             when one is configured) is refused.
     """
@@ -55,8 +57,8 @@ class SaltPolicy:
         self.header = header
         self.required = required
 
-    def salt_of(self, body: dict, headers) -> Optional[str]:
-        """The salt of a request, or None.
+    def salt_of(self, body: dict, headers) -> Salt:
+        """The salt of a request: None, a ``cache_salt`` string, or a Tenant.
 
         Raises:
             ValueError: a message naming the field or header (sent back as a 400).
@@ -83,13 +85,33 @@ class SaltPolicy:
                 raise ValueError(
                     f"header {self.header} is required by this server (--require-salt)"
                 )
-            return None if body_salt is None else "\n" + body_salt
-        header_salt = values[0].strip()
-        what = f"header {self.header}"
-        check_salt(header_salt, what=what)
-        if any(c in header_salt for c in "\r\n\0"):
-            raise ValueError(f"{what} holds a line break or NUL")
-        return header_salt if body_salt is None else header_salt + "\n" + body_salt
+            return body_salt
+        return Tenant(header_text(values[0], what=f"header {self.header}"), body_salt)
+
+
+def header_text(value: str, *, what: str) -> str:
+    """A tenant header's value as the client sent it: the UTF-8 text of its bytes,
+    without HTTP's optional whitespace (space, tab) around it.
+
+    ``http.server`` hands header values over decoded as ISO-8859-1, one character
+    per byte: encoding them back gives the bytes sent.
+
+    Raises:
+        ValueError: empty, longer than 256 bytes, not UTF-8, or holding a control
+            character.
+    """
+    value = value.strip(" \t")
+    try:
+        value = value.encode("latin-1").decode("utf-8")
+    except UnicodeEncodeError:
+        pass  # not from http.server's parser: already text
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not valid UTF-8") from None
+    bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        raise ValueError(f"{what} holds a control character (U+{ord(bad):04X})")
+    check_salt(value, what=what)
+    return value
 
 
 class SaltedCache(list):
@@ -110,7 +132,7 @@ class SaltRouter:
     def __init__(self):
         self._local = threading.local()
 
-    def set_request(self, salt: Optional[str]) -> None:
+    def set_request(self, salt: Salt) -> None:
         self._local.request = salt
 
     def request(self):
@@ -118,7 +140,7 @@ class SaltRouter:
         return getattr(self._local, "request", UNKNOWN)
 
     @contextmanager
-    def sequential(self, salt: Optional[str]) -> Iterator[None]:
+    def sequential(self, salt: Salt) -> Iterator[None]:
         self._local.sequential = salt
         try:
             yield
@@ -136,7 +158,12 @@ def response_generator_class(base, router: SaltRouter):
     class SaltedResponseGenerator(base):
         def _tokenize(self, tokenizer, request, args):
             router.set_request(getattr(request, "kvstore_salt", None))
-            return super()._tokenize(tokenizer, request, args)
+            out = super()._tokenize(tokenizer, request, args)
+            if not out[0]:
+                # mlx-lm's generation thread dies on an empty prompt; this error
+                # goes back to the request instead (both paths catch it).
+                raise ValueError("the prompt is empty: nothing to generate from")
+            return out
 
         def _serve_single(self, request, *args, **kwargs):
             with router.sequential(getattr(request[1], "kvstore_salt", None)):

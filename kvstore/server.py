@@ -6,9 +6,11 @@ replaced while it runs:
 * ``LRUPromptCache`` by a factory returning :class:`PersistentPromptCache` (mlx-lm's
   own ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
 * ``ModelProvider`` by a subclass that lets the cache find the loaded model;
-* ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which adds
-  ``GET /kvstore/stats`` and ``GET /metrics``, applies ``--strip-pattern`` to
-  request bodies and reads each request's cache salt;
+* ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which applies
+  ``--strip-pattern`` to request bodies (refusing a prompt left empty), reads each
+  request's cache salt, and with ``--api-metrics`` adds ``GET /kvstore/stats`` and
+  ``GET /metrics`` (else they are served on ``--metrics-port`` only,
+  :mod:`kvstore.serve_metrics`);
 * ``ResponseGenerator`` and ``BatchGenerator`` by subclasses that carry each
   request's salt to the prompt cache (:mod:`kvstore.serve_salts`).
 
@@ -25,8 +27,9 @@ example, a billing header that some clients put at the top of the system prompt:
 
 Counters: one log line per request (``kvstore: prompt N tokens: reused R
 (ram|disk|remote|miss), computing C, restore T ms``), ``GET /kvstore/stats`` (JSON:
-this process's totals, the RAM LRU, and each open store's ``KVStore.stats()``) and
-``GET /metrics`` (the same in the Prometheus text format, :mod:`kvstore.metrics`).
+this process's totals, the RAM LRU, and each open store's ``KVStore.stats()``, without
+the store's path) and ``GET /metrics`` (the same in the Prometheus text format,
+:mod:`kvstore.metrics`).
 Also runnable as ``python -m kvstore.server``.
 """
 
@@ -43,10 +46,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import serve_metrics
 from .compat import check_server, server_refusal
 from .metrics import ServeMetrics
-from .options import add_size_options, default_store, store_disk_budget
-from .salts import check_salt
+from .options import add_size_options, default_store, int_at_least, store_disk_budget
+from .salts import parse_salt
 from .serve_salts import (
     UNKNOWN,
     SaltedCache,
@@ -87,10 +91,10 @@ class _SaltedKey:
     """The RAM LRU's model key for a salted request: salts never share an entry."""
 
     model: Any
-    salt: str
+    salt: Any
 
 
-def _ram_key(model, salt: Optional[str]):
+def _ram_key(model, salt):
     return model if salt is None else _SaltedKey(model, salt)
 
 
@@ -173,7 +177,25 @@ class PersistentPromptCache:
         its last token to compute (the store restores at most ``len(tokens) - 1``).
         On a tie the RAM cache is used; the store restores only when its index says
         it holds more than RAM (with a remote tier it is always asked).
+
+        Runs on mlx-lm's generation thread, which an exception would end for good:
+        any failure is logged and counted (``store_errors``) and is a miss.
         """
+        try:
+            return self._fetch_nearest(model, tokens, salt)
+        except Exception:
+            log.exception("kvstore: prompt cache lookup failed; computing the prompt")
+            n = len(tokens) if isinstance(tokens, list) else 0
+            self._count(
+                requests=1,
+                misses=1,
+                store_errors=1,
+                tokens_requested=n,
+                tokens_computed=n,
+            )
+            return None, tokens
+
+    def _fetch_nearest(self, model: Any, tokens: List[int], salt):
         salt = self._salt(salt, self.salts.request if self.salts else None)
         if salt is UNKNOWN:
             self._count(
@@ -239,7 +261,18 @@ class PersistentPromptCache:
         salt=_FROM_REQUEST,
     ):
         """Insert into the RAM LRU and queue the KV of ``tokens`` for the store,
-        both under the salt of the request the cache came from."""
+        both under the salt of the request the cache came from.
+
+        Runs on mlx-lm's generation thread, which an exception would end for good:
+        any failure is logged and counted (``saves_skipped``, ``store_errors``).
+        """
+        try:
+            self._insert(model, tokens, prompt_cache, cache_type, salt)
+        except Exception:
+            log.exception("kvstore: a prompt cache was not kept")
+            self._count(saves_skipped=1, store_errors=1)
+
+    def _insert(self, model, tokens, prompt_cache, cache_type: str, salt) -> None:
         tag = getattr(prompt_cache, "kvstore_salt", _FROM_REQUEST)
         if isinstance(prompt_cache, SaltedCache):
             prompt_cache = list(prompt_cache)
@@ -278,7 +311,7 @@ class PersistentPromptCache:
         if salt is _FROM_REQUEST:
             return from_request() if from_request is not None else None
         if salt is not UNKNOWN:
-            check_salt(salt)
+            parse_salt(salt)
         return salt
 
     # -- stores ---------------------------------------------------------------
@@ -360,14 +393,16 @@ class PersistentPromptCache:
             stores = [s for s in self._stores.values() if s is not None]
         out["ram_sequences"] = len(self._lru)
         out["ram_bytes"] = self._lru.nbytes
-        out["store_dir"] = self.store_dir
         out["stores"] = []
         for s in stores:
             try:
-                out["stores"].append(s.stats())
+                stats = s.stats()
+                stats.pop("path", None)
+                out["stores"].append(stats)
             except Exception as e:
                 out["stores"].append({"error": f"{type(e).__name__}: {e}"})
-        return out
+        # Served to HTTP clients: no file system path.
+        return serve_metrics.without_path(out, self.store_dir)
 
     def _count(self, **deltas) -> None:
         with self._lock:
@@ -428,17 +463,82 @@ def strip_body(body: Dict[str, Any], patterns: Sequence["re.Pattern"]) -> None:
                     part["text"] = strip_text(part["text"], patterns)
 
 
+_PENALTY_WINDOWS = (
+    "repetition_context_size",
+    "presence_context_size",
+    "frequency_context_size",
+)
+MAX_PENALTY_WINDOW = 1 << 20  # tokens a penalty looks back over: past any context
+
+
+def check_body(body: Dict[str, Any], vocab_size: Optional[int]) -> None:
+    """Refuse what mlx-lm's server lets through to its generation thread and cannot
+    survive there: ``stop`` that is not text and penalty windows too large to
+    allocate (the thread dies), ``logit_bias`` token ids outside the vocabulary (the
+    process crashes in MLX).
+
+    Raises:
+        ValueError: naming the field (sent back as a 400).
+    """
+    for name in _PENALTY_WINDOWS:
+        size = body.get(name)
+        if isinstance(size, int) and size > MAX_PENALTY_WINDOW:
+            raise ValueError(f"{name} must be at most {MAX_PENALTY_WINDOW}")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list) or not all(isinstance(w, str) for w in stop):
+            raise ValueError("stop must be a string or a list of strings")
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):
+        for key in bias:
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                continue  # mlx-lm's own check names it
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                ids = "not negative" if vocab_size is None else f"0 to {vocab_size - 1}"
+                raise ValueError(
+                    f"logit_bias token id {token} is not a token of this model "
+                    f"(ids are {ids})"
+                )
+
+
+def _vocab_size(provider) -> Optional[int]:
+    """The loaded model's output size (its vocabulary), None when not told."""
+    model = getattr(provider, "model", None)
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        size = (
+            source.get("vocab_size")
+            if isinstance(source, dict)
+            else getattr(source, "vocab_size", None)
+        )
+        if isinstance(size, int) and size > 0:
+            return size
+    tokenizer = getattr(provider, "tokenizer", None)
+    try:
+        return len(tokenizer) if tokenizer is not None else None
+    except TypeError:
+        return None
+
+
 def make_handler_class(
-    base, patterns: Sequence["re.Pattern"], salt_policy: Optional[SaltPolicy] = None
+    base,
+    patterns: Sequence["re.Pattern"],
+    salt_policy: Optional[SaltPolicy] = None,
+    *,
+    api_metrics: bool = True,
 ):
-    """mlx-lm's ``APIHandler`` plus ``GET /kvstore/stats``, ``GET /metrics``,
-    ``--strip-pattern`` and the request's cache salt (``salt_policy``; default: the
-    ``cache_salt`` body field)."""
+    """mlx-lm's ``APIHandler`` plus ``GET /kvstore/stats`` and ``GET /metrics``
+    (``api_metrics``; else a 404 saying so), ``--strip-pattern`` and the request's
+    cache salt (``salt_policy``; default: the ``cache_salt`` body field)."""
     policy = salt_policy or SaltPolicy()
 
     class KVStoreAPIHandler(base):
         def validate_model_parameters(self):
             super().validate_model_parameters()
+            provider = getattr(self.response_generator, "model_provider", None)
+            check_body(self.body, _vocab_size(provider))
             try:
                 self.kvstore_salt = policy.salt_of(self.body, self.headers)
             except ValueError:  # mlx-lm answers 400 with the message
@@ -454,7 +554,15 @@ def make_handler_class(
             return request
 
         def handle_text_completions(self):
+            # mlx-lm's generation thread dies on an empty prompt: refuse it (400).
+            if self.body.get("prompt") == "":
+                raise ValueError("prompt is empty: send the text to complete")
             strip_body(self.body, patterns)
+            if self.body.get("prompt") == "":
+                raise ValueError(
+                    "prompt is empty once --strip-pattern is applied: send text "
+                    "beyond the stripped lines"
+                )
             request = super().handle_text_completions()
             request.kvstore_salt = getattr(self, "kvstore_salt", None)
             return request
@@ -465,23 +573,17 @@ def make_handler_class(
 
         def do_GET(self):
             path = self.path.split("?")[0]
-            if path not in ("/kvstore/stats", "/metrics"):
+            if path not in serve_metrics.PATHS:
                 return super().do_GET()
-            cache = self._prompt_cache()
-            if cache is None:
-                status, body = 503, {"error": "no persistent prompt cache"}
-            elif path == "/metrics":
-                self.send_response(200)
-                self.send_header("Content-Type", cache.metrics.content_type)
-                self.end_headers()
-                self.wfile.write(cache.metrics.exposition())
-                self.wfile.flush()
-                return
+            if api_metrics:
+                status, ctype, body = serve_metrics.respond(self._prompt_cache(), path)
             else:
-                status, body = 200, cache.stats()
-            self._set_completion_headers(status)
+                status, ctype = 404, "application/json"
+                body = json.dumps({"error": serve_metrics.OFF_API_PORT}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
             self.end_headers()
-            self.wfile.write(json.dumps(body).encode())
+            self.wfile.write(body)
             self.wfile.flush()
 
     return KVStoreAPIHandler
@@ -528,6 +630,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refuse (400) a request without a salt (without --salt-header's header)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int_at_least(0, 65535),
+        metavar="PORT",
+        help="serve GET /metrics and /kvstore/stats on this port of --metrics-host, "
+        "apart from the API port (they show every tenant's traffic)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address --metrics-port listens on (default: 127.0.0.1)",
+    )
+    p.add_argument(
+        "--api-metrics",
+        action="store_true",
+        help="also serve GET /metrics and /kvstore/stats on the API port (for a "
+        "server whose clients may see each other's traffic)",
+    )
     return p
 
 
@@ -562,8 +683,29 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     except _BadOption as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 2
+    listener = None
+    if args.metrics_port is not None:
+        try:  # a taken port fails now, before the model loads
+            listener = serve_metrics.MetricsListener(
+                args.metrics_host,
+                args.metrics_port,
+                lambda: caches[-1] if caches else None,
+            )
+        except OSError as e:
+            print(
+                f"kvstore serve: bad --metrics-port/--metrics-host: cannot listen on "
+                f"{args.metrics_host}:{args.metrics_port}: {e.strerror or e}",
+                file=sys.stderr,
+            )
+            return 2
     caches, saved = _install(mls, args, store_dir, patterns)
-    status = _run(mls, rest, caches, saved)
+    if listener is not None:
+        listener.start()
+    try:
+        status = _run(mls, rest, caches, saved)
+    finally:
+        if listener is not None:
+            listener.close()
     if caches and hard_exit:
         # After mlx_lm.server's shutdown, the interpreter's teardown sometimes aborts in
         # MLX's C++ threads ("terminate called without an active exception", exit -6;
@@ -655,7 +797,9 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
 
     router = SaltRouter()
     policy = SaltPolicy(header=args.salt_header, required=args.require_salt)
-    handler = make_handler_class(mls.APIHandler, patterns, policy)
+    handler = make_handler_class(
+        mls.APIHandler, patterns, policy, api_metrics=args.api_metrics
+    )
     saved = {
         name: getattr(mls, name)
         for name in (

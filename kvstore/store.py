@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, fsutil, maintenance, reservations, salts
+from . import adapters, fsutil, maintenance, reservations, salts, spare
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
-from .loadpath import default_restore_io
+from .loadpath import default_read_threads, default_restore_io
 from .maintenance.common import check_int
 from .namespace import open_namespace
 from .ram import RamTier
@@ -73,10 +73,14 @@ _MINIMUMS = {
     "kv_group_size": 1,
     "ram_bytes": 0,
     "max_pending_bytes": 0,
-    "read_threads": 1,
     "restore_room": 0,
 }
-_OPTIONAL_MINIMUMS = {"kv_bits": 1, "disk_bytes": 1, "salt_disk_bytes": 1}
+_OPTIONAL_MINIMUMS = {
+    "kv_bits": 1,
+    "disk_bytes": 1,
+    "salt_disk_bytes": 1,
+    "read_threads": 1,
+}
 
 
 def _check_arguments(path, model, tokenizer, **numbers) -> None:
@@ -120,7 +124,9 @@ class KVStore(ReadPath, WritePath, Removal):
         max_pending_bytes: A save whose KV would take the bytes waiting for the
             disk beyond this is dropped (counted in ``writes_dropped``).
         read_threads: Threads reading chunk files in parallel during a restore
-            (the calling thread is one of them).
+            (the calling thread is one of them). None: 2 on the CPU and Metal
+            (the restore's copies then share the memory bus with little else),
+            up to 8 with CUDA (see :func:`kvstore.loadpath.default_read_threads`).
         restore_room: Tokens past a restore that its arrays have room for (rounded
             up to mlx-lm's cache step): the prompt's rest and the first generated
             token are then written in place, where an exactly full cache would copy
@@ -151,7 +157,7 @@ class KVStore(ReadPath, WritePath, Removal):
         disk_bytes: Optional[int] = None,
         salt_disk_bytes: Optional[int] = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        read_threads: int = 2,
+        read_threads: Optional[int] = None,
         restore_room: int = 2048,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
@@ -198,6 +204,7 @@ class KVStore(ReadPath, WritePath, Removal):
         self.root = root_hash(self.namespace)
         # Reservations of saves that died with their process (or this one) free up.
         reservations.drop_stale(self.index)
+        spare.ensure(self.index.path)  # room for gc's first commit on a full disk
         if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
             maintenance.write_disk_budget(self.index, disk_bytes)
         self.blobs = Blobs(
@@ -210,10 +217,10 @@ class KVStore(ReadPath, WritePath, Removal):
             heads * width * getattr(mx, dtype).size
             for dtype, heads, width in self.layout.rows.values()
         )
-        self.read_threads = read_threads
         self.restore_io = default_restore_io()
+        self.read_threads = read_threads or default_read_threads(self.restore_io)
         self._readers = ThreadPoolExecutor(
-            read_threads, thread_name_prefix="kvstore-read"
+            self.read_threads, thread_name_prefix="kvstore-read"
         )
         self._allocator = PlanAllocator()  # a restore's arrays: see kvstore.assemble
         self._counters = _Counters()
@@ -263,13 +270,15 @@ class KVStore(ReadPath, WritePath, Removal):
 
     # -- fetch -------------------------------------------------------------
 
-    def fetch(self, tokens, *, salt: Optional[str] = None) -> Tuple[List[Any], int]:
+    def fetch(self, tokens, *, salt: salts.Salt = None) -> Tuple[List[Any], int]:
         """Restore the longest stored prefix of ``tokens``.
 
         Args:
             tokens: The prompt's token ids.
             salt: Reuse only KV saved with this salt (a tenant's tree; see
-                :mod:`kvstore.salts`); None: the unsalted tree.
+                :mod:`kvstore.salts`): a string, or a :class:`kvstore.Tenant` (a
+                gateway's tenant, apart from every string salt); None: the
+                unsalted tree.
 
         Returns:
             ``(cache, n)``: fresh cache objects (owned by the caller) holding the KV
@@ -278,17 +287,17 @@ class KVStore(ReadPath, WritePath, Removal):
 
         Raises:
             TypeError, ValueError: ``tokens`` is not a list of token ids, or ``salt``
-                not a non-empty string of at most 256 bytes.
+                (or a part of a Tenant) not a non-empty string of at most 256 bytes.
         """
         self._check_open()
         arr = as_token_array(tokens)
-        raw_salt = salts.check_salt(salt)
+        parts = salts.parse_salt(salt)
         tic = time.perf_counter()
-        if self.remote is not None and raw_salt is None:
+        if self.remote is not None and parts is None:
             # Salted trees stay local: another machine's store has another secret.
             self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
-            cache, n = self._fetch(arr, root=self._root_of(raw_salt))
+            cache, n = self._fetch(arr, root=self._tree_of(parts)[0])
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             with self._lock:
@@ -313,7 +322,7 @@ class KVStore(ReadPath, WritePath, Removal):
         kind: str = "user",
         pin: bool = False,
         boundaries: Sequence[int] = (),
-        salt: Optional[str] = None,
+        salt: salts.Salt = None,
     ) -> int:
         """Store the KV of ``tokens`` held by ``cache``, sharing stored prefixes.
 
@@ -338,11 +347,17 @@ class KVStore(ReadPath, WritePath, Removal):
                 ``len(tokens)`` tokens or has another number of layers.
         """
         arr = self._checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
-        root = self._root_of(salts.check_salt(salt))
+        root, group = self._tree_of(salts.parse_salt(salt))
         if not self._storable(cache, len(arr), exact=True):
             return 0
         return self._save(
-            arr, cache, kind=kind, pin=pin, boundaries=boundaries, root=root
+            arr,
+            cache,
+            kind=kind,
+            pin=pin,
+            boundaries=boundaries,
+            root=root,
+            group=group,
         )
 
     def save_prefix(
@@ -352,7 +367,7 @@ class KVStore(ReadPath, WritePath, Removal):
         *,
         kind: str = "user",
         pin: bool = False,
-        salt: Optional[str] = None,
+        salt: salts.Salt = None,
     ) -> int:
         """Like :meth:`save`, for a cache that may hold more tokens than ``tokens``
         (a generate loop's cache after the first new token): only the prefix is stored.
@@ -360,10 +375,12 @@ class KVStore(ReadPath, WritePath, Removal):
         back, so its cache must hold exactly ``tokens``.
         """
         arr = self._checked(tokens, kind, "save", pin=pin)
-        root = self._root_of(salts.check_salt(salt))
+        root, group = self._tree_of(salts.parse_salt(salt))
         if not self._storable(cache, len(arr), exact=False):
             return 0
-        return self._save(arr, cache, kind=kind, pin=pin, boundaries=(), root=root)
+        return self._save(
+            arr, cache, kind=kind, pin=pin, boundaries=(), root=root, group=group
+        )
 
     def _storable(self, cache: Sequence[Any], ntokens: int, *, exact: bool) -> bool:
         """Check ``cache`` against the layout. A wrong call (token count, layer count)
@@ -415,7 +432,7 @@ class KVStore(ReadPath, WritePath, Removal):
         pin: bool = False,
         boundaries: Sequence[int] = (),
         step_tokens: int = 512,
-        salt: Optional[str] = None,
+        salt: salts.Salt = None,
     ) -> Dict[str, int]:
         """Compute what is missing of ``tokens`` (after the longest stored prefix) and save it.
 
@@ -427,7 +444,7 @@ class KVStore(ReadPath, WritePath, Removal):
         """
         arr = self._checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
         check_int("step_tokens", step_tokens, minimum=1)
-        root = self._root_of(salts.check_salt(salt))
+        root, group = self._tree_of(salts.parse_salt(salt))
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         if isinstance(vocab, int) and arr.max() >= vocab:
             bad = int(np.flatnonzero(arr >= vocab)[0])
@@ -461,7 +478,13 @@ class KVStore(ReadPath, WritePath, Removal):
             pos = stop
             bounds = [b for b in boundaries if b < stop]
             self._save(
-                arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds, root=root
+                arr[:stop],
+                cache,
+                kind=kind,
+                pin=pin,
+                boundaries=bounds,
+                root=root,
+                group=group,
             )
         return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
 
@@ -488,7 +511,7 @@ class KVStore(ReadPath, WritePath, Removal):
                     )[2]
                     self._check_meta(meta)
             except (CorruptBlob, OSError) as e:
-                self._report_broken(step.h, str(e))
+                self._read_failed(step.h, e, rec)
                 return False
         return True
 
@@ -506,26 +529,26 @@ class KVStore(ReadPath, WritePath, Removal):
         """An empty cache of the layout this store holds (what ``fetch`` returns on a miss)."""
         return self.layout.make_cache()
 
-    def lookup(self, tokens, *, salt: Optional[str] = None) -> int:
+    def lookup(self, tokens, *, salt: salts.Salt = None) -> int:
         """How many tokens :meth:`fetch` would restore now (index only, no file is
         read): a caller holding a prefix elsewhere (a RAM cache) can skip a restore
         that would not be longer. A broken file found later makes the fetch shorter.
         """
         self._check_open()
         arr = as_token_array(tokens)
-        root = self._root_of(salts.check_salt(salt))
+        root = self._tree_of(salts.parse_salt(salt))[0]
         path = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
         )
         return sum(step.take for step in path)
 
-    def _root_of(self, raw_salt: Optional[bytes]) -> bytes:
-        """The root hash of the salt's tree (bytes from ``salts.check_salt``)."""
-        if raw_salt is None:
-            return self.root
+    def _tree_of(self, parts) -> Tuple[bytes, bytes]:
+        """``(tree root, quota root)`` of a salt parsed by ``salts.parse_salt``."""
+        if parts is None:
+            return self.root, self.root
         if self._secret is None:
             self._secret = salts.store_secret(self.index)
-        return salts.salted_root(self.root, self._secret, raw_salt)
+        return salts.tree_of(self.root, self._secret, parts)
 
     def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
         """Tokens ``cache`` holds, as far as its layers tell (None: only recurrent

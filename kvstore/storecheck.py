@@ -20,13 +20,12 @@ open then; a process whose ``lock.mdb`` vanished stops writing
 import errno
 import os
 import stat
-import struct
 import time
 from typing import Dict, NamedTuple, Optional, Sequence
 
 import lmdb
 
-from . import fsutil
+from . import fsutil, mdbfile
 
 
 class StoreError(Exception):
@@ -35,11 +34,7 @@ class StoreError(Exception):
 
 LOCK_FILE = "kvstore.lock"
 _OPENING, _HOLDING = 0, 1  # bytes of LOCK_FILE: one opener at a time; every holder
-_MAGIC = 0xBEEFC0DE  # of an LMDB meta page (MDB_MAGIC)
-_META = struct.Struct("<II")  # magic, data version: at offset 16 of pages 0 and 1
-_META_PSIZE = 40  # offset of the page size (the free DB's md_pad) in a meta page
-_META_LAST = struct.Struct("<QQ")  # last page number, txn id: at offset 136
-_META_BYTES = 152
+_RACES = 3  # checks of a data.mdb whose meta page changed (a commit) meanwhile
 
 
 class Opened(NamedTuple):
@@ -136,7 +131,8 @@ def open_env(
 
 def check_data_file(path: str, store: str) -> Optional[int]:
     """The size of ``data.mdb`` (None: missing) once it is known that LMDB can map it:
-    a regular file whose meta pages are LMDB's and that holds every page they name."""
+    a regular file whose meta pages are LMDB's and that holds every page LMDB reads
+    (the pages past its end, if any, are free: :mod:`kvstore.mdbfile`)."""
     if not _check_regular(path, store, "index/data.mdb"):
         return None
     try:
@@ -144,37 +140,33 @@ def check_data_file(path: str, store: str) -> Optional[int]:
     except fsutil.NotRegularFile:
         raise StoreError(f"{store}: index/data.mdb is not a regular file") from None
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0
-        first = os.pread(fd, _META_BYTES, 0)
-        psize = _meta(first) and struct.unpack_from("<I", first, _META_PSIZE)[0]
-        if not psize or psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+        for _ in range(_RACES):
+            # The meta page before the size: a commit writes its pages, then its meta.
+            meta = mdbfile.newest_meta(fd)
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return 0
+            if not meta:
+                raise StoreError(
+                    f"{store}: index/data.mdb is not an LMDB file ({size} bytes); not "
+                    "a kvstore store"
+                )
+            if size >= (max(2, meta.last_page + 1)) * meta.page_size:
+                return size
+            whole = mdbfile.unwritten_pages_are_free(fd, meta, size)
+            if mdbfile.newest_meta(fd) == meta:  # else a commit raced the check
+                break
+        if not whole:
+            need = (meta.last_page + 1) * meta.page_size
             raise StoreError(
-                f"{store}: index/data.mdb is not an LMDB file ({size} bytes); not a "
-                "kvstore store"
-            )
-        metas = [
-            m for m in (_meta(first), _meta(os.pread(fd, _META_BYTES, psize))) if m
-        ]
-        last_page, _ = max(metas, key=lambda m: m[1])
-        need = max(2, last_page + 1) * psize
-        if size < need:
-            raise StoreError(
-                f"{store}: index/data.mdb is truncated ({size} bytes; its pages end at "
-                f"{need}): restore it from a copy, or delete index/ to start a new "
-                "index (the chunk files become orphans that `kvstore gc` removes)"
+                f"{store}: index/data.mdb is truncated ({size} bytes; LMDB would read "
+                f"pages up to {need}): restore it from a copy, or move index/ aside to "
+                "start a new index (the chunk files become orphans that `kvstore gc` "
+                "removes)"
             )
         return size
     finally:
         os.close(fd)
-
-
-def _meta(page: bytes) -> Optional[tuple]:
-    """``(last page, txn id)`` of an LMDB meta page, None if it is not one."""
-    if len(page) < _META_BYTES or _META.unpack_from(page, 16)[0] != _MAGIC:
-        return None
-    return _META_LAST.unpack_from(page, 136)
 
 
 def _check_dir(path: str, store: str, *, create: bool) -> None:

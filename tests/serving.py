@@ -45,8 +45,16 @@ def request(port, path, body=None, timeout=60):
 
 
 class Server:
+    """A server process. A ``kvstore.server`` gets ``--metrics-port`` (its
+    ``metrics_port``) unless ``args`` say where its metrics go."""
+
     def __init__(self, args, log_path):
         self.port = free_port()
+        self.metrics_port = None
+        kv = args[:1] == ["kvstore.server"] or args[:2] == ["kvstore", "serve"]
+        if kv and not {"--metrics-port", "--api-metrics"} & set(args):
+            self.metrics_port = free_port()
+            args = [*args, "--metrics-port", str(self.metrics_port)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [os.getcwd(), env.get("PYTHONPATH")])
@@ -94,6 +102,10 @@ class Server:
 
     def chat(self, body):
         return request(self.port, "/v1/chat/completions", body)
+
+    def stats(self):
+        """``GET /kvstore/stats`` from the metrics port."""
+        return request(self.metrics_port, "/kvstore/stats")
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -188,3 +188,19 @@ def test_file_source_is_hashed_in_order_through_a_real_load(tmp_path, model):
     finally:
         mp.undo()
     assert seen == [(True, True)] * 6
+
+
+def test_segments_bound_nodes_and_bytes(monkeypatch):
+    rows = {"k": ("bfloat16", 8, 128), "v": ("bfloat16", 8, 128)}  # 2 KiB a token
+    monkeypatch.setattr(loadpath, "SEGMENT_TENSOR_BYTES", 16 << 20)
+    assert loadpath._segments(rows, [256] * 128) == [
+        (0, 32),
+        (32, 64),
+        (64, 96),
+        (96, 128),
+    ]
+    monkeypatch.setattr(loadpath, "SEGMENT_NODES", 2)
+    assert loadpath._segments(rows, [5] * 5) == [(0, 2), (2, 4), (4, 5)]
+    monkeypatch.setattr(loadpath, "SEGMENT_TENSOR_BYTES", 1)  # one node at least
+    assert loadpath._segments(rows, [5, 5]) == [(0, 1), (1, 2)]
+    assert loadpath._segments(rows, []) == []

@@ -666,13 +666,13 @@ def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
     a = serve("a")
     try:
         assert answer(a.chat(chat_body("w10 w11 w12 w13")))
-        assert request(a.port, "/kvstore/stats")["misses"] == 1
+        assert a.stats()["misses"] == 1
     finally:
         assert a.stop() == 0, a.output()  # uploads are drained at close
     b = serve("b")
     try:
         assert answer(b.chat(chat_body("w20 w21 w22")))
-        stats = request(b.port, "/kvstore/stats")
+        stats = b.stats()
     finally:
         assert b.stop() == 0, b.output()
     # The restore came through the remote tier, and is counted as such.
@@ -718,9 +718,25 @@ def test_push_pull_and_prefill_with_remote(tmp_path, tiny_model_dir, url, s3, ca
     with KVStore(tmp_path / "c", model, tokenizer, chunk_tokens=C) as c:
         for p in prompts:
             assert c.fetch(p)[1] == len(p) - 1
+        pulled_bytes = c.stats()["bytes_on_disk"]
     assert_clean(tmp_path / "c")
     status, out, _ = run_cli(capsys, *argv)  # again: nothing to do
     assert status == 0 and json.loads(out)["present"] == nodes
+
+    # A pull keeps the store's recorded disk budget (evicting as saves do), and
+    # --disk-bytes gives another.
+    budget = pulled_bytes // 3
+    KVStore(tmp_path / "g", model, tokenizer, chunk_tokens=C, disk_bytes=budget).close()
+    for where, extra, limit in (
+        ("g", [], budget),
+        ("h", ["--disk-bytes", "40K"], 40960),
+    ):
+        pull = ["pull", "--remote", url, "--store", tmp_path / where, *model_args]
+        status, out, err = run_cli(capsys, *pull, *extra, "--json")
+        assert status == 0, err
+        held = maintenance.store_stats(tmp_path / where)["bytes_on_disk"]
+        assert 0 < held <= limit < pulled_bytes, (where, held, limit)
+        assert_clean(tmp_path / where)
 
     # A broken object: pull reports it, skips its subtree, keeps the rest.
     mkey = next(k for k in keys(s3, url) if k.endswith(".json") and "/nodes/" in k)
@@ -841,3 +857,112 @@ def test_bench_remote_vs_cold_vs_disk(tmp_path, model, url):
     assert all(r["restored"] == rows[1]["restored"] for r in rows[1:])
     for r in rows:
         print(f"{r['case']:<14} {r['ms']:9.1f} ms  restored {r['restored']}")
+
+
+# -- a listing that never ends ---------------------------------------------------------
+
+
+class EndlessListing:
+    """An S3 stand-in whose ListObjectsV2 answers ``IsTruncated`` with a next token
+    forever: ``keys`` keys a page, a new token each page (or ``same_token``), after
+    ``delay`` seconds. Anything else is a 404."""
+
+    def __init__(self, *, keys=0, same_token=False, delay=0.0):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        stub = self
+        self.pages = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if "list-type=2" not in self.path:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                time.sleep(delay)
+                stub.pages += 1
+                n = stub.pages
+                token = "same" if same_token else f"token-{n}"
+                contents = "".join(
+                    f"<Contents><Key>p/{n}/{i}.json</Key><Size>1</Size></Contents>"
+                    for i in range(keys)
+                )
+                body = (
+                    '<?xml version="1.0" encoding="UTF-8"?>'
+                    '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                    f"<Name>bkt</Name><Prefix>p</Prefix><KeyCount>{keys}</KeyCount>"
+                    "<MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>"
+                    f"<NextContinuationToken>{token}</NextContinuationToken>"
+                    f"{contents}</ListBucketResult>"
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = "http://127.0.0.1:%d" % self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.mark.parametrize(
+    "stub, bounds, match",
+    [
+        ({"keys": 1000}, {"list_max_keys": 3000}, "goes on past 3000 keys"),
+        ({}, {"list_max_keys": 3000}, "goes on past 8 pages"),
+        ({"delay": 0.2}, {"list_timeout": 0.5}, "goes on past 0.5 seconds"),
+        ({"same_token": True}, {}, "repeats a continuation token"),
+    ],
+)
+def test_a_listing_that_never_ends_is_bounded(monkeypatch, stub, bounds, match):
+    from kvstore.remote import RemoteError
+
+    server = EndlessListing(**stub)
+    aws_env(monkeypatch, server.endpoint)
+    tier = RemoteTier("s3://bkt/p", **bounds)
+    try:
+        with pytest.raises(RemoteError, match=match):
+            tier.list_nodes(bytes(16))
+        # The fetch path asks for the first page's worth (a node's children): what
+        # was listed by the bound, no error.
+        assert len(tier._s3.list_keys("p/", max_keys=1000)) <= 1000 + 1000
+    finally:
+        tier.close()
+        server.close()
+    assert server.pages <= 8 + 4  # both listings
+
+
+def test_pull_and_push_end_against_an_endless_listing(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    from mlx_lm import load
+
+    model, tokenizer = load(tiny_model_dir)
+    with KVStore(tmp_path / "s", model, tokenizer, chunk_tokens=C) as store:
+        store.prefill(SYSTEM)
+    model_args = ["--model", tiny_model_dir, "--chunk-tokens", C]
+    for stub, match in (
+        ({"same_token": True}, "repeats a continuation token"),
+        ({"keys": 3}, "goes on past 2002 pages"),  # the default bounds
+    ):
+        server = EndlessListing(**stub)
+        aws_env(monkeypatch, server.endpoint)
+        try:
+            for argv in (
+                ["push", "--remote", "s3://bkt/p", "--store", tmp_path / "s"],
+                ["pull", "--remote", "s3://bkt/p", "--store", tmp_path / "t"]
+                + model_args,
+            ):
+                status, _, err = run_cli(capsys, *argv)
+                assert status == 2 and match in err and "never ends" in err, err
+        finally:
+            server.close()

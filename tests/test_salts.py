@@ -338,3 +338,120 @@ def test_salt_quota_evicts_only_that_tenants_tree(tmp_path, model, tokenizer):
     assert maintenance.verify(tmp_path / "s")["clean"]
     with pytest.raises(ValueError, match="salt_disk_bytes"):
         kvstore.KVStore(tmp_path / "s", model, tokenizer, salt_disk_bytes=-1)
+
+
+def test_tenants_and_plain_salts_never_share_a_tree(tmp_path, model, tokenizer):
+    tokens = random_tokens(300, seed=3)
+    cache = compute_cache(model, tokens)
+    query = tokens + [3, 4]
+    trees = (
+        kvstore.Tenant("A"),
+        "A",
+        kvstore.Tenant("A", "s"),
+        kvstore.Tenant("A\ns"),  # what the tenant "A" with cache_salt "s" once was
+        "A\ns",
+        kvstore.Tenant("s"),
+    )
+    with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+        for saved in trees:
+            store.save(tokens, cache, salt=saved)
+            store.flush()
+            for other in trees:
+                want = 300 if trees.index(other) <= trees.index(saved) else 0
+                assert store.lookup(query, salt=other) == want, (saved, other)
+        assert store.fetch(query, salt=kvstore.Tenant("A", "s"))[1] == 300
+        roots = {store._tree_of(kvstore.salts.parse_salt(t))[0] for t in trees}
+        assert len(roots | {store.root}) == len(trees) + 1
+    for bad, error, match in (
+        (kvstore.Tenant(""), ValueError, "salt tenant must be a non-empty"),
+        (kvstore.Tenant(None), TypeError, "salt tenant must be a non-empty"),
+        (kvstore.Tenant("A", ""), ValueError, "salt salt must be a non-empty"),
+        (kvstore.Tenant("A", "x" * 257), ValueError, "257 bytes"),
+        (kvstore.Tenant("A", 5), TypeError, "got int"),
+    ):
+        with kvstore.KVStore(tmp_path / "s", model, tokenizer) as store:
+            with pytest.raises(error, match=match):
+                store.fetch(query, salt=bad)
+
+
+def _quota_case(tmp_path, model, tokenizer, noisy_salts):
+    """Tenant B saves one prompt, tenant A then saves 5 prompts under
+    ``noisy_salts(i)``; every tree under a per-tenant quota of two prompts and a disk
+    budget of five. Returns what B still restores, and the store's stats."""
+    prompts = [[10 + i] + random_tokens(99, seed=70 + i) for i in range(6)]
+    caches = [compute_cache(model, p) for p in prompts]
+    with kvstore.KVStore(tmp_path / "probe", model, tokenizer) as probe:
+        probe.save(prompts[0], caches[0])
+        probe.flush()
+        node_bytes = probe.stats()["bytes_on_disk"]
+    path = tmp_path / "s"
+    with kvstore.KVStore(
+        path,
+        model,
+        tokenizer,
+        salt_disk_bytes=2 * node_bytes + node_bytes // 2,
+        disk_bytes=5 * node_bytes + node_bytes // 2,
+    ) as store:
+        store.save(prompts[0], caches[0], salt=kvstore.Tenant("B"))
+        store.flush()
+        for i in range(1, 6):
+            store.save(prompts[i], caches[i], salt=noisy_salts(i))
+            store.flush()
+        kept = store.fetch(prompts[0] + [1], salt=kvstore.Tenant("B"))[1]
+        newest = store.fetch(prompts[5] + [1], salt=noisy_salts(5))[1]
+        stats = maintenance.store_stats(path)["namespaces"][0]
+    assert maintenance.verify(path)["clean"]
+    a_bytes = sum(t["bytes"] for t in stats["salted_trees"]) - node_bytes
+    return kept, newest, a_bytes, node_bytes
+
+
+def test_tenant_quota_counts_its_narrowed_trees(tmp_path, model, tokenizer):
+    # A tenant sending a new cache_salt with each prompt stays within its quota, so
+    # it cannot push tenant B's prefix out of the shared disk budget.
+    kept, newest, a_bytes, node_bytes = _quota_case(
+        tmp_path / "narrowed", model, tokenizer, lambda i: kvstore.Tenant("A", f"s{i}")
+    )
+    assert (kept, newest) == (100, 100)
+    assert a_bytes <= 2 * node_bytes + node_bytes // 2
+    # Control: plain salts are trees of their own, each with its own quota, so the
+    # same traffic fills the disk budget and evicts B's prefix.
+    kept, newest, a_bytes, _ = _quota_case(
+        tmp_path / "plain", model, tokenizer, lambda i: f"s{i}"
+    )
+    assert (kept, newest) == (0, 100)
+    assert a_bytes > 2 * node_bytes + node_bytes // 2
+
+
+def test_tenant_groups_are_hashes_kept_only_while_needed(tmp_path, model, tokenizer):
+    from kvstore.index import Index
+    from kvstore.maintenance.common import prefixed_items
+    from kvstore.salts import GROUP_PREFIX
+
+    def groups(path):
+        index = Index(os.path.join(path, "index"), create=False)
+        try:
+            return index.read(
+                lambda txn: [
+                    k for k, _ in prefixed_items(txn, index.db["meta"], GROUP_PREFIX)
+                ]
+            )
+        finally:
+            index.close()
+
+    prompts = [[10 + i] + random_tokens(99, seed=90 + i) for i in range(6)]
+    caches = [compute_cache(model, p) for p in prompts]
+    path = tmp_path / "s"
+    with kvstore.KVStore(path, model, tokenizer, salt_disk_bytes=1) as store:
+        for i in range(5):  # a quota below one prompt: each save evicts the last
+            store.save(prompts[i], caches[i], salt=kvstore.Tenant("tenant-a", f"s{i}"))
+            store.flush()
+        store.save(prompts[5], caches[5], salt=kvstore.Tenant("tenant-b"))
+        store.flush()
+        ns = store.namespace
+        keys = groups(path)
+        # Hashes only; a narrowed tree found empty is forgotten, so five cache_salts
+        # leave two records (the last, and the one its save emptied).
+        assert len(keys) == 2 and all(k.startswith(GROUP_PREFIX + ns) for k in keys)
+        assert b"tenant" not in b"".join(keys)
+    maintenance.gc(path, drop_namespaces=[ns.hex()])
+    assert groups(path) == []

@@ -113,7 +113,7 @@ def test_real_model_restart_reuses_system_prompt(tmp_path, smollm2_dir):
     s1 = Server(kv, tmp_path / "run1.log")
     try:
         got_first = answer(s1.chat(first))
-        stats1 = request(s1.port, "/kvstore/stats")
+        stats1 = s1.stats()
     finally:
         assert s1.stop() == 0, s1.output()
     assert got_first == want_first
@@ -122,7 +122,7 @@ def test_real_model_restart_reuses_system_prompt(tmp_path, smollm2_dir):
     s2 = Server(kv, tmp_path / "run2.log")  # a restart: nothing in RAM
     try:
         got_second = answer(s2.chat(second))
-        stats2 = request(s2.port, "/kvstore/stats")
+        stats2 = s2.stats()
     finally:
         assert s2.stop() == 0, s2.output()
     assert got_second == want_second
@@ -154,7 +154,7 @@ def test_prefill_while_two_servers_share_the_store(tmp_path, tiny_model_dir, tok
         results = []
         for i, s in enumerate(servers):
             r = s.chat(chat_body(f"w{50 + i} w51"))
-            results.append((r, request(s.port, "/kvstore/stats")))
+            results.append((r, s.stats()))
     finally:
         codes = stop_all(servers)
     assert codes == [0, 0], [s.output() for s in servers]
@@ -187,7 +187,7 @@ def test_store_of_another_model(tmp_path, tiny_model_dir):
     try:
         a = s.chat(chat_body("w40 w41 w42"))  # the very prompt model A stored
         b = s.chat(chat_body("w50 w51"))
-        stats = request(s.port, "/kvstore/stats")
+        stats = s.stats()
     finally:
         assert s.stop() == 0, s.output()
     assert a["usage"]["completion_tokens"] >= 1 and b["usage"]["completion_tokens"] >= 1

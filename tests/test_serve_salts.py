@@ -12,6 +12,7 @@ from mlx_lm.generate import BatchGenerator
 from prometheus_client.parser import text_string_to_metric_families
 from serving import KEY, provider
 
+from kvstore.salts import Tenant
 from kvstore.serve_salts import (
     UNKNOWN,
     SaltedCache,
@@ -69,23 +70,61 @@ def test_body_salt():
 
 def test_header_salt():
     p = SaltPolicy(header="X-Tenant")
-    assert p.salt_of({}, headers(("X-Tenant", "acme"))) == "acme"
-    assert p.salt_of({}, headers(("x-tenant", "acme"))) == "acme"  # case-insensitive
+    assert p.salt_of({}, headers(("X-Tenant", "acme"))) == Tenant("acme")
+    assert p.salt_of({}, headers(("x-tenant", "acme"))) == Tenant("acme")
     assert p.salt_of({}, headers()) is None
-    # A body salt narrows the header's tree; without the header it cannot reach one.
-    assert p.salt_of({"cache_salt": "s"}, headers(("X-Tenant", "acme"))) == "acme\ns"
-    assert p.salt_of({"cache_salt": "acme"}, headers()) == "\nacme"
+    # A body salt narrows the tenant's tree; without the header it is a plain salt,
+    # which never reaches a tenant's tree (another domain: kvstore.salts).
+    assert p.salt_of({"cache_salt": "s"}, headers(("X-Tenant", "acme"))) == Tenant(
+        "acme", "s"
+    )
+    assert p.salt_of({"cache_salt": "acme"}, headers()) == "acme"
+    # Both parts may be 256 bytes: they are hashed apart, never joined.
+    assert p.salt_of(
+        {"cache_salt": "s" * 256}, headers(("X-Tenant", "t" * 256))
+    ) == Tenant("t" * 256, "s" * 256)
     with pytest.raises(ValueError, match="header X-Tenant was sent 2 times"):
         p.salt_of({}, headers(("X-Tenant", "a"), ("X-Tenant", "a")))
     for bad, match in (("", "non-empty"), ("   ", "non-empty"), ("x" * 300, "300")):
         with pytest.raises(ValueError, match=f"header X-Tenant .*{match}"):
             p.salt_of({}, headers(("X-Tenant", bad)))
-    with pytest.raises(ValueError, match="line break"):
+    with pytest.raises(ValueError, match="control character"):
         p.salt_of({}, headers(("X-Tenant", "a\nb")))
     required = SaltPolicy(header="X-Tenant", required=True)
     with pytest.raises(ValueError, match="header X-Tenant is required"):
         required.salt_of({"cache_salt": "s"}, headers())
-    assert required.salt_of({}, headers(("X-Tenant", "acme"))) == "acme"
+    assert required.salt_of({}, headers(("X-Tenant", "acme"))) == Tenant("acme")
+
+
+def sent(text):
+    """A header value as http.server hands it over: its UTF-8 bytes as ISO-8859-1."""
+    return text.encode("utf-8").decode("latin-1")
+
+
+def test_header_salt_keeps_what_was_sent():
+    p = SaltPolicy(header="X-Tenant")
+    # Only HTTP's optional whitespace is cut: control characters are refused, never
+    # folded into another tenant's name.
+    assert p.salt_of({}, headers(("X-Tenant", sent(" \tA \t")))) == Tenant("A")
+    for value, code in (
+        ("A\x1f", "001F"),
+        ("A\x0b", "000B"),
+        ("A\x0c", "000C"),
+        ("\x1cA", "001C"),
+        ("A\x7f", "007F"),
+        (sent("A\x85"), "0085"),  # a C1 control, sent as UTF-8
+    ):
+        with pytest.raises(ValueError, match=f"control character \\(U\\+{code}\\)"):
+            p.salt_of({}, headers(("X-Tenant", value)))
+    # A no-break space is not HTTP whitespace: another tenant, not "A".
+    assert p.salt_of({}, headers(("X-Tenant", sent("A\xa0")))) == Tenant("A\xa0")
+    # UTF-8 bytes are the tenant's text, counted once against 256 bytes.
+    assert p.salt_of({}, headers(("X-Tenant", sent("é")))) == Tenant("é")
+    assert p.salt_of({}, headers(("X-Tenant", sent("é" * 128)))) == Tenant("é" * 128)
+    with pytest.raises(ValueError, match="258 bytes"):
+        p.salt_of({}, headers(("X-Tenant", sent("é" * 129))))
+    with pytest.raises(ValueError, match="header X-Tenant is not valid UTF-8"):
+        p.salt_of({}, headers(("X-Tenant", "\xe9")))  # a latin-1 byte alone
 
 
 def test_hooked_mlx_lm_names_exist():

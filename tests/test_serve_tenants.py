@@ -184,8 +184,8 @@ def test_batch_path_clients_across_restart(tmp_path, tiny_model_dir):
         again = all_at_once(s2, bodies)
         # New salts and the unsalted pool find nothing of alice's or bob's.
         others = all_at_once(s2, [body(USERS[0], "carol"), body(USERS[0])])
-        stats = settled_stats(s2.port)
-        m = metrics(s2.port)
+        stats = settled_stats(s2.metrics_port)
+        m = metrics(s2.metrics_port)
     finally:
         assert s2.stop() == 0, s2.output()
     assert_same_answers(again, want)
@@ -249,7 +249,7 @@ def test_sequential_path_clients_across_restart(tmp_path, llama4_dir):
     s1 = Server(kv, tmp_path / "run1.log")
     try:
         got_first = all_at_once(s1, first)
-        stats = settled_stats(s1.port)
+        stats = settled_stats(s1.metrics_port)
     finally:
         assert s1.stop() == 0, s1.output()
     assert_same_answers(got_first, want_first)
@@ -312,7 +312,7 @@ def test_sigkill_mid_batch_leaves_a_clean_store(tmp_path, tiny_model_dir):
     s1 = Server(kv, tmp_path / "run1.log")
     try:
         (done,) = all_at_once(s1, [committed])
-        settled_stats(s1.port)
+        settled_stats(s1.metrics_port)
         # 8 long generations at once; SIGKILL when every one has streamed tokens
         # (the batch is decoding and its segments are being saved).
         started = threading.Semaphore(0)
@@ -396,7 +396,7 @@ def test_bad_salts_are_400s_and_store_nothing(tmp_path, tiny_model_dir):
         conn.close()
         assert resp.status == 400 and "X-Tenant was sent 2 times" in out["error"]
 
-        stats = request(s.port, "/kvstore/stats")
+        stats = s.stats()
         assert stats["rejected_requests"] == len(bad) + 1
         assert stats["requests"] == 0 and stats["saves"] == 0
         assert not any(files for _, _, files in os.walk(os.path.join(store, "blobs")))
@@ -409,11 +409,11 @@ def test_bad_salts_are_400s_and_store_nothing(tmp_path, tiny_model_dir):
             assert status == 200, out
             outs.append(cached(out))
         assert outs[0] == 0 and outs[1] > 250 and outs[2] == 0
-        assert metrics(s.port)[("kvstore_rejected_requests_total", ())] == len(bad) + 1
         assert (
-            request(s.port, "/kvstore/stats")["stores"][0]["salt_disk_budget"]
-            == 1 << 30
+            metrics(s.metrics_port)[("kvstore_rejected_requests_total", ())]
+            == len(bad) + 1
         )
+        assert s.stats()["stores"][0]["salt_disk_budget"] == 1 << 30
     finally:
         assert s.stop() == 0, s.output()
     assert maintenance.verify(store)["clean"]

@@ -10,6 +10,7 @@ from conftest import compute_cache, random_tokens
 from mlx_lm.models.cache import LRUPromptCache
 from serving import KEY, SYSTEM, Server, answer, chat_body, provider, request
 
+import kvstore
 from kvstore.server import PersistentPromptCache, strip_body
 
 pytestmark = pytest.mark.slow
@@ -139,6 +140,28 @@ def test_store_errors_never_break_a_request(tmp_path, model, tokenizer, monkeypa
     pc.close()
 
 
+def test_nothing_raises_into_the_generation_thread(tmp_path, model, tokenizer):
+    """Whatever fails inside the prompt cache (a bad salt, mlx-lm's LRU, the store)
+    is a logged miss or a skipped save: mlx-lm's generation thread never sees it."""
+    tokens = random_tokens(100, seed=6)
+    cache = compute_cache(model, tokens)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    for salt in ("x" * 257, "", 5, kvstore.Tenant("t", "x" * 257)):
+        assert pc.fetch_nearest_cache(KEY, tokens, salt=salt) == (None, tokens)
+        pc.insert_cache(KEY, tokens, cache, salt=salt)
+    assert pc.stats()["store_errors"] == 8 and pc.stats()["saves_skipped"] == 4
+
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError(f"LRU broken: {name}")
+
+    pc._lru = Broken()
+    assert pc.fetch_nearest_cache(KEY, tokens) == (None, tokens)
+    pc.insert_cache(KEY, tokens, cache)
+    assert pc._counters["store_errors"] == 10  # stats() reads the LRU too
+    pc.close()
+
+
 def test_strip_body():
     pats = [re.compile(r"^x-anthropic-billing-header: .*\n?", re.MULTILINE)]
     body = {
@@ -182,7 +205,7 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
     s1 = Server(kv, tmp_path / "run1.log")
     try:
         assert answer(s1.chat(first)) == want_first
-        stats = request(s1.port, "/kvstore/stats")
+        stats = s1.stats()
         assert stats["misses"] == 1 and stats["saves"] >= 1
     finally:
         assert s1.stop() == 0, s1.output()
@@ -191,7 +214,7 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
     s2 = Server(kv, tmp_path / "run2.log")  # a restart: nothing in RAM
     try:
         r = s2.chat(second)
-        stats = request(s2.port, "/kvstore/stats")
+        stats = s2.stats()
     finally:
         assert s2.stop() == 0, s2.output()
     assert answer(r) == want_second
@@ -215,7 +238,7 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
     s3 = Server(kv, tmp_path / "run3.log")
     try:
         r = s3.chat(second)
-        stats = request(s3.port, "/kvstore/stats")
+        stats = s3.stats()
     finally:
         assert s3.stop() == 0, s3.output()
     assert answer(r) == want_second
@@ -243,7 +266,7 @@ def test_serve_strip_pattern(tmp_path, tiny_model_dir):
         b = s.chat(
             chat_body("w30 w31", system="x-anthropic-billing-header: w200\n" + SYSTEM)
         )
-        stats = request(s.port, "/kvstore/stats")
+        stats = s.stats()
     finally:
         assert s.stop() == 0, s.output()
     assert answer(a) == answer(b)

@@ -340,7 +340,9 @@ def _run(args, work: str) -> int:
     extra = args.server_args.split()
     plain_cmd = ["mlx_lm", "server", "--model", model, *extra]
     store = os.path.join(work, "store")
-    kv_cmd = ["kvstore", "serve", "--model", model, "--store", store, *extra]
+    # One client (this benchmark): the store's counters on the API port.
+    kv_cmd = ["kvstore", "serve", "--model", model, "--store", store, "--api-metrics"]
+    kv_cmd += extra
     kv_cmd += args.kvstore_args.split()
     describe = f"model {'random llama' if not args.model else args.model}: " + (
         f"{args.layers} layers, hidden {args.heads * 64}, {args.heads} heads / "

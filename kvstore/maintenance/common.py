@@ -15,6 +15,7 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
 from ..index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
 from ..policy import DiskNode, disk_victims
+from ..salts import GROUP_PREFIX
 from ..storecheck import check_store_dirs
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
@@ -24,6 +25,7 @@ DISK_BUDGET_KEY = (
 )
 
 _RELEASE_BATCH = 1024  # files unlinked per write transaction (the writer lock is held)
+_FIRST_EVICT_BATCH = 8  # nodes a full disk's first eviction commit deletes
 _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
 
 
@@ -223,6 +225,9 @@ def delete_namespace(
     for key, value in prefixed_items(txn, index.db["meta"], MODEL_KEY_PREFIX):
         if value == ns:
             txn.delete(key, db=index.db["meta"])
+    # Which narrowed trees count against which tenant (kvstore.salts.join_group).
+    for key, _ in prefixed_items(txn, index.db["meta"], GROUP_PREFIX + ns):
+        txn.delete(key, db=index.db["meta"])
     return gone
 
 
@@ -299,9 +304,11 @@ def evict_to_budget(
 ) -> Eviction:
     """Evict least recently used leaves until the indexed bytes fit ``max_bytes``.
 
-    Each round deletes its victims from the index in one write transaction (re-checking
-    that each is still a leaf, and unpinned unless ``pinned_last``), then releases their
-    files (:func:`release_files`).
+    Each round deletes its victims from the index in write transactions of growing
+    size (re-checking that each is still a leaf, and unpinned unless
+    ``pinned_last``), each followed by the release of their files
+    (:func:`release_files`): on a full disk the first, small commit fits the spare
+    room (:mod:`kvstore.spare`) and its files make room for the next.
 
     Args:
         index: The store's index (all namespaces count against the budget).
@@ -324,28 +331,41 @@ def evict_to_budget(
         )
         if not victims:
             return result
+        evicted = 0
+        for batch in _batches(victims):
 
-        def evict(txn):
-            gone = []
-            for ns, h in victims:
-                try:
-                    rec = index.get_node(ns, h, txn)
-                except CorruptRecord:
-                    continue
-                if (
-                    rec is not None
-                    and (pinned_last or not rec.pinned)
-                    and not index.has_children(txn, ns, h)
-                ):
-                    index.delete_node(txn, ns, h)
-                    gone.append(((ns, h), rec))
-            return gone
+            def evict(txn, batch=batch):
+                gone = []
+                for ns, h in batch:
+                    try:
+                        rec = index.get_node(ns, h, txn)
+                    except CorruptRecord:
+                        continue
+                    if (
+                        rec is not None
+                        and (pinned_last or not rec.pinned)
+                        and not index.has_children(txn, ns, h)
+                    ):
+                        index.delete_node(txn, ns, h)
+                        gone.append(((ns, h), rec))
+                return gone
 
-        gone = index.write(evict)
-        release_files(index, blobs, [key for key, _ in gone])
-        result.gone += gone
-        if not gone:  # another process changed the tree under us: stop here
+            gone = index.write(evict, frees=True)
+            release_files(index, blobs, [key for key, _ in gone])
+            result.gone += gone
+            evicted += len(gone)
+        if not evicted:  # another process changed the tree under us: stop here
             return result
+
+
+def _batches(victims: List[Key]) -> Iterator[List[Key]]:
+    """``victims`` in commits of growing size: the first needs little room on a full
+    disk (:mod:`kvstore.spare`), and the files it unlinks make room for the next."""
+    at, size = 0, _FIRST_EVICT_BATCH
+    while at < len(victims):
+        yield victims[at : at + size]
+        at += size
+        size = min(2 * size, _RELEASE_BATCH)
 
 
 def make_room(

@@ -4,7 +4,7 @@ import os
 import time
 from typing import Any, Dict, Iterable, List, Optional, Set
 
-from .. import reservations
+from .. import reservations, spare
 from ..chunking import HASH_BYTES, root_hash
 from ..index import CorruptRecord, Index, StoreError
 from .common import (
@@ -105,6 +105,7 @@ def gc(
             reservations_dropped=reservations.drop_stale(index),
             bytes_after=index.total_bytes(),
         )
+        spare.ensure(index.path)  # the room a full disk's next gc starts with
     report["bytes_freed"] = (
         report["dropped_bytes"]
         + report["broken_bytes"]
@@ -134,7 +135,9 @@ def _drop_namespaces(index: Index, blobs, drop: Set[bytes]) -> Dict[str, Any]:
     """Step 1: remove whole namespaces, index first, then their files."""
     dropped_nodes = dropped_bytes = 0
     for ns in sorted(drop):
-        gone = index.write(lambda txn, ns=ns: delete_namespace(index, txn, ns))
+        gone = index.write(
+            lambda txn, ns=ns: delete_namespace(index, txn, ns), frees=True
+        )
         dropped_nodes += len(gone)
         dropped_bytes += sum(rec.total_bytes for _, rec in gone if rec is not None)
         release_files(index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES])

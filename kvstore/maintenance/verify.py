@@ -324,8 +324,8 @@ def _check_file(
             return "missing", f"{what} is missing"
         except NotRegularFile as e:  # never followed nor read: a FIFO would block
             return "missing", f"{what} {e.strerror}: {e.filename}"
-        except OSError as e:
-            return "missing", f"{what} cannot be opened: {e}"
+        except OSError as e:  # EMFILE, EACCES, EIO...: no evidence the data is bad
+            return "unreadable", f"{what} cannot be opened: {e}"
         with f:
             size = os.fstat(f.fileno()).st_size
             if size != nbytes:
@@ -335,7 +335,7 @@ def _check_file(
             try:
                 data = f.read(nbytes + 1)
             except OSError as e:
-                return "missing", f"{what} cannot be read: {e}"
+                return "unreadable", f"{what} cannot be read: {e}"
         if len(data) != nbytes:
             return "size", f"{what} has {len(data)} bytes, the index says {nbytes}"
         try:
@@ -373,7 +373,8 @@ def _check_files(
         nbytes += rec.total_bytes
         if bad:
             problem = _problem(bad[0], ns, h, blobs.path(ns, h), bad[1])
-            findings.append(_Finding(problem, (ns, h), raw, "quarantine"))
+            action = None if bad[0] == "unreadable" else "quarantine"
+            findings.append(_Finding(problem, (ns, h), raw, action))
 
     def still(txn):
         return [
@@ -490,7 +491,7 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
             done.index_repairs += 1
         return done, [k for k in gone if len(k[1]) == HASH_BYTES], quarantine
 
-    done, gone, quarantine = index.write(fix)
+    done, gone, quarantine = index.write(fix, frees=True)
     released = release_files(index, blobs, gone, quarantine=quarantine)
     done.quarantined = released.quarantined
     done.files_unlinked = released.unlinked
@@ -538,7 +539,8 @@ def verify_open_store(
         "fixed": None,
     }
     if fix and errors:
-        report["fixed"] = _fix(index, blobs, file_findings).report()
+        fixable = [f for f in file_findings if f.action is not None]
+        report["fixed"] = _fix(index, blobs, fixable).report()
     return report
 
 
@@ -554,7 +556,9 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
     names are reported too.
 
     Problem kinds: ``missing``, ``size``, ``header``, ``namespace`` (file of another
-    namespace), ``checksum``, ``record`` (corrupt or inconsistent index record),
+    namespace), ``checksum``, ``unreadable`` (a file that cannot be opened or read
+    now: permissions, out of descriptors, EIO; reported, never removed by a fix),
+    ``record`` (corrupt or inconsistent index record),
     ``unreachable`` (parent not in the index), ``description`` (namespace description
     missing or unusable), ``index`` (edges, access times, pins), ``counters``; and,
     not counted as errors, ``orphan`` (chunk file without a record), ``temp`` (a temp

@@ -5,6 +5,7 @@ skips a remote after repeated failures. boto3 is an optional dependency, importe
 first use.
 """
 
+import itertools
 import logging
 import re
 import threading
@@ -19,6 +20,8 @@ log = logging.getLogger("kvstore")
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}  # "404": HEAD, which has no body
 LIST_PAGE = 1000
+LIST_MAX_KEYS = 1_000_000  # a namespace's nodes: ~170 MB of key strings at most
+LIST_TIMEOUT = 600.0  # seconds one listing may take, all pages together
 
 
 def parse_url(url) -> Tuple[str, str]:
@@ -83,6 +86,7 @@ class S3Client:
         open_seconds: How long an open breaker skips the remote.
         max_connections: The connection pool's size.
         counters: Where requests count errors, skips and bytes.
+        list_max_keys, list_timeout: Bounds of one listing (:meth:`list_keys`).
     """
 
     def __init__(
@@ -97,6 +101,8 @@ class S3Client:
         open_seconds: float,
         max_connections: int,
         counters: Counters,
+        list_max_keys: int = LIST_MAX_KEYS,
+        list_timeout: float = LIST_TIMEOUT,
     ):
         self.bucket, self.prefix = parse_url(url)
         self.url = url
@@ -110,6 +116,7 @@ class S3Client:
         self.endpoint_url = endpoint_url
         self.failures_to_open, self.open_seconds = failures_to_open, open_seconds
         self.counters = counters
+        self.list_max_keys, self.list_timeout = list_max_keys, list_timeout
         self._client = None
         self._client_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -240,10 +247,24 @@ class S3Client:
         return out.get("Metadata") or {}
 
     def list_keys(self, prefix: str, *, max_keys: Optional[int] = None) -> List[str]:
-        """Keys under ``prefix`` (every page, or the first ``max_keys``)."""
+        """Keys under ``prefix``: every page, or the first ``max_keys``.
+
+        Bounded whatever the server answers (a server may say ``IsTruncated`` with a
+        new token forever): at most ``list_max_keys`` keys (or ``max_keys``), two
+        pages per :data:`LIST_PAGE` of them, ``list_timeout`` seconds, and no
+        continuation token twice.
+
+        Raises:
+            RemoteError: a listing of every page that goes past a bound (the
+                remote cannot be used). With ``max_keys``, the keys listed by then
+                are returned.
+        """
+        limit = self.list_max_keys if max_keys is None else max_keys
+        max_pages = 2 * (limit // LIST_PAGE + 1)
+        deadline = time.monotonic() + self.list_timeout
         keys: List[str] = []
-        token = None
-        while True:
+        token, seen = None, set()
+        for pages in itertools.count(1):
             kwargs = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE}
             if token:
                 kwargs["ContinuationToken"] = token
@@ -256,6 +277,24 @@ class S3Client:
                 return keys
             if max_keys is not None and len(keys) >= max_keys:
                 return keys
+            if token in seen:
+                problem = "repeats a continuation token"
+            elif len(keys) >= limit:
+                problem = f"goes on past {limit} keys"
+            elif pages >= max_pages:
+                problem = f"goes on past {max_pages} pages ({len(keys)} keys)"
+            elif time.monotonic() > deadline:
+                problem = f"goes on past {self.list_timeout:g} seconds"
+            else:
+                seen.add(token)
+                continue
+            if max_keys is not None:
+                log.warning("kvstore: the remote's listing of %s %s", prefix, problem)
+                return keys
+            raise RemoteError(
+                f"the listing of {prefix} {problem}: the server's answer never ends"
+            )
+        raise AssertionError("unreachable")
 
 
 _SESSIONS_LOCK = threading.Lock()

@@ -22,7 +22,7 @@ from ..blobs import CorruptBlob
 from ..chunking import chain_hash, chain_hashes, common_prefix
 from ..index import CorruptRecord, NodeRecord
 from ..saving import NewNode
-from .client import Counters, S3Client, parse_url
+from .client import LIST_MAX_KEYS, LIST_TIMEOUT, Counters, S3Client, parse_url
 from .errors import NotFound, RemoteCorrupt, RemoteError
 from .manifest import check_node_file, is_int, node_parts
 from .reader import ManifestReader
@@ -82,6 +82,9 @@ class RemoteTier:
         upload_attempts: Attempts per node upload, with exponential backoff.
         close_timeout: Seconds ``close`` waits for pending uploads while the remote
             answers.
+        list_max_keys, list_timeout: Bounds of one listing of the remote (``kvstore
+            pull`` and ``push`` list a namespace's nodes): keys, and seconds for all
+            its pages; a listing past them is a ``RemoteError``.
     """
 
     def __init__(
@@ -104,6 +107,8 @@ class RemoteTier:
         max_pending_uploads: int = 10_000,
         upload_attempts: int = 3,
         close_timeout: float = 60.0,
+        list_max_keys: int = LIST_MAX_KEYS,
+        list_timeout: float = LIST_TIMEOUT,
     ):
         self.bucket, self.prefix = parse_url(url)  # the URL's error first
         self.url = url
@@ -114,6 +119,7 @@ class RemoteTier:
             ("open_seconds", open_seconds),
             ("cache_seconds", cache_seconds),
             ("close_timeout", close_timeout),
+            ("list_timeout", list_timeout),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, got {value!r}")
@@ -128,6 +134,7 @@ class RemoteTier:
             ("threads", threads, 1),
             ("max_pending_uploads", max_pending_uploads, 0),
             ("upload_attempts", upload_attempts, 1),
+            ("list_max_keys", list_max_keys, 1),
         ):
             if not is_int(value):
                 raise TypeError(f"{name} must be an int, got {value!r}")
@@ -160,6 +167,8 @@ class RemoteTier:
             open_seconds=open_seconds,
             max_connections=threads + 4,
             counters=self._counters,
+            list_max_keys=list_max_keys,
+            list_timeout=list_timeout,
         )
         self._reader = ManifestReader(
             self._s3, cache_seconds=cache_seconds, max_object_bytes=max_object_bytes

@@ -1,0 +1,101 @@
+"""Where ``kvstore serve`` answers ``GET /metrics`` and ``GET /kvstore/stats``.
+
+Both tell what every tenant's requests do (prompt lengths, reuse, saves, in real
+time), so by default they are not served on the API port: ``--metrics-port`` serves
+them on a listener of their own (``--metrics-host``, 127.0.0.1 by default), and
+``--api-metrics`` puts them back on the API port for a server with one user. Neither
+shows the store's path.
+"""
+
+import json
+import logging
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Optional, Tuple
+
+log = logging.getLogger("kvstore.server")
+
+PATHS = ("/kvstore/stats", "/metrics")
+OFF_API_PORT = (
+    "not served on this port: the server was started without --api-metrics "
+    "(see --metrics-port)"
+)
+
+
+def without_path(value: Any, path: str) -> Any:
+    """``value`` (JSON-like) with the store directory ``path`` cut out of every
+    string: a file ``<store>/quarantine/x`` reads ``quarantine/x``."""
+    prefixes = sorted({os.path.abspath(path), os.path.realpath(path)}, key=len)[::-1]
+
+    def cut(x):
+        if isinstance(x, str):
+            for p in prefixes:
+                x = x.replace(p + os.sep, "").replace(p, "<store>")
+            return x
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [cut(v) for v in x]
+        return x
+
+    return cut(value)
+
+
+def respond(cache, path: str) -> Tuple[int, str, bytes]:
+    """``(status, content type, body)`` of ``GET path`` (one of :data:`PATHS`) for
+    the prompt cache ``cache`` (None: no persistent prompt cache yet)."""
+    if cache is None:
+        body = {"error": "no persistent prompt cache"}
+        return 503, "application/json", json.dumps(body).encode()
+    if path == "/metrics":
+        return 200, cache.metrics.content_type, cache.metrics.exposition()
+    return 200, "application/json", json.dumps(cache.stats()).encode()
+
+
+class MetricsListener:
+    """``GET /metrics``, ``GET /kvstore/stats`` and ``GET /health`` on an address of
+    their own, in a daemon thread.
+
+    Args:
+        host, port: Where to listen (bound at construction: a taken port fails now).
+        cache: Returns the server's prompt cache, or None before it exists.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int, cache: Callable[[], Optional[Any]]):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                if path == "/health":
+                    status, ctype, body = 200, "application/json", b'{"status": "ok"}'
+                elif path in PATHS:
+                    status, ctype, body = respond(cache(), path)
+                else:
+                    status, ctype, body = 404, "text/plain", b"Not Found"
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt, *args):
+                log.debug("kvstore metrics: " + fmt, *args)
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.address = self._server.server_address[:2]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kvstore-metrics", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("kvstore: metrics on http://%s:%d", *self.address)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.server_close()

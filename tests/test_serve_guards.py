@@ -1,0 +1,289 @@
+"""``kvstore serve`` against requests meant to break it, as real processes over HTTP:
+nothing a request sends ends mlx-lm's generation thread; tenant headers are their
+UTF-8 bytes with only HTTP whitespace cut; tenant and plain salts never share a tree
+(and ``kvstore prefill --tenant`` warms what a tenant's requests read); a tenant's
+quota holds across its ``cache_salt`` values; ``/metrics`` and ``/kvstore/stats``
+stay off the API port unless asked for, and show no path."""
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from serving import SYSTEM, Server, chat_body, request, run_kvstore
+
+from kvstore import maintenance
+
+pytestmark = pytest.mark.slow
+
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+
+
+def post(port, path, body, headers=()):
+    """``(status, json)`` of a POST whose header values may be raw bytes (http.client
+    sends a str as ISO-8859-1, bytes as they are)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        raw = json.dumps(body).encode()
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(raw)))
+        for name, value in headers:
+            conn.putheader(name, value)
+        conn.endheaders(raw)
+        resp = conn.getresponse()
+        data = resp.read()
+        try:
+            return resp.status, json.loads(data or b"{}")
+        except ValueError:
+            return resp.status, {"error": data.decode(errors="replace")}
+    finally:
+        conn.close()
+
+
+def tenant(value):
+    """An ``X-Tenant`` header sent as the UTF-8 bytes of ``value``."""
+    return [("X-Tenant", value.encode("utf-8"))]
+
+
+def chat(user, salt=None, system=SYSTEM):
+    b = chat_body(user, system)
+    b["max_tokens"] = 2
+    if salt is not None:
+        b["cache_salt"] = salt
+    return b
+
+
+def cached(out):
+    return out["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def healthy(port):
+    return request(port, "/health", timeout=10)["status"] == "ok"
+
+
+def test_no_request_ends_the_generation_thread(tmp_path, tiny_model_dir):
+    store = str(tmp_path / "store")
+    s = Server(
+        [
+            "kvstore.server",
+            "--model",
+            tiny_model_dir,
+            "--store",
+            store,
+            "--salt-header",
+            "X-Tenant",
+            "--strip-pattern",
+            r"^x-billing: .*\n?",
+        ],
+        tmp_path / "run.log",
+    )
+    try:
+        # Salts at their limits, with and without the header: the header and the
+        # body salt are hashed apart, never joined into one longer salt.
+        for b, h in (
+            (chat("w40 w41", "s" * 256), []),
+            (chat("w40 w41", "s" * 60), tenant("t" * 200)),
+            (chat("w40 w41", "é" * 128), tenant("é" * 128)),
+        ):
+            status, out = post(s.port, CHAT, b, h)
+            assert status == 200, out
+            assert healthy(s.port)
+        # Empty prompts, sent as such or left by --strip-pattern: a 400, not a
+        # dead thread (plain mlx_lm.server dies on the first).
+        for prompt, match in (
+            ("", "prompt is empty: send the text"),
+            ("x-billing: 123\n", "prompt is empty once --strip-pattern"),
+        ):
+            status, out = post(s.port, TEXT, {"prompt": prompt, "max_tokens": 2})
+            assert status == 400 and match in out["error"], out
+            assert healthy(s.port)
+        # Bad salts: a 400 naming the field, the thread untouched.
+        for b, h, match in (
+            (chat("w1", "x" * 257), tenant("acme"), "cache_salt is 257 bytes"),
+            (chat("w1"), tenant("t" * 257), "header X-Tenant is 257 bytes"),
+            (chat("w1"), [("X-Tenant", b"\xe9")], "X-Tenant is not valid UTF-8"),
+            (chat("w1"), [("X-Tenant", b"A\x1f")], "control character (U+001F)"),
+            (chat("w1"), tenant("A\x85"), "control character (U+0085)"),
+        ):
+            status, out = post(s.port, CHAT, b, h)
+            assert status == 400 and match in out["error"], (match, out)
+        # Fields mlx-lm checks too little, which end its generation thread (stop
+        # that is not text, a penalty window too large to allocate) or the whole
+        # process (a logit_bias id outside the vocabulary: MLX crashes).
+        for extra, match in (
+            ({"stop": [5]}, "stop must be a string or a list of strings"),
+            ({"logit_bias": {"999999": 1}}, "logit_bias token id 999999"),
+            ({"logit_bias": {"-1": 1}}, "logit_bias token id -1"),
+            (
+                {"frequency_penalty": 1.0, "frequency_context_size": 10**12},
+                "frequency_context_size must be at most",
+            ),
+        ):
+            status, out = post(s.port, CHAT, dict(chat("w1"), **extra), tenant("a"))
+            assert status == 400 and match in out["error"], (match, out)
+            assert healthy(s.port)
+        status, out = post(s.port, CHAT, chat("w50 w51"), tenant("acme"))
+        assert status == 200 and healthy(s.port), out
+        # Only HTTP's optional whitespace is cut: " acme\t" is acme, "acme" + a
+        # no-break space is another tenant.
+        status, out = post(s.port, CHAT, chat("w50 w51"), [("X-Tenant", b" acme\t")])
+        assert status == 200 and cached(out) > 250, out
+        status, out = post(s.port, CHAT, chat("w50 w51"), tenant("acme\xa0"))
+        assert status == 200 and cached(out) == 0, out
+    finally:
+        assert s.stop() == 0, s.output()
+    assert "generation thread died" not in s.output()
+    assert maintenance.verify(store)["clean"]
+
+
+def test_prefill_tenant_and_plain_salts_meet_serve(tmp_path, tiny_model_dir):
+    store = str(tmp_path / "store")
+    first, second = chat("w60 w61"), chat("w70 w71")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": first["messages"]}) + "\n")
+    common = ["--store", store, "--model", tiny_model_dir, "--quiet"]
+    # prefill --tenant é warms the tree the UTF-8 header "é" reads; prefill --salt é
+    # warms the plain salt "é", which no tenant reaches.
+    for extra in (["--tenant", "é"], ["--salt", "é"]):
+        out = run_kvstore("prefill", prompts, *common, *extra)
+        assert out.returncode == 0, out.stderr
+    kv = ["kvstore.server", "--model", tiny_model_dir, "--store", store]
+    s = Server(kv + ["--salt-header", "X-Tenant"], tmp_path / "run1.log")
+    try:
+        status, out = post(s.port, CHAT, first, tenant("é"))
+        assert status == 200 and cached(out) > 250, out
+        status, out = post(s.port, CHAT, first, tenant("è"))
+        assert status == 200 and cached(out) == 0, out
+        status, out = post(s.port, CHAT, second, tenant("A"))  # tenant A's pool
+        assert status == 200 and cached(out) == 0, out
+        status, out = post(s.port, CHAT, second, tenant("A"))
+        assert status == 200 and cached(out) > 250, out
+    finally:
+        assert s.stop() == 0, s.output()
+    # A server without --salt-header on the same store: the body salt "A" does not
+    # reach tenant A's pool; the body salt "é" is prefill --salt é's.
+    s = Server(kv, tmp_path / "run2.log")
+    try:
+        status, out = post(s.port, CHAT, dict(second, cache_salt="A"))
+        assert status == 200 and cached(out) == 0, out
+        status, out = post(s.port, CHAT, dict(first, cache_salt="é"))
+        assert status == 200 and cached(out) > 250, out
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def _settled(port, timeout=30):
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        stats = request(port, "/kvstore/stats")
+        idle = not any(s["pending_write_jobs"] for s in stats["stores"])
+        if idle and last is not None and last["saves"] == stats["saves"]:
+            return stats
+        last = stats if idle else None
+        assert time.monotonic() < deadline, "writes never finished"
+        time.sleep(0.1)
+
+
+def _salted_bytes(store):
+    (ns,) = maintenance.store_stats(store)["namespaces"]
+    return sum(t["bytes"] for t in ns["salted_trees"])
+
+
+def test_a_tenants_cache_salts_share_its_quota(tmp_path, tiny_model_dir):
+    # How many bytes one conversation stores, on a probe server.
+    probe = str(tmp_path / "probe")
+    kv = ["kvstore.server", "--model", tiny_model_dir, "--api-metrics"]
+    s = Server(kv + ["--store", probe], tmp_path / "probe.log")
+    try:
+        assert post(s.port, CHAT, chat("w90 w91", "x"), [])[0] == 200
+        one = _settled(s.port)["stores"][0]["bytes_on_disk"]
+    finally:
+        assert s.stop() == 0, s.output()
+
+    store = str(tmp_path / "store")
+    quota = 2 * one + one // 2
+    s = Server(
+        kv
+        + ["--store", store, "--salt-header", "X-Tenant"]
+        + ["--salt-disk-bytes", str(quota), "--disk-bytes", str(6 * one + one // 2)]
+        # One sequence in mlx-lm's RAM LRU: a reuse below comes from the store.
+        + ["--prompt-cache-size", "1"],
+        tmp_path / "run.log",
+    )
+    b = chat("w90 w91")
+    try:
+        assert post(s.port, CHAT, b, tenant("B"))[0] == 200
+        _settled(s.port)
+        # Tenant A sends a new cache_salt with each of 8 requests: its trees share
+        # its quota, so B's prefix stays.
+        for i in range(8):
+            status, out = post(s.port, CHAT, chat("w90 w91", f"a{i}"), tenant("A"))
+            assert status == 200, out
+            _settled(s.port)
+            assert _salted_bytes(store) <= one + quota
+        status, out = post(s.port, CHAT, b, tenant("B"))
+        assert status == 200 and cached(out) > 250, out
+        # Control: the same traffic without the header is 8 plain salts, a quota
+        # each: it fills the disk budget and evicts B's prefix.
+        for i in range(8):
+            status, out = post(s.port, CHAT, chat("w90 w91", f"c{i}"), [])
+            assert status == 200, out
+            _settled(s.port)
+        status, out = post(s.port, CHAT, b, tenant("B"))
+        assert status == 200 and cached(out) == 0, out
+    finally:
+        assert s.stop() == 0, s.output()
+    assert maintenance.verify(store)["clean"]
+
+
+def test_metrics_stay_off_the_api_port(tmp_path, tiny_model_dir):
+    store = str(tmp_path / "store")
+    kv = ["kvstore.server", "--model", tiny_model_dir, "--store", store]
+    s = Server(kv, tmp_path / "run.log")  # with --metrics-port (tests/serving.py)
+    try:
+        assert post(s.port, CHAT, chat("w30 w31", "t"), [])[0] == 200
+        for path in ("/kvstore/stats", "/metrics"):
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            body = resp.read().decode()
+            conn.close()
+            assert resp.status == 404 and "--api-metrics" in body, body
+        stats = s.stats()
+        assert stats["requests"] == 1
+        text = json.dumps(stats)
+        for where in {store, os.path.realpath(store), str(tmp_path)}:
+            assert where not in text
+        conn = http.client.HTTPConnection("127.0.0.1", s.metrics_port, timeout=30)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        metrics = resp.read().decode()
+        conn.close()
+        assert resp.status == 200 and "kvstore_requests_total 1.0" in metrics
+        assert str(tmp_path) not in metrics
+    finally:
+        assert s.stop() == 0, s.output()
+    # --api-metrics: on the API port, for a server with one user.
+    s = Server(kv + ["--api-metrics"], tmp_path / "run2.log")
+    try:
+        assert request(s.port, "/kvstore/stats")["requests"] == 0
+        assert str(tmp_path) not in json.dumps(request(s.port, "/kvstore/stats"))
+    finally:
+        assert s.stop() == 0, s.output()
+    # A port that cannot be had fails at start, before the model loads.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        taken = sock.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", *kv, "--metrics-port", str(taken)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 2 and "--metrics-port" in out.stderr, out.stderr
