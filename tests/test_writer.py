@@ -108,10 +108,10 @@ def test_quarantine_during_a_large_save_is_not_refused(store, model):
     path = store.index.read(
         lambda txn: store._walk(txn, SMALL, limit=len(SMALL), full_only=True)
     )
-    broken = path[-1].h
+    broken, rec = path[-1].h, path[-1].rec
     gate = hold_writer(store)
     store.save(BIG, compute_cache(model, BIG))
-    store._report_broken(broken, "test: checksum mismatch")
+    store._report_broken(broken, "test: checksum mismatch", rec)
     gate.set()
     store.flush()
     assert store.index.get_node(store.namespace, broken) is None  # quarantined
