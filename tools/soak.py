@@ -799,6 +799,7 @@ class Soak:
                 status, stats = http(self.stats_port, "/kvstore/stats", timeout=30)
                 if status == 200 and p is not None:
                     self.server_stats[p.name] = stats
+                    self.events["server stats read"] += 1
 
     # -- periodic jobs ----------------------------------------------------------------
 
@@ -1010,14 +1011,16 @@ class Soak:
                 self.fail(f"{p.name} did not finish within 240 s")
             del self.jobs[kind]
             self.finish_job(kind, p)
-        serve = self.procs.pop("serve", None)
+        for p in self.procs.values():
+            if p.role != "serve":
+                p.proc.send_signal(signal.SIGTERM)
+        serve = self.procs.get("serve")
         if serve is not None and serve.alive():
             self.server_ready.wait(120)  # SIGTERM while loading the model is a kill
             status, stats = http(self.stats_port, "/kvstore/stats", timeout=30)
             if status == 200:
                 self.server_stats[serve.name] = stats
-        for p in self.procs.values():
-            p.proc.send_signal(signal.SIGTERM)
+        self.procs.pop("serve", None)
         if serve is not None:
             serve.proc.send_signal(signal.SIGTERM)
         for p in list(self.procs.values()) + ([serve] if serve else []):
