@@ -1,4 +1,4 @@
-"""``tools/soak.py`` in its short form: 40 s of every process the soak runs on one
+"""``tools/soak.py`` in its short form: 35 s of every process the soak runs on one
 budgeted store (server with salted clients, writers, readers one of them short of
 descriptors, gc/verify/pull on timers, SIGKILLs, a small LMDB map), then its checks:
 every acknowledged prompt restored bit-identically or evicted by the budget, verify
@@ -22,7 +22,7 @@ def test_short_soak(tmp_path):
         sys.executable,
         TOOL,
         "--seconds",
-        "40",
+        "35",
         "--dir",
         str(tmp_path / "soak"),
         "--json",
