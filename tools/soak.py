@@ -65,29 +65,18 @@ LONG_TENANT, LONG_NARROW = "t" * 200, "b" * 60  # over 256 bytes together
 
 
 def build_model(path: str) -> str:
-    """Write a tiny random-weight float32 llama and a word-level tokenizer (mlx-lm)."""
+    """Write a tiny random-weight float32 llama (2 layers, one KV head of 16: 256 bytes
+    of KV a token) and a word-level tokenizer as an mlx-lm model directory."""
+    import dataclasses
+
     import mlx.core as mx
-    from mlx_lm.models import llama
     from mlx_lm.utils import save_config, save_model
 
-    from kvstore.bench.models import word_tokenizer
+    from kvstore.bench.models import tiny_model, word_tokenizer
 
-    config = dict(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-    )
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
+    model = tiny_model(layers=2, heads=1, head_dim=16, vocab=VOCAB, dtype=mx.float32)
     save_model(path, model)
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
     save_config(config, config_path=os.path.join(path, "config.json"))
     word_tokenizer(VOCAB).save_pretrained(path)
     return path
