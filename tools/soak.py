@@ -471,6 +471,21 @@ class Soak:
     def cli(self, *argv: str) -> List[str]:
         return self.worker("cli") + ["--", *argv]
 
+    def prefill_argv(self, path: str, *extra: str, store: Optional[str] = None):
+        """``kvstore prefill PATH`` into the store (or ``store``), its summary as JSON."""
+        store = store or self.store
+        return self.cli(
+            "prefill",
+            path,
+            "--store",
+            store,
+            "--model",
+            self.model_dir,
+            "--json",
+            "--quiet",
+            *extra,
+        )
+
     def ack(self, tokens: List[int], salt: Optional[str], pin: bool) -> None:
         key = (salt, tuple(tokens))
         with self.lock:
@@ -497,15 +512,8 @@ class Soak:
         # Record the budget in the store: gc and the CLI read it from there.
         self.run_job(
             "init",
-            self.cli(
-                "prefill",
+            self.prefill_argv(
                 self.prompts_file([(self.systems[0], None, True)], "init"),
-                "--store",
-                self.store,
-                "--model",
-                self.model_dir,
-                "--json",
-                "--quiet",
                 "--disk-bytes",
                 str(self.a.disk_bytes),
             ),
@@ -556,19 +564,13 @@ class Soak:
         other = os.path.join(self.dir, "machine-a")
         self.run_job(
             "push",
-            self.cli(
-                "prefill",
+            self.prefill_argv(
                 self.prompts_file(
                     [(p, None, False) for p in self.remote_prompts], "remote"
                 ),
-                "--store",
-                other,
-                "--model",
-                self.model_dir,
-                "--json",
-                "--quiet",
                 "--remote",
                 self.remote_url,
+                store=other,
             ),
             timeout=180,
             must_pass=True,
@@ -811,16 +813,7 @@ class Soak:
             p = Proc(
                 self,
                 "prefill",
-                self.cli(
-                    "prefill",
-                    path,
-                    "--store",
-                    self.store,
-                    "--model",
-                    self.model_dir,
-                    "--json",
-                    "--quiet",
-                ),
+                self.prefill_argv(path),
             )
             p.prompts = lines
         elif kind == "gc":
