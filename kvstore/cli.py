@@ -75,6 +75,8 @@ def open_store(path: str, model, tokenizer, args, *, remote=None):
         sizes["restore_room"] = args.restore_room
     if getattr(args, "salt_disk_bytes", None) is not None:
         sizes["salt_disk_bytes"] = args.salt_disk_bytes
+    if getattr(args, "restore", None) is not None:
+        sizes["restore"] = args.restore
     if hasattr(args, "disk_bytes"):
         sizes["disk_bytes"] = store_disk_budget(path, args.disk_bytes)
     try:

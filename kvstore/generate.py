@@ -70,9 +70,16 @@ def stream_generate(
             store.save(tokens[:end], cache, kind=kind, pin=pin, salt=salt)
             n = end
         saved = True
+    measured = False
     for response in _mlx_stream_generate(
         model, tokenizer, mx.array(tokens[n:]), prompt_cache=cache, **kwargs
     ):
+        if not measured:
+            # mlx-lm's own prefill timing: what the store weighs restores against.
+            measured = True
+            if response.prompt_tps > 0:
+                seconds = response.prompt_tokens / response.prompt_tps
+                store.note_prefill(response.prompt_tokens, seconds)
         if not saved:
             # The cache now holds the whole prompt (and maybe the first new token).
             store.save_prefix(tokens, cache, kind=kind, pin=pin, salt=salt)

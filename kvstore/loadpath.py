@@ -25,6 +25,7 @@ import json
 import os
 import struct
 import threading
+import time
 from concurrent.futures import Executor
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -43,6 +44,8 @@ SEGMENT_NODES = 64
 # every byte) but recycles smaller blocks. Measured on an H100 host, 32K tokens of
 # an 8B model's KV: 67 MB tensors restored at 2.4 GB/s.
 SEGMENT_TENSOR_BYTES = 16 << 20
+# Seconds spent in RestoreFile reads, summed (what tools/bench_gpu.py reports).
+READ_SECONDS = [0.0]
 
 
 def default_read_threads(restore_io: str) -> int:
@@ -266,6 +269,13 @@ class RestoreFile(io.RawIOBase):
 
     def _read_data(self, out: memoryview, start: int) -> None:
         """Fill ``out`` with data bytes ``[start, start + len(out))``."""
+        tic = time.perf_counter()
+        try:
+            self._read_range(out, start)
+        finally:
+            READ_SECONDS[0] += time.perf_counter() - tic
+
+    def _read_range(self, out: memoryview, start: int) -> None:
         end = start + len(out)
         jobs: List[List[Tuple[int, Source, list]]] = [[] for _ in self.sources]
         for name, (base, size, heads, stride, row) in zip(self.names, self.spans):

@@ -183,6 +183,24 @@ STORE_METRICS = (
         "writes_failed",
     ),
     (
+        "kvstore_restores_chosen",
+        "counter",
+        "Stored prefixes restored: reading them was faster than prefilling them",
+        "restores_chosen",
+    ),
+    (
+        "kvstore_recomputes_chosen",
+        "counter",
+        "Stored prefixes left to the model: prefilling them was faster (restore=auto)",
+        "recomputes_chosen",
+    ),
+    (
+        "kvstore_restore_seconds_saved",
+        "counter",
+        "Prefill seconds the restores saved, by the measured prefill rate",
+        "restore_seconds_saved",
+    ),
+    (
         "kvstore_corrupt_nodes",
         "counter",
         "Broken node files or records found (a miss, quarantined)",

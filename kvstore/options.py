@@ -96,8 +96,8 @@ def add_disk_budget_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_size_options(p: argparse.ArgumentParser) -> None:
-    """``--disk-bytes``, ``--ram-bytes``, ``--salt-disk-bytes`` and ``--restore-room``
-    (shared by prefill and serve)."""
+    """``--disk-bytes``, ``--ram-bytes``, ``--salt-disk-bytes``, ``--restore-room``
+    and ``--restore`` (shared by prefill and serve)."""
     add_disk_budget_option(p)
     p.add_argument(
         "--ram-bytes",
@@ -123,4 +123,12 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
         help="room left in a restored cache for the prompt's rest, so the next "
         "forward pass writes in place instead of copying every layer (default: "
         "2048; 0 allocates exactly the restored tokens)",
+    )
+    p.add_argument(
+        "--restore",
+        choices=("auto", "always", "never"),
+        default=None,
+        help="auto: restore a stored prefix only when reading it is faster than "
+        "prefilling it, by rates measured on this machine; always / never force "
+        "either way (default: $KVSTORE_RESTORE, else auto)",
     )

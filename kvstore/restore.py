@@ -10,6 +10,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -29,6 +30,7 @@ from .blobs import (
 from .chunking import chain_hash
 from .index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
 from .loadpath import Failures, FileSource, MemorySource, load_arrays
+from .payoff import Decision
 from .ram import RamEntry
 
 log = logging.getLogger("kvstore")
@@ -111,13 +113,33 @@ class ReadPath:
     reads into an :class:`~kvstore.assemble.AssemblyPlan`, and broken-node reports."""
 
     def _fetch(
-        self, arr: np.ndarray, retries: int = 2, *, root: Optional[bytes] = None
+        self,
+        arr: np.ndarray,
+        retries: int = 2,
+        *,
+        root: Optional[bytes] = None,
+        decision: Optional[Decision] = None,
     ) -> Tuple[List[Any], int]:
         path = self.index.read(
             lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
         )
         if not path:
             return self.new_cache(), 0
+        nbytes = self._bytes_to_read(path)
+        if decision is None:
+            decision = self.policy.decide(sum(s.take for s in path), nbytes)
+            if not decision.restore:
+                self.policy.record(decision, nbytes=0, seconds=0.0)
+                log.info(
+                    "kvstore: recomputing %d stored tokens: reading %d bytes would "
+                    "take %.1f ms, prefilling them %.1f ms",
+                    decision.tokens,
+                    nbytes,
+                    decision.restore_s * 1e3,
+                    decision.recompute_s * 1e3,
+                )
+                return self.new_cache(), 0
+        tic = time.perf_counter()
         read = self._load_path if self.restore_io == "load" else self._read_path
         failures, state_job, delta = read(path, len(arr))
         failed = failures.first
@@ -130,18 +152,34 @@ class ReadPath:
                 # The checkpoint's path is broken: look again (broken nodes are skipped
                 # now) for the next best checkpoint.
                 return (
-                    self._fetch(arr, retries - 1, root=root)
+                    self._fetch(arr, retries - 1, root=root, decision=decision)
                     if retries
                     else (self.new_cache(), 0)
                 )
             state = state_job.result()
+        complete = failed >= len(path)
         path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
             return self.new_cache(), 0
         self._touch(step.h for step in path)
         with MLX_LOCK:
-            return self.layout.build(delta, state or {}, n), n
+            cache = self.layout.build(delta, state or {}, n)
+        # A restore cut short says nothing of the rate: counted, not measured.
+        seconds = time.perf_counter() - tic
+        self.policy.record(decision, nbytes=nbytes if complete else 0, seconds=seconds)
+        if complete:
+            self._keep_rates()
+        return cache, n
+
+    def _bytes_to_read(self, path: List[Step]) -> int:
+        """Bytes of node (and checkpoint) files a restore of ``path`` reads: the
+        RAM tier's nodes cost no read."""
+        total = sum(s.rec.nbytes for s in path if s.h not in self.ram)
+        last = path[-1]
+        if self.layout.has_state and state_key(last.h) not in self.ram:
+            total += last.rec.state_nbytes
+        return total
 
     def _read_path(
         self, path: List[Step], query: int

@@ -48,9 +48,21 @@ class HeldTokens:
             self._arrays = {}
         return self._host
 
+    def release(self) -> None:
+        """Drop the host arrays once the save is written. With CUDA their buffers
+        were moved to host memory: MLX would otherwise hand them out again for GPU
+        work, which then migrates them back (measured: decode 17% slower after a
+        32K-token save of an 8B model), so its buffer cache is cleared."""
+        moved = self._host is not None and devices.host_access_moves_arrays()
+        self._host, self._arrays = None, {}
+        if moved:
+            mx.clear_cache()
+
     def nbytes(self, a: int, b: int) -> int:
         """Bytes of tokens ``[a, b)`` of every tensor."""
         arrays = self._host if self._host is not None else self._arrays
+        if not arrays:
+            return 0
         return sum(x.nbytes // x.shape[2] * (b - a) for x in arrays.values())
 
 
@@ -142,9 +154,13 @@ class WritePath:
         self._touch(existing)
 
         def job():
-            self._write_nodes(
-                nodes, kind=kind, pin=pin, existing=existing, root=root, group=group
-            )
+            try:
+                self._write_nodes(
+                    nodes, kind=kind, pin=pin, existing=existing, root=root, group=group
+                )
+            finally:
+                nodes.clear()
+                held.release()
 
         if (nodes or pin) and not self.writer.submit(job, nbytes):
             with self._lock:

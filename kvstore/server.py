@@ -779,6 +779,8 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             store_kwargs["restore_room"] = args.restore_room
         if args.salt_disk_bytes is not None:
             store_kwargs["salt_disk_bytes"] = args.salt_disk_bytes
+        if args.restore is not None:
+            store_kwargs["restore"] = args.restore
         if getattr(cli_args, "kv_bits", None) is not None:
             # mlx-lm quantizes long prompts' KV (--kv-bits): store those caches.
             store_kwargs.update(

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, fsutil, maintenance, reservations, salts, spare
+from . import adapters, fsutil, maintenance, payoff, reservations, salts, spare
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
@@ -140,6 +140,11 @@ class KVStore(ReadPath, WritePath, Removal):
             or a :class:`kvstore.remote.RemoteTier` (needs boto3). Fetches download
             what the remote has beyond the local nodes; new nodes are uploaded in the
             background. A failing remote is logged and counted, never raised.
+        restore: ``"auto"``: a fetch restores a stored prefix only when reading it
+            is faster than prefilling it, by the rates measured on this machine
+            (:mod:`kvstore.payoff`; until a prefill rate is known, always);
+            ``"always"`` or ``"never"`` force either way. None: ``$KVSTORE_RESTORE``,
+            else ``"auto"``.
 
     Raises:
         StoreError: ``path`` exists but is not a kvstore, or has another format.
@@ -162,6 +167,7 @@ class KVStore(ReadPath, WritePath, Removal):
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
         remote=None,
+        restore: Optional[str] = None,
     ):
         _check_arguments(
             path,
@@ -177,6 +183,10 @@ class KVStore(ReadPath, WritePath, Removal):
             disk_bytes=disk_bytes,
             salt_disk_bytes=salt_disk_bytes,
         )
+        if restore is None:
+            restore = os.environ.get("KVSTORE_RESTORE") or "auto"
+            payoff.check_mode(restore, name="$KVSTORE_RESTORE")
+        payoff.check_mode(restore)
         self.path = os.fspath(path)
         self.remote = _remote_tier(remote)
         _prepare_dir(self.path)
@@ -217,6 +227,15 @@ class KVStore(ReadPath, WritePath, Removal):
             heads * width * getattr(mx, dtype).size
             for dtype, heads, width in self.layout.rows.values()
         )
+        self.policy = payoff.RestorePolicy(
+            restore,
+            rates=self.index.read(
+                lambda txn: payoff.read_rates(
+                    txn, self.index.db["meta"], self.namespace
+                )
+            ),
+        )
+        self._rates_kept: Optional[float] = None  # when the rates were last kept
         self.restore_io = default_restore_io()
         self.read_threads = read_threads or default_read_threads(self.restore_io)
         self._readers = ThreadPoolExecutor(
@@ -521,9 +540,11 @@ class KVStore(ReadPath, WritePath, Removal):
         """Run the model over ``tokens[start:end]`` into ``cache`` (which holds
         ``tokens[:start]``), ``step_tokens`` at a time."""
         arr = as_token_array(tokens)
+        tic = time.perf_counter()
         for s in range(start, end, step_tokens):
             self.model(mx.array(arr[s : min(s + step_tokens, end)])[None], cache=cache)
             mx.eval([c.state for c in cache])
+        self.note_prefill(end - start, time.perf_counter() - tic)
 
     def new_cache(self) -> List[Any]:
         """An empty cache of the layout this store holds (what ``fetch`` returns on a miss)."""
@@ -541,6 +562,28 @@ class KVStore(ReadPath, WritePath, Removal):
             lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
         )
         return sum(step.take for step in path)
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """Tell the store that the model prefilled ``tokens`` tokens in ``seconds``
+        (a generate loop's own measurement), for deciding what restores pay (see
+        ``restore``). ``kvstore.stream_generate`` and :meth:`prefill` call it;
+        the rate is kept in the store for other processes on this host."""
+        if self.policy.rates.note_prefill(tokens, seconds):
+            self._keep_rates()
+
+    def _keep_rates(self) -> None:
+        """Write the measured rates into the store (at most every
+        :data:`kvstore.payoff.PERSIST_EVERY_S`), on the writer thread."""
+        now, kept = time.monotonic(), self._rates_kept
+        if kept is not None and now - kept < payoff.PERSIST_EVERY_S:
+            return
+        self._rates_kept = now
+        rates = payoff.Rates(prefill=self.policy.rates.prefill)
+        rates.restore = self.policy.rates.restore
+        db, ns = self.index.db["meta"], self.namespace
+        self.writer.submit(
+            lambda: self.index.write(lambda txn: payoff.write_rates(txn, db, ns, rates))
+        )
 
     def _tree_of(self, parts) -> Tuple[bytes, bytes]:
         """``(tree root, quota root)`` of a salt parsed by ``salts.parse_salt``."""
@@ -639,6 +682,7 @@ class KVStore(ReadPath, WritePath, Removal):
                 "pending_write_bytes": self.writer.pending_bytes,
                 "pending_write_jobs": self.writer.depth,
                 "store_problem": self._store_problem(),
+                **self.policy.stats(),
                 **remote,
             }
 

@@ -11,9 +11,12 @@ server does before its first request):
   the first token, then 64 tokens decoded;
 - ``cold+save``: the same after opening an empty store, saving the prompt's KV in
   the background after the first token (decode runs while it is written);
-- ``kvstore`` / ``kvstore-room0``: open the store, ``fetch`` the stored prompt (its
-  default room / ``restore_room=0``), the rest of the prompt and the first token,
-  then 64 tokens decoded;
+- ``kvstore`` / ``kvstore-room0`` / ``kvstore-2threads``: open the store, ``fetch``
+  the stored prompt (``restore="always"``; its default room / ``restore_room=0`` /
+  two reader threads), the rest of the prompt and the first token, then 64 tokens
+  decoded;
+- ``kvstore-auto``: the same with ``restore="auto"``: the store decides by the
+  rates kept in it (the set-up's prefill rate, earlier children's restores);
 - ``load_prompt_cache``: mlx-lm's one-file cache of the same prompt.
 
 Usage (on the GPU machine; see docs/gpu.md)::
@@ -79,6 +82,7 @@ CASES = [
     "kvstore",
     "kvstore-room0",
     "kvstore-2threads",
+    "kvstore-auto",
     "load_prompt_cache",
 ]
 DECODE = 64
@@ -143,8 +147,9 @@ def child(spec: dict) -> dict:
     """One case in this (fresh) process."""
     t_start = time.perf_counter()
     mx = _imports()
-    import kvstore
     from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+
+    import kvstore
 
     t_import = time.perf_counter()
     model = build(spec["shape"])
@@ -160,7 +165,12 @@ def child(spec: dict) -> dict:
         threads = {"kvstore-2threads": 2}.get(case)
         path = spec["store"] if case != "cold+save" else spec["scratch"]
         store = kvstore.KVStore(
-            path, model, ram_bytes=0, restore_room=room, read_threads=threads
+            path,
+            model,
+            ram_bytes=0,
+            restore_room=room,
+            read_threads=threads,
+            restore="auto" if case == "kvstore-auto" else "always",
         )
         out["read_threads"] = store.read_threads
         out["open_s"] = time.perf_counter() - t0
@@ -172,8 +182,11 @@ def child(spec: dict) -> dict:
         cache = load_prompt_cache(spec["lpc"])
         n = len(tokens) - 1
     else:
+        from kvstore import loadpath
+
         cache, n = store.fetch(tokens)
         out["fetch_s"] = time.perf_counter() - t0
+        out["fetch_read_s"] = loadpath.READ_SECONDS[0]
         out["restore_io"] = store.restore_io
     out["restored"] = n
     if case == "cold+save":
@@ -204,8 +217,12 @@ def child(spec: dict) -> dict:
         store.flush()
         out["flush_s"] = time.perf_counter() - t_flush
         stats = store.stats()
-        out["corrupt"] = stats["corrupt"]
-        out["writes_failed"] = stats["writes_failed"]
+        for key in ("corrupt", "writes_failed", "restores_chosen", "recomputes_chosen"):
+            out[key] = stats[key]
+    # Decode again once every write is done: what kvstore leaves behind.
+    later, _ = generate(model, [first], cache, decode=DECODE // 2)
+    out["decode_after_tok_s"] = (len(later) - 1) / (later[-1] - later[0])
+    if store is not None:
         store.close()
     out["first_token"] = first
     return out
@@ -214,8 +231,9 @@ def child(spec: dict) -> dict:
 def setup(spec: dict) -> dict:
     """Store every prompt (kvstore and mlx-lm's file); record each first token."""
     mx = _imports()
-    import kvstore
     from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    import kvstore
 
     model = build(spec["shape"])
     out = {}
@@ -223,18 +241,23 @@ def setup(spec: dict) -> dict:
         for length in spec["lengths"]:
             tokens = prompt(spec["shape"], length)
             cache = make_prompt_cache(model)
+            warm_up(model)
+            t_prefill = time.perf_counter()
             for i in range(0, length - 1, STEP):
                 model(
                     mx.array(tokens[i : min(i + STEP, length - 1)])[None], cache=cache
                 )
                 mx.eval([c.state for c in cache])
+            t_prefill = time.perf_counter() - t_prefill
+            # The rate a generate loop would have told the store (restore="auto").
+            store.note_prefill(length - 1, t_prefill)
             store.save(tokens[:-1], cache)
             store.flush()
             save_prompt_cache(
                 os.path.join(spec["dir"], f"lpc-{length}.safetensors"), cache
             )
             kv = sum(c.nbytes for c in cache)
-            out[str(length)] = {"kv_bytes": kv}
+            out[str(length)] = {"kv_bytes": kv, "prefill_s": t_prefill}
             del cache
             mx.clear_cache()
         out["stats"] = {
@@ -339,13 +362,17 @@ def report(samples, lengths, cases) -> None:
         xs = [x for x in xs if x is not None]
         return statistics.median(xs) if xs else float("nan")
 
-    print("\nfirst token after a restart, ms (median); decode tokens/s (median)")
+    print(
+        "\nfirst token after a restart, ms; decode tokens/s at once / after every "
+        "write is done (medians)"
+    )
     print("| case | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
     for case in cases:
         cells = [
             f"{1000 * med(case, n, 'first_token_s'):.0f} ms, "
-            f"{med(case, n, 'decode_tok_s'):.1f} tok/s"
+            f"{med(case, n, 'decode_tok_s'):.1f} / "
+            f"{med(case, n, 'decode_after_tok_s'):.1f} tok/s"
             for n in lengths
         ]
         print(f"| {case} | " + " | ".join(cells) + " |")
@@ -359,6 +386,11 @@ def report(samples, lengths, cases) -> None:
                     f"{n}: {case} first token {cold / med(case, n, 'first_token_s'):.2f}x"
                     f" cold; decode {med(case, n, 'decode_tok_s') / med('cold', n, 'decode_tok_s'):.3f}x cold"
                 )
+        for case in cases:
+            after = med(case, n, "decode_after_tok_s") / med(
+                "cold", n, "decode_after_tok_s"
+            )
+            print(f"{n}: {case} decode after writes {after:.3f}x cold")
         if "cold+save" in cases:
             print(
                 f"{n}: decode while saving {med('cold+save', n, 'decode_tok_s') / med('cold', n, 'decode_tok_s'):.3f}x cold"

@@ -1,0 +1,164 @@
+"""Restore only when it pays: reading a prefix back against computing it again.
+
+A restore costs its bytes over the rate fetches read at; recomputing costs the
+prefix's tokens over the rate the model prefills at. On a 2-core CPU the model
+prefills a few hundred tokens a second and every restore wins by orders of
+magnitude; on an H100 a small model prefills tens of thousands a second and a
+restore from a cold disk can lose. Both rates are measured on the machine that
+decides (:class:`Rates`): prefill by the generate loops, ``prefill()`` and the
+server (through :meth:`kvstore.KVStore.note_prefill`), restores by the fetches
+themselves. Both are also kept in the store per model and host, so a restarted
+server decides its first fetch by what earlier processes measured.
+
+Until a prefill rate is known, every stored prefix is restored (as before any
+measurement, the store cannot know better). A prefix chosen to be recomputed is
+still restored once in :data:`EXPLORE_EVERY` decisions, so the restore rate
+follows a page cache that warms up.
+"""
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+# How a store decides: "auto" by the measured rates, or always / never restore.
+MODES = ("auto", "always", "never")
+# Weight of the newest sample in the running rates.
+SMOOTHING = 0.3
+# Prefill samples of fewer tokens say more about per-call overhead than speed.
+MIN_PREFILL_TOKENS = 32
+# A restore's fixed cost beyond its bytes (opening files, building caches).
+RESTORE_OVERHEAD_S = 0.002
+EXPLORE_EVERY = 16
+# The meta key under which a namespace's rates on a host are kept, and how often.
+RATES_KEY = b"rates/"
+PERSIST_EVERY_S = 30.0
+
+
+def check_mode(mode, *, name: str = "restore") -> None:
+    """Refuse a ``restore`` value (from ``name``) that is not one of :data:`MODES`."""
+    if mode not in MODES:
+        raise ValueError(f"{name} must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+@dataclass
+class Decision:
+    """One fetch's choice: restore ``tokens`` (or recompute them), with the two
+    estimates it was made from (None where a rate is not known yet)."""
+
+    restore: bool
+    tokens: int
+    restore_s: Optional[float]
+    recompute_s: Optional[float]
+    explored: bool = False
+
+
+class Rates:
+    """Running prefill (tokens/s) and restore (bytes/s) rates; thread-safe."""
+
+    def __init__(self, *, prefill: Optional[float] = None):
+        self.prefill = prefill
+        self.restore: Optional[float] = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _mix(old: Optional[float], new: float) -> float:
+        return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+    def note_prefill(self, tokens: int, seconds: float) -> bool:
+        """Record a prefill of ``tokens`` in ``seconds``; False if too small to say."""
+        if tokens < MIN_PREFILL_TOKENS or seconds <= 0:
+            return False
+        with self._lock:
+            self.prefill = self._mix(self.prefill, tokens / seconds)
+        return True
+
+    def note_restore(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self.restore = self._mix(self.restore, nbytes / seconds)
+
+
+class RestorePolicy:
+    """Decides each fetch's restore from :class:`Rates` and counts the choices.
+
+    Args:
+        mode: ``"auto"``, ``"always"`` or ``"never"``.
+        rates: The machine's measured rates.
+    """
+
+    def __init__(self, mode: str = "auto", *, rates: Optional[Rates] = None):
+        check_mode(mode)
+        self.mode = mode
+        self.rates = rates or Rates()
+        self.restored = 0  # fetches that restored a stored prefix
+        self.recomputed = 0  # stored prefixes left to the model: not worth reading
+        self.seconds_saved = 0.0  # estimated prefill time the restores saved
+        self._decisions = 0
+        self._lock = threading.Lock()
+
+    def decide(self, tokens: int, nbytes: int) -> Decision:
+        """Whether to restore ``tokens`` stored tokens that cost ``nbytes`` to read
+        (bytes already in memory excluded)."""
+        prefill, restore_rate = self.rates.prefill, self.rates.restore
+        recompute_s = tokens / prefill if prefill else None
+        restore_s = RESTORE_OVERHEAD_S + nbytes / restore_rate if restore_rate else None
+        if self.mode != "auto" or recompute_s is None or restore_s is None:
+            return Decision(self.mode != "never", tokens, restore_s, recompute_s)
+        if restore_s <= recompute_s:
+            return Decision(True, tokens, restore_s, recompute_s)
+        with self._lock:
+            self._decisions += 1
+            explore = self._decisions % EXPLORE_EVERY == 0
+        return Decision(explore, tokens, restore_s, recompute_s, explored=explore)
+
+    def record(self, decision: Decision, *, nbytes: int, seconds: float) -> None:
+        """Count a decision carried out; a restore's bytes and time feed the rate."""
+        if not decision.restore:
+            with self._lock:
+                self.recomputed += 1
+            return
+        self.rates.note_restore(nbytes, seconds)
+        with self._lock:
+            self.restored += 1
+            if decision.recompute_s is not None:
+                self.seconds_saved += decision.recompute_s - seconds
+
+    def stats(self) -> Dict[str, Any]:
+        with self._lock:
+            return {
+                "restore_mode": self.mode,
+                "restores_chosen": self.restored,
+                "recomputes_chosen": self.recomputed,
+                "restore_seconds_saved": self.seconds_saved,
+                "prefill_tokens_per_s": self.rates.prefill,
+                "restore_bytes_per_s": self.rates.restore,
+            }
+
+
+def rates_key(namespace: bytes) -> bytes:
+    """The meta key of ``namespace``'s rates measured on this host."""
+    return RATES_KEY + namespace.hex().encode() + b"/" + socket.gethostname().encode()
+
+
+def read_rates(txn, db, namespace: bytes) -> Rates:
+    """The rates kept for ``namespace`` on this host (unknown ones None)."""
+    raw = txn.get(rates_key(namespace), db=db)
+    rates = Rates()
+    try:
+        kept = json.loads(raw) if raw else {}
+        prefill, restore = kept.get("prefill"), kept.get("restore")
+    except (ValueError, AttributeError):
+        return rates
+    for name, value in (("prefill", prefill), ("restore", restore)):
+        if isinstance(value, (int, float)) and value > 0:
+            setattr(rates, name, float(value))
+    return rates
+
+
+def write_rates(txn, db, namespace: bytes, rates: Rates) -> None:
+    value = {"prefill": rates.prefill, "restore": rates.restore, "at": time.time()}
+    txn.put(rates_key(namespace), json.dumps(value).encode(), db=db)

@@ -1,0 +1,130 @@
+"""Restore only when it pays (kvstore.payoff): the choice, its counters, its rates."""
+
+import mlx.core as mx
+import pytest
+from conftest import compute_cache, random_tokens, tiny_llama
+
+import kvstore
+from kvstore import payoff
+from kvstore.payoff import EXPLORE_EVERY, Rates, RestorePolicy
+
+C = 16
+
+
+def test_without_a_prefill_rate_every_prefix_is_restored():
+    policy = RestorePolicy("auto")
+    assert policy.decide(1000, 1 << 30).restore
+    policy.rates.note_restore(1 << 20, 1.0)  # a slow disk, but prefill unknown
+    assert policy.decide(1000, 1 << 30).restore
+
+
+def test_the_faster_way_is_chosen_and_recomputing_is_explored_now_and_then():
+    rates = Rates(prefill=10_000.0)  # tokens/s
+    rates.note_restore(1 << 30, 1.0)  # 1 GiB/s
+    policy = RestorePolicy("auto", rates=rates)
+    cheap = policy.decide(20_000, 100 << 20)  # 2 s of prefill, ~0.1 s to read
+    assert cheap.restore and cheap.recompute_s == pytest.approx(2.0)
+    dear = [policy.decide(100, 1 << 30) for _ in range(2 * EXPLORE_EVERY)]
+    assert [d.restore for d in dear].count(True) == 2  # one in EXPLORE_EVERY
+    assert all(d.explored == d.restore for d in dear)
+
+
+def test_small_prefills_do_not_move_the_rate():
+    rates = Rates()
+    assert not rates.note_prefill(payoff.MIN_PREFILL_TOKENS - 1, 0.001)
+    assert rates.prefill is None
+    assert rates.note_prefill(1000, 0.5) and rates.prefill == pytest.approx(2000)
+    rates.note_prefill(1000, 1.0)  # a running mean: moves part of the way
+    assert 1000 < rates.prefill < 2000
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_forced_modes_ignore_the_rates(mode):
+    rates = Rates(prefill=1e9)
+    rates.note_restore(1, 1.0)
+    policy = RestorePolicy(mode, rates=rates)
+    assert policy.decide(10, 1 << 30).restore == (mode == "always")
+
+
+def test_counters_and_seconds_saved():
+    policy = RestorePolicy("auto", rates=Rates(prefill=1000.0))
+    policy.rates.note_restore(1 << 20, 0.001)
+    d = policy.decide(2000, 1 << 20)
+    policy.record(d, nbytes=1 << 20, seconds=0.5)
+    policy.record(payoff.Decision(False, 10, 1.0, 0.01), nbytes=0, seconds=0.0)
+    stats = policy.stats()
+    assert stats["restores_chosen"] == 1 and stats["recomputes_chosen"] == 1
+    assert stats["restore_seconds_saved"] == pytest.approx(2.0 - 0.5)
+
+
+def _stored(path, model, tokens, **kwargs):
+    with kvstore.KVStore(path, model, chunk_tokens=C, ram_bytes=0, **kwargs) as s:
+        s.save(tokens, compute_cache(model, tokens))
+
+
+def test_a_store_recomputes_what_is_faster_to_prefill(tmp_path, model):
+    """Measured rates decide: a model that prefills a billion tokens a second gets
+    its prefix recomputed (a miss, counted), a slow one gets it restored."""
+    tokens = random_tokens(6 * C, 1)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(
+        tmp_path, model, chunk_tokens=C, ram_bytes=0, restore="auto"
+    ) as s:
+        assert s.fetch(tokens + [1])[1] == len(tokens)  # no prefill rate yet
+        assert s.stats()["restore_bytes_per_s"] > 0
+        s.note_prefill(10_000, 1e-5)
+        cache, n = s.fetch(tokens + [1])
+        assert n == 0 and cache[0].offset == 0
+        stats = s.stats()
+        assert stats["recomputes_chosen"] == 1 and stats["restores_chosen"] == 1
+        assert stats["misses"] == 1 and stats["corrupt"] == 0
+    with kvstore.KVStore(
+        tmp_path, model, chunk_tokens=C, ram_bytes=0, restore="auto"
+    ) as s:
+        s.policy.rates.prefill = None
+        s.note_prefill(100, 10.0)  # 10 tokens/s: every restore pays
+        s.policy.rates.note_restore(1 << 20, 1.0)
+        assert s.fetch(tokens + [1])[1] == len(tokens)
+
+
+def test_never_restores_nothing_and_bad_modes_are_refused(tmp_path, model, monkeypatch):
+    tokens = random_tokens(3 * C, 2)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="never") as s:
+        assert s.fetch(tokens + [1])[1] == 0
+        assert s.stats()["recomputes_chosen"] == 1
+    with pytest.raises(ValueError, match="restore must be one of"):
+        kvstore.KVStore(tmp_path / "new", model, restore="sometimes")
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setenv("KVSTORE_RESTORE", "maybe")
+    with pytest.raises(ValueError, match=r"\$KVSTORE_RESTORE must be one of"):
+        kvstore.KVStore(tmp_path, model)
+
+
+def test_the_rates_are_kept_for_the_next_process_on_this_host(tmp_path, model):
+    """A restarted process decides its first fetch by what the last one measured."""
+    tokens = random_tokens(4 * C, 7)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
+        s.note_prefill(5000, 2.0)
+        assert s.fetch(tokens + [1])[1] == len(tokens)
+        s.flush()
+        s._rates_kept = None  # as if PERSIST_EVERY_S had passed
+        s.note_prefill(1e9, 1.0)  # now faster than any read
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
+        stats = s.stats()
+        assert stats["prefill_tokens_per_s"] > 1e8
+        assert stats["restore_bytes_per_s"] > 0
+        assert s.fetch(tokens + [1])[1] == 0  # the first fetch: recomputed
+    with kvstore.KVStore(tmp_path, tiny_llama(1), chunk_tokens=C) as s:
+        assert s.stats()["prefill_tokens_per_s"] is None  # another model's
+
+
+def test_generate_loops_and_prefill_feed_the_rate(tmp_path, model, tokenizer):
+    with kvstore.KVStore(tmp_path, model, tokenizer, chunk_tokens=C) as s:
+        prompt = random_tokens(64, 3)
+        list(kvstore.stream_generate(model, tokenizer, prompt, store=s, max_tokens=2))
+        assert s.stats()["prefill_tokens_per_s"] > 0
+    with kvstore.KVStore(tmp_path / "p", model, tokenizer, chunk_tokens=C) as s:
+        s.prefill(random_tokens(80, 4))
+        assert s.stats()["prefill_tokens_per_s"] > 0
