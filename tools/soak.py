@@ -411,6 +411,8 @@ class Soak:
         os.makedirs(self.logs, exist_ok=True)
         open(self.acks_path, "wb").close()
         small_map(a.map_bytes)  # here, and through the environment in every child
+        # Every fetch restores what is stored (auto would recompute some): each is checked.
+        os.environ["KVSTORE_RESTORE"] = "always"
         self.env = dict(
             os.environ,
             HF_HUB_OFFLINE="1",
