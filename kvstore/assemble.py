@@ -29,6 +29,7 @@ import json
 import math
 import operator
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 
@@ -37,7 +38,7 @@ import numpy as np
 
 from . import memutil
 from .adapters import dtype_name
-from .blobs import DATA_ALIGN, DTYPES, TensorEntry
+from .blobs import CODE_SIZES, DATA_ALIGN, DTYPES, TensorEntry
 
 STACK_BYTES = 30 << 20  # per allocation: see the module docstring
 
@@ -51,26 +52,39 @@ def uses_c_malloc() -> bool:
     return not (gpu or (cuda is not None and cuda.is_available()))
 
 
-class _UnwrittenFile(io.RawIOBase):
-    """A read-only safetensors file: a real header, and data reads that write nothing."""
+class VirtualFile(io.RawIOBase):
+    """A read-only safetensors file made in memory: a real header for tensors of
+    ``(safetensors dtype code, shape)``, laid out one after another, and data reads
+    that :meth:`fill` answers (here: nothing is written).
 
-    def __init__(self, specs: Sequence[Tuple[Tuple[int, ...], mx.Dtype]]):
-        header, offset = {}, 0
-        for i, (shape, dtype) in enumerate(specs):
-            size = dtype.size
-            for d in shape:
-                size *= d
+    The position is kept per thread: MLX's CPU backend seeks and reads a file from
+    several threads at once.
+    """
+
+    def __init__(self, specs: Sequence[Tuple[str, Tuple[int, ...]]]):
+        header, offset, self.tensor_offsets = {}, 0, []
+        for i, (code, shape) in enumerate(specs):
+            size = math.prod(shape) * CODE_SIZES[code]
             header[str(i)] = {
-                "dtype": DTYPES[dtype_name(dtype)][0],
+                "dtype": code,
                 "shape": list(shape),
                 "data_offsets": [offset, offset + size],
             }
+            self.tensor_offsets.append(offset)
             offset += size
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)
         self._head = struct.pack("<Q", len(raw)) + raw
         self._size = len(self._head) + offset
-        self._pos = 0
+        self._local = threading.local()
+
+    @property
+    def _pos(self) -> int:
+        return getattr(self._local, "pos", 0)
+
+    @_pos.setter
+    def _pos(self, value: int) -> None:
+        self._local.pos = value
 
     def readable(self) -> bool:
         return True
@@ -88,17 +102,24 @@ class _UnwrittenFile(io.RawIOBase):
 
     def readinto(self, b) -> int:
         view = memoryview(b).cast("B")
-        n = min(len(view), self._size - self._pos)
-        if self._pos < len(self._head):
-            k = min(n, len(self._head) - self._pos)
-            view[:k] = self._head[self._pos : self._pos + k]
-        self._pos += n
+        n = max(0, min(len(view), self._size - self._pos))
+        lo, hi, head = self._pos, self._pos + n, len(self._head)
+        if lo < head:
+            k = min(hi, head) - lo
+            view[:k] = self._head[lo : lo + k]
+        if hi > head:
+            self.fill(view[max(0, head - lo) : n], max(lo, head) - head)
+        self._pos = hi
         return n
+
+    def fill(self, out: memoryview, start: int) -> None:
+        """Fill ``out`` with data bytes ``[start, start + len(out))``."""
 
 
 def empty_arrays(specs: Sequence[Tuple[Tuple[int, ...], mx.Dtype]]) -> List[mx.array]:
     """Evaluated arrays of the given shapes and dtypes, contents undefined."""
-    loaded = mx.load(_UnwrittenFile(specs), format="safetensors")
+    file = VirtualFile([(DTYPES[dtype_name(d)][0], shape) for shape, d in specs])
+    loaded = mx.load(file, format="safetensors")
     arrays = [loaded[str(i)] for i in range(len(specs))]
     mx.eval(arrays)
     return arrays

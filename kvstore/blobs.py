@@ -58,7 +58,7 @@ DTYPES: Dict[str, Tuple[str, int]] = {
     "uint8": ("U8", 1),
     "int8": ("I8", 1),
 }
-_CODE_SIZE = {code: size for code, size in DTYPES.values()}
+CODE_SIZES = {code: size for code, size in DTYPES.values()}
 
 
 FILE_FORMAT = "KVSTORE"  # the metadata "format" of every chunk file
@@ -289,7 +289,7 @@ def parse_header(
         try:
             dtype, shape, (s, e) = info["dtype"], info["shape"], info["data_offsets"]
             ok = (
-                dtype in _CODE_SIZE
+                dtype in CODE_SIZES
                 and isinstance(shape, list)
                 and all(isinstance(d, int) and d >= 0 for d in shape)
                 and isinstance(s, int)
@@ -301,7 +301,7 @@ def parse_header(
         if not ok:
             raise CorruptBlob(f"header entry {name!r} is malformed")
         # Python ints: a hostile shape must not overflow into a small size.
-        if e - s != math.prod(shape) * _CODE_SIZE[dtype]:
+        if e - s != math.prod(shape) * CODE_SIZES[dtype]:
             raise CorruptBlob(
                 f"tensor {name!r}: {e - s} bytes do not fit shape {shape}"
             )
@@ -601,11 +601,21 @@ class Blobs:
         return sum(sizes) if sizes else None
 
     def remove(self, ns: bytes, h: bytes) -> None:
-        """Unlink node ``h``'s files (both parts)."""
+        """Unlink node ``h``'s files (both parts).
+
+        Raises:
+            OSError: a part could not be unlinked (the other part was tried too).
+        """
         if not self._real_dirs(ns, h):
             return
+        error = None
         for part in (DELTA_PART, STATE_PART):
-            fsutil.unlink_if_exists(self.path(ns, h, part))
+            try:
+                fsutil.unlink_if_exists(self.path(ns, h, part))
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
         """Move a broken node's files aside (with a note saying why); None if gone."""

@@ -424,6 +424,12 @@ def cmd_verify(args) -> int:
                 "index lost (e.g. index/lock.mdb deleted while the store was in use); "
                 "`kvstore gc` removes them"
             )
+        elif report["dead_writer_temp_files"]:
+            print(
+                f"index clean, but {report['dead_writer_temp_files']} temp files of "
+                "writer processes that are gone (killed mid-write); `kvstore gc` "
+                "removes them"
+            )
         else:
             print("clean")
     return EXIT_OK if report["clean"] else EXIT_FAILED_LINES

@@ -315,13 +315,17 @@ class Index:
     def read(self, fn: Callable):
         """Run ``fn(txn)`` in a read transaction, adopting a map grown by another process."""
         self._check_pid()
+        gate = self._shared.gate
         for _ in range(_RESIZED_TRIES):
+            gate.enter()  # not a generator context manager: ~5 us less per read
             try:
-                with self._shared.gate.transaction():
-                    with self.env.begin(write=False) as txn:
-                        return fn(txn)
+                with self.env.begin(write=False) as txn:
+                    return fn(txn)
             except lmdb.MapResizedError:
-                self._adopt_map_size()
+                pass
+            finally:
+                gate.exit()
+            self._adopt_map_size()
         raise StoreError(f"{self.path}: the LMDB map keeps being resized")
 
     def _adopt_map_size(self) -> None:

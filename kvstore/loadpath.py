@@ -20,10 +20,7 @@ each node file is read, and hashed, in order. A read that comes out of that orde
 by reading them once more before anything is returned.
 """
 
-import io
-import json
 import os
-import struct
 import threading
 import time
 from concurrent.futures import Executor
@@ -33,6 +30,7 @@ import mlx.core as mx
 import xxhash
 
 from . import devices, fsutil
+from .assemble import VirtualFile
 from .blobs import DTYPES, CorruptBlob, OpenFile, TensorEntry
 
 # Node files one RestoreFile reads from: all of them stay open while it loads, so
@@ -46,16 +44,6 @@ SEGMENT_NODES = 64
 SEGMENT_TENSOR_BYTES = 16 << 20
 # Seconds spent in RestoreFile reads, summed (what tools/bench_gpu.py reports).
 READ_SECONDS = [0.0]
-
-
-def default_read_threads(restore_io: str) -> int:
-    """Reader threads of a restore when the caller sets none: 2 for the CPU path
-    (measured on 2 cores: the copies share one memory bus), up to 8 for the load
-    path, whose reads fill host buffers on a machine built around a GPU (one
-    thread reads the page cache at ~7 GB/s on an H100 host)."""
-    if restore_io == "load":
-        return max(2, min(8, os.cpu_count() or 2))
-    return 2
 
 
 def default_restore_io() -> str:
@@ -177,7 +165,7 @@ class Failures:
             self.first = min(self.first, index)
 
 
-class RestoreFile(io.RawIOBase):
+class RestoreFile(VirtualFile):
     """A read-only safetensors file whose data is a restore's arrays, read from nodes.
 
     Tensor ``i`` is ``names[i]``'s ``(1, heads, rows, width)`` array. Node ``j``
@@ -209,63 +197,23 @@ class RestoreFile(io.RawIOBase):
         pool: Optional[Executor],
         threads: int,
     ):
+        super().__init__(
+            [
+                (DTYPES[dtype][0], (1, heads, nrows, width))
+                for dtype, heads, width in rows.values()
+            ]
+        )
         self.names = list(rows)
         self.sources, self.offsets, self.takes = sources, offsets, takes
         self.first, self.failures = first, failures
         self.pool, self.threads = pool, max(1, min(threads, len(sources)))
-        header, self.spans, offset = {}, [], 0
-        self.specs = []
-        for i, (name, (dtype, heads, width)) in enumerate(rows.items()):
+        self.spans = []  # per tensor: (data offset, bytes, heads, head stride, row)
+        for base, (dtype, heads, width) in zip(self.tensor_offsets, rows.values()):
             row = width * DTYPES[dtype][1]
-            size = heads * nrows * row
-            header[str(i)] = {
-                "dtype": DTYPES[dtype][0],
-                "shape": [1, heads, nrows, width],
-                "data_offsets": [offset, offset + size],
-            }
-            self.spans.append((offset, size, heads, nrows * row, row))
-            offset += size
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        self._head = struct.pack("<Q", len(raw)) + raw
-        self._size = len(self._head) + offset
-        # MLX seeks, then reads, from several threads at once on the CPU backend.
-        self._local = threading.local()
+            self.spans.append((base, heads * nrows * row, heads, nrows * row, row))
 
-    @property
-    def _pos(self) -> int:
-        return getattr(self._local, "pos", 0)
-
-    @_pos.setter
-    def _pos(self, value: int) -> None:
-        self._local.pos = value
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}
-        self._pos = base[whence] + offset
-        return self._pos
-
-    def readinto(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = max(0, min(len(view), self._size - self._pos))
-        lo, hi = self._pos, self._pos + n
-        head = len(self._head)
-        if lo < head:
-            k = min(hi, head) - lo
-            view[:k] = self._head[lo : lo + k]
-        if hi > head:
-            self._read_data(view[max(0, head - lo) : n], max(lo, head) - head)
-        self._pos = hi
-        return n
+    def fill(self, out: memoryview, start: int) -> None:
+        self._read_data(out, start)
 
     def _read_data(self, out: memoryview, start: int) -> None:
         """Fill ``out`` with data bytes ``[start, start + len(out))``."""

@@ -28,7 +28,8 @@ class MapGate:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken directly where nobody waits: cheaper
+        self._cond = threading.Condition(self._lock)
         self._active = 0  # threads inside a transaction
         self._resizing = False
         self._waiting = 0  # resizes waiting for the active transactions to end
@@ -38,25 +39,34 @@ class MapGate:
         """How many transactions the calling thread is inside."""
         return getattr(self._local, "depth", 0)
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """Hold the gate (shared) for the duration of one transaction."""
-        depth = self.depth()
+    def enter(self) -> None:
+        """Hold the gate (shared) for one transaction; :meth:`exit` after it."""
+        local = self._local
+        depth = getattr(local, "depth", 0)
         if depth == 0:
-            with self._cond:
+            with self._lock:
                 while self._resizing or self._waiting:
                     self._cond.wait()
                 self._active += 1
-        self._local.depth = depth + 1
+        local.depth = depth + 1
+
+    def exit(self) -> None:
+        local = self._local
+        depth = local.depth = local.depth - 1
+        if depth == 0:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0 and self._waiting:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """:meth:`enter` and :meth:`exit` around a block."""
+        self.enter()
         try:
             yield
         finally:
-            self._local.depth = depth
-            if depth == 0:
-                with self._cond:
-                    self._active -= 1
-                    if self._active == 0:
-                        self._cond.notify_all()
+            self.exit()
 
     def alone(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (a map resize) once no transaction of the process is active.

@@ -9,7 +9,9 @@ reachable from the meta page's roots, never a free one, and a writer reusing a f
 page writes it before reading it. So a file is safe to map when every page number
 from its end up to the last page is free: :func:`unwritten_pages_are_free` checks
 that by walking the free-list B-tree with ``pread`` (every page it reads must itself
-lie inside the file).
+lie inside the file). It guards against files cut short (an interrupted copy, a
+truncation), not crafted ones: a free list listing live pages would pass, and LMDB
+trusts every page of its file anyway.
 
 The layout (LMDB 0.9, 64-bit ``pgno_t``/``size_t``, little-endian) is LMDB's
 on-disk format version 1 (``MDB_DATA_VERSION``): page header ``pgno u64, pad u16,

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 
 import xxhash
 
-from . import fsutil
+from . import fsutil, reservations
 from .blobs import (
     DELTA_PART,
     HASH_BATCH_BYTES,
@@ -58,6 +58,28 @@ OPEN_FILES = 32
 # Threads issuing a save's fsyncs at once (the GIL is released while they wait).
 SYNC_THREADS = 4
 _LINK_ATTEMPTS = 5  # publishing races with other processes' evictions of that file
+
+
+def temp_name(h: bytes) -> str:
+    """A new temp file name for node ``h``: ``.<h>.<pid>.<start>.<random>.tmp``. The
+    writer's pid and start time (:mod:`kvstore.reservations`) tell ``gc`` whether it
+    is gone; the random part keeps names of one process apart (the file is created
+    with ``O_EXCL`` anyway)."""
+    pid, start = reservations.own_identity()
+    return f".{h.hex()}.{pid}.{start}.{secrets.token_hex(4)}.tmp"
+
+
+def temp_writer(name: str) -> Optional[Tuple[int, int]]:
+    """``(pid, start time)`` of the process that made temp file ``name`` (start 0:
+    unknown, a name without it), None for a name :func:`temp_name` did not make."""
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return None
+    fields = name[1:-4].split(".")
+    if len(fields) not in (3, 4) or not all(f.isdigit() for f in fields[1:-1]):
+        return None
+    pid = int(fields[1])
+    start = int(fields[2]) if len(fields) == 4 else 0
+    return (pid, start) if pid > 0 else None
 
 
 @dataclass
@@ -102,9 +124,7 @@ class WriteBatch:
             raise FileNotFoundError(errno.ENOENT, "the blobs directory is gone", root)
         fsutil.check_real_dirs(root, self.blobs.path_parts(ns, h)[:2])  # never write out
         self._make_dir(directory)
-        tmp = os.path.join(
-            directory, f".{h.hex()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        )
+        tmp = os.path.join(directory, temp_name(h))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         staged = Staged(h, part, tmp, final, data.nbytes, fd)
         self.staged.append(staged)  # from here on close() removes the temp file

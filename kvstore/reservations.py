@@ -112,6 +112,12 @@ def _own_identity() -> Tuple[int, int]:
     return pid, _identity[pid]
 
 
+def own_identity() -> Tuple[int, int]:
+    """``(pid, start time)`` of this process, as :func:`process_alive` takes them (a
+    start time of 0: unknown here)."""
+    return _own_identity()
+
+
 def process_alive(pid: int, start: int) -> bool:
     """Whether the process that made a reservation still runs.
 

@@ -15,12 +15,14 @@ import errno
 import logging
 import os
 import secrets
+import time
 
 log = logging.getLogger("kvstore")
 
 SPARE_NAME = "spare"
 SPARE_BYTES = 1 << 20
 _BLOCK = 64 << 10
+_LEFTOVER_SECONDS = 600.0
 
 
 def path_of(index_dir: str) -> str:
@@ -39,6 +41,7 @@ def ensure(index_dir: str) -> bool:
         pass
     except OSError:
         return False
+    _remove_leftovers(index_dir)
     tmp = os.path.join(index_dir, f".{SPARE_NAME}.{os.getpid()}.{secrets.token_hex(4)}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
@@ -65,6 +68,24 @@ def ensure(index_dir: str) -> bool:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
+            pass
+
+
+def _remove_leftovers(index_dir: str) -> None:
+    """Unlink spares that processes killed while writing them left (a spare takes
+    milliseconds to write: any older than :data:`_LEFTOVER_SECONDS` is one)."""
+    prefix = f".{SPARE_NAME}."
+    try:
+        names = [n for n in os.listdir(index_dir) if n.startswith(prefix)]
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(index_dir, name)
+        try:
+            if now - os.lstat(path).st_mtime > _LEFTOVER_SECONDS:
+                os.unlink(path)
+        except OSError:
             pass
 
 

@@ -23,7 +23,7 @@ from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
 from .index import KINDS, Index, StoreError
-from .loadpath import default_read_threads, default_restore_io
+from .loadpath import default_restore_io
 from .maintenance.common import check_int
 from .namespace import open_namespace
 from .ram import RamTier
@@ -73,14 +73,10 @@ _MINIMUMS = {
     "kv_group_size": 1,
     "ram_bytes": 0,
     "max_pending_bytes": 0,
+    "read_threads": 1,
     "restore_room": 0,
 }
-_OPTIONAL_MINIMUMS = {
-    "kv_bits": 1,
-    "disk_bytes": 1,
-    "salt_disk_bytes": 1,
-    "read_threads": 1,
-}
+_OPTIONAL_MINIMUMS = {"kv_bits": 1, "disk_bytes": 1, "salt_disk_bytes": 1}
 
 
 def _check_arguments(path, model, tokenizer, **numbers) -> None:
@@ -124,9 +120,8 @@ class KVStore(ReadPath, WritePath, Removal):
         max_pending_bytes: A save whose KV would take the bytes waiting for the
             disk beyond this is dropped (counted in ``writes_dropped``).
         read_threads: Threads reading chunk files in parallel during a restore
-            (the calling thread is one of them). None: 2 on the CPU and Metal
-            (the restore's copies then share the memory bus with little else),
-            up to 8 with CUDA (see :func:`kvstore.loadpath.default_read_threads`).
+            (the calling thread is one of them). Two were fastest on the 2-core
+            CPU machine and on an H100's 16-core host alike (docs/gpu.md).
         restore_room: Tokens past a restore that its arrays have room for (rounded
             up to mlx-lm's cache step): the prompt's rest and the first generated
             token are then written in place, where an exactly full cache would copy
@@ -162,7 +157,7 @@ class KVStore(ReadPath, WritePath, Removal):
         disk_bytes: Optional[int] = None,
         salt_disk_bytes: Optional[int] = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        read_threads: Optional[int] = None,
+        read_threads: int = 2,
         restore_room: int = 2048,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
@@ -237,7 +232,7 @@ class KVStore(ReadPath, WritePath, Removal):
         )
         self._rates_kept: Optional[float] = None  # when the rates were last kept
         self.restore_io = default_restore_io()
-        self.read_threads = read_threads or default_read_threads(self.restore_io)
+        self.read_threads = read_threads
         self._readers = ThreadPoolExecutor(
             self.read_threads, thread_name_prefix="kvstore-read"
         )

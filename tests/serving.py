@@ -153,6 +153,20 @@ def run_kvstore(*args, timeout=SUBPROCESS_TIMEOUT):
     )
 
 
+def settled_stats(port, timeout=30):
+    """``/kvstore/stats`` once the store's writer has nothing left to do. (The last
+    save of a request is queued after its answer is sent.)"""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        stats = request(port, "/kvstore/stats")
+        idle = not any(s["pending_write_jobs"] for s in stats["stores"])
+        if idle and last is not None and last["saves"] == stats["saves"]:
+            return stats
+        last = stats if idle else None
+        assert time.monotonic() < deadline, "writes never finished"
+        time.sleep(0.1)
+
+
 def stop_all(servers):
     """Stop every server; the exit codes (all are stopped even if one fails)."""
     codes = []

@@ -656,7 +656,7 @@ def test_misconfigured_remote_is_reported_not_raised(
 def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
     """``kvstore serve --remote`` as real processes on two stores: B answers with the
     system prompt A computed, restored through the remote."""
-    from serving import Server, answer, chat_body, request
+    from serving import Server, answer, chat_body
 
     def serve(name):
         store = str(tmp_path / name)

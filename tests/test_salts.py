@@ -307,13 +307,20 @@ def test_cli_prefill_salt_and_stats(tmp_path, tiny_model_dir, capsys):
         assert "--salt" in capsys.readouterr().err
 
 
+def saved_bytes(path, model, tokenizer, tokens, cache):
+    """Bytes on disk of ``tokens`` saved alone into a new store at ``path``."""
+    with kvstore.KVStore(path, model, tokenizer) as probe:
+        probe.save(tokens, cache)
+        probe.flush()
+        return probe.stats()["bytes_on_disk"]
+
+
 def test_salt_quota_evicts_only_that_tenants_tree(tmp_path, model, tokenizer):
     prompts = [[10 + i] + random_tokens(99, seed=50 + i) for i in range(6)]
     caches = [compute_cache(model, p) for p in prompts]
-    with kvstore.KVStore(tmp_path / "probe", model, tokenizer) as probe:
-        probe.save(prompts[0], caches[0])
-        probe.flush()
-        node_bytes = probe.stats()["bytes_on_disk"]
+    node_bytes = saved_bytes(
+        tmp_path / "probe", model, tokenizer, prompts[0], caches[0]
+    )
     quota = 2 * node_bytes + node_bytes // 2  # room for two such prompts
     with kvstore.KVStore(
         tmp_path / "s", model, tokenizer, salt_disk_bytes=quota
@@ -377,13 +384,13 @@ def test_tenants_and_plain_salts_never_share_a_tree(tmp_path, model, tokenizer):
 def _quota_case(tmp_path, model, tokenizer, noisy_salts):
     """Tenant B saves one prompt, tenant A then saves 5 prompts under
     ``noisy_salts(i)``; every tree under a per-tenant quota of two prompts and a disk
-    budget of five. Returns what B still restores, and the store's stats."""
+    budget of five. Returns the tokens B and A's last prompt still restore, the bytes
+    of A's trees, and one prompt's bytes."""
     prompts = [[10 + i] + random_tokens(99, seed=70 + i) for i in range(6)]
     caches = [compute_cache(model, p) for p in prompts]
-    with kvstore.KVStore(tmp_path / "probe", model, tokenizer) as probe:
-        probe.save(prompts[0], caches[0])
-        probe.flush()
-        node_bytes = probe.stats()["bytes_on_disk"]
+    node_bytes = saved_bytes(
+        tmp_path / "probe", model, tokenizer, prompts[0], caches[0]
+    )
     path = tmp_path / "s"
     with kvstore.KVStore(
         path,

@@ -11,10 +11,9 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from serving import SYSTEM, Server, chat_body, request, run_kvstore
+from serving import SYSTEM, Server, chat_body, request, run_kvstore, settled_stats
 
 from kvstore import maintenance
 
@@ -177,18 +176,6 @@ def test_prefill_tenant_and_plain_salts_meet_serve(tmp_path, tiny_model_dir):
         assert s.stop() == 0, s.output()
 
 
-def _settled(port, timeout=30):
-    deadline, last = time.monotonic() + timeout, None
-    while True:
-        stats = request(port, "/kvstore/stats")
-        idle = not any(s["pending_write_jobs"] for s in stats["stores"])
-        if idle and last is not None and last["saves"] == stats["saves"]:
-            return stats
-        last = stats if idle else None
-        assert time.monotonic() < deadline, "writes never finished"
-        time.sleep(0.1)
-
-
 def _salted_bytes(store):
     (ns,) = maintenance.store_stats(store)["namespaces"]
     return sum(t["bytes"] for t in ns["salted_trees"])
@@ -201,7 +188,7 @@ def test_a_tenants_cache_salts_share_its_quota(tmp_path, tiny_model_dir):
     s = Server(kv + ["--store", probe], tmp_path / "probe.log")
     try:
         assert post(s.port, CHAT, chat("w90 w91", "x"), [])[0] == 200
-        one = _settled(s.port)["stores"][0]["bytes_on_disk"]
+        one = settled_stats(s.port)["stores"][0]["bytes_on_disk"]
     finally:
         assert s.stop() == 0, s.output()
 
@@ -218,13 +205,13 @@ def test_a_tenants_cache_salts_share_its_quota(tmp_path, tiny_model_dir):
     b = chat("w90 w91")
     try:
         assert post(s.port, CHAT, b, tenant("B"))[0] == 200
-        _settled(s.port)
+        settled_stats(s.port)
         # Tenant A sends a new cache_salt with each of 8 requests: its trees share
         # its quota, so B's prefix stays.
         for i in range(8):
             status, out = post(s.port, CHAT, chat("w90 w91", f"a{i}"), tenant("A"))
             assert status == 200, out
-            _settled(s.port)
+            settled_stats(s.port)
             assert _salted_bytes(store) <= one + quota
         status, out = post(s.port, CHAT, b, tenant("B"))
         assert status == 200 and cached(out) > 250, out
@@ -233,7 +220,7 @@ def test_a_tenants_cache_salts_share_its_quota(tmp_path, tiny_model_dir):
         for i in range(8):
             status, out = post(s.port, CHAT, chat("w90 w91", f"c{i}"), [])
             assert status == 200, out
-            _settled(s.port)
+            settled_stats(s.port)
         status, out = post(s.port, CHAT, b, tenant("B"))
         assert status == 200 and cached(out) == 0, out
     finally:

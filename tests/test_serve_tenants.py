@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import tiny_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from serving import SYSTEM, Server, chat_body, request
+from serving import SYSTEM, Server, chat_body, settled_stats
 
 from kvstore import maintenance
 from kvstore.chunking import root_hash
@@ -124,20 +123,6 @@ def trees(store):
     for h, root in roots.items():
         out.setdefault(root, set()).add(h)
     return out, nodes
-
-
-def settled_stats(port, timeout=30):
-    """``/kvstore/stats`` once the store's writer has nothing left to do. (The last
-    save of a request is queued after its answer is sent.)"""
-    deadline, last = time.monotonic() + timeout, None
-    while True:
-        stats = request(port, "/kvstore/stats")
-        idle = not any(s["pending_write_jobs"] for s in stats["stores"])
-        if idle and last is not None and last["saves"] == stats["saves"]:
-            return stats
-        last = stats if idle else None
-        assert time.monotonic() < deadline, "writes never finished"
-        time.sleep(0.1)
 
 
 def stop_killed(server):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens
 from mlx_lm.models.cache import LRUPromptCache
-from serving import KEY, SYSTEM, Server, answer, chat_body, provider, request
+from serving import KEY, SYSTEM, Server, answer, chat_body, provider
 
 import kvstore
 from kvstore.server import PersistentPromptCache, strip_body

@@ -11,9 +11,9 @@ server does before its first request):
   the first token, then 64 tokens decoded;
 - ``cold+save``: the same after opening an empty store, saving the prompt's KV in
   the background after the first token (decode runs while it is written);
-- ``kvstore`` / ``kvstore-room0`` / ``kvstore-2threads``: open the store, ``fetch``
+- ``kvstore`` / ``kvstore-room0`` / ``kvstore-8threads``: open the store, ``fetch``
   the stored prompt (``restore="always"``; its default room / ``restore_room=0`` /
-  two reader threads), the rest of the prompt and the first token, then 64 tokens
+  eight reader threads), the rest of the prompt and the first token, then 64 tokens
   decoded;
 - ``kvstore-auto``: the same with ``restore="auto"``: the store decides by the
   rates kept in it (the set-up's prefill rate, earlier children's restores);
@@ -81,7 +81,7 @@ CASES = [
     "cold+save",
     "kvstore",
     "kvstore-room0",
-    "kvstore-2threads",
+    "kvstore-8threads",
     "kvstore-auto",
     "load_prompt_cache",
 ]
@@ -162,7 +162,7 @@ def child(spec: dict) -> dict:
     t0 = time.perf_counter()
     if case.startswith("kvstore") or case == "cold+save":
         room = {"kvstore-room0": 0}.get(case, 2048)
-        threads = {"kvstore-2threads": 2}.get(case)
+        threads = {"kvstore-8threads": 8}.get(case, 2)
         path = spec["store"] if case != "cold+save" else spec["scratch"]
         store = kvstore.KVStore(
             path,
@@ -343,6 +343,8 @@ def main(argv=None) -> int:
                     spec["page_cache_dropped"] = drop_page_cache()
                 r = spawn(spec)
                 r.update(case=case, length=length, repeat=rep)
+                if args.cold_disk:
+                    r["page_cache_dropped"] = spec["page_cache_dropped"]
                 samples.append(r)
                 print(json.dumps(r), flush=True)
                 if case == "cold+save":

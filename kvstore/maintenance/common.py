@@ -3,6 +3,7 @@ files afterwards), leaf-first LRU eviction (also for the room a save reserves be
 writing), resolving namespace and node names, and argument checks."""
 
 import json
+import logging
 import os
 from collections.abc import Iterable as _IterableABC
 from contextlib import contextmanager
@@ -15,10 +16,13 @@ from ..blobs import DTYPES, Blobs
 from ..chunking import HASH_BYTES
 from ..index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
 from ..policy import DiskNode, disk_victims
+from ..publish import temp_writer
 from ..salts import GROUP_PREFIX
 from ..storecheck import check_store_dirs
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
+
+log = logging.getLogger("kvstore")
 
 DISK_BUDGET_KEY = (
     b"disk_bytes"  # in the meta DB: the last budget a KVStore was opened with
@@ -145,6 +149,7 @@ class Released:
     unlinked: int = 0
     bytes: int = 0  # bytes of the unlinked files
     quarantined: List[str] = field(default_factory=list)  # where quarantined files went
+    failed: List[str] = field(default_factory=list)  # "path: why" of files left there
 
 
 def release_files(
@@ -185,21 +190,42 @@ def release_files(
                 if size is None:
                     continue
                 reason = quarantine.get((ns, h))
-                if reason is None:
-                    blobs.remove(ns, h)
-                    done.unlinked += 1
-                    done.bytes += size
-                else:
-                    where = blobs.quarantine(ns, h, reason)
-                    if where:
-                        done.quarantined.append(where)
+                try:
+                    if reason is None:
+                        blobs.remove(ns, h)
+                        done.unlinked += 1
+                        done.bytes += size
+                    else:
+                        where = blobs.quarantine(ns, h, reason)
+                        if where:
+                            done.quarantined.append(where)
+                except OSError as e:  # another user's file (sudo), immutable...
+                    done.failed.append(
+                        cannot_remove(e.filename or blobs.path(ns, h), e)
+                    )
             return done
 
         done = index.write(release)
         out.unlinked += done.unlinked
         out.bytes += done.bytes
         out.quarantined += done.quarantined
+        out.failed += done.failed
     return out
+
+
+def writer_alive(path: str) -> bool:
+    """Whether the process that made temp file ``path`` may still be writing it (True
+    for a name that does not say who made it)."""
+    writer = temp_writer(os.path.basename(path))
+    return writer is None or reservations.process_alive(*writer)
+
+
+def cannot_remove(path: str, error: OSError) -> str:
+    """Log and describe a file that could not be removed: the removal goes on with the
+    other files (one file of another user must not stop an eviction or a gc)."""
+    text = f"{path}: {error.strerror or error}"
+    log.warning("kvstore: cannot remove %s; left in place", text)
+    return text
 
 
 def delete_namespace(
@@ -254,6 +280,7 @@ class Eviction:
         default_factory=list
     )  # in eviction order
     excess: int = 0  # bytes still above the budget (what could not be evicted)
+    unremovable: List[str] = field(default_factory=list)  # "path: why", left there
 
     @property
     def nodes(self) -> int:
@@ -351,7 +378,8 @@ def evict_to_budget(
                 return gone
 
             gone = index.write(evict, frees=True)
-            release_files(index, blobs, [key for key, _ in gone])
+            released = release_files(index, blobs, [key for key, _ in gone])
+            result.unremovable += released.failed
             result.gone += gone
             evicted += len(gone)
         if not evicted:  # another process changed the tree under us: stop here

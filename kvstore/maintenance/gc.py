@@ -9,6 +9,7 @@ from ..chunking import HASH_BYTES, root_hash
 from ..index import CorruptRecord, Index, StoreError
 from .common import (
     Eviction,
+    cannot_remove,
     check_optional_int,
     delete_namespace,
     evict_to_budget,
@@ -20,6 +21,7 @@ from .common import (
     resolve_namespace,
     resolve_node,
     spec_list,
+    writer_alive,
 )
 from .verify import Fixed, scan_files, verify_open_store
 
@@ -41,8 +43,8 @@ def gc(
     In order: drops whole namespaces; removes broken nodes as ``verify(fix=True)``
     does; evicts down to the budget, least recently used unpinned leaves first
     (leaf-first) and only if that is not enough, pinned leaves too (least recently used
-    first); finally unlinks orphan chunk files and temp files older than
-    ``temp_age_seconds``, and drops the disk reservations of saves whose process is
+    first); finally unlinks orphan chunk files, temp files whose writer process is
+    gone and any older than ``temp_age_seconds``, and drops the disk reservations of saves whose process is
     gone. Every deletion leaves the index first and unlinks the file afterwards,
     re-checking the index under the writer lock.
 
@@ -54,7 +56,7 @@ def gc(
             description): hex ids or prefixes of at least 8 hex digits.
         keep_namespaces: If given, every namespace not named here is dropped too.
         temp_age_seconds: Temp files younger than this may be writes in progress and
-            are kept.
+            are kept, unless the process that made them is gone.
         now: The current time (Unix seconds) for temp file ages; default ``time.time()``.
         check_data: Read and checksum every file to find broken nodes; False checks
             only that files exist with the recorded size.
@@ -65,7 +67,9 @@ def gc(
         found, as in :func:`verify`), ``quarantined``, ``index_repairs``, ``budget``,
         ``evicted_nodes``, ``evicted_bytes``, ``evicted_pinned``, ``over_budget``
         (bytes still above the budget), ``orphans_removed``, ``orphan_bytes``,
-        ``temp_removed``, ``temp_bytes``, ``temp_kept``, ``reservations_dropped``
+        ``temp_removed``, ``temp_bytes``, ``temp_kept``, ``unremovable``
+        (``"path: why"`` of each file that could not be removed, another user's say:
+        left in place while gc goes on with the others), ``reservations_dropped``
         (stale reservations of saves in flight), ``bytes_before`` /
         ``bytes_after`` (indexed bytes) and ``bytes_freed`` (the recorded sizes of the
         dropped, broken and evicted nodes plus the orphan and temp files unlinked).
@@ -92,12 +96,19 @@ def gc(
     path = os.fspath(path)
     with opened(path) as (index, blobs):
         report: Dict[str, Any] = {"path": path, "bytes_before": index.total_bytes()}
+        unremovable: List[str] = []
+
+        def step(done: Dict[str, Any]) -> None:
+            unremovable.extend(done.pop("unremovable", ()))
+            report.update(done)
+
         drop = _namespaces_to_drop(index, drop_specs, keep_specs)
-        report.update(_drop_namespaces(index, blobs, drop))
-        report.update(_remove_broken(index, blobs, check_data=check_data, now=now))
-        report.update(_evict(index, blobs, max_bytes))
-        report.update(_remove_orphans(index, blobs, now=now))
-        report.update(_remove_temp_files(blobs, now=now, min_age=temp_age_seconds))
+        step(_drop_namespaces(index, blobs, drop))
+        step(_remove_broken(index, blobs, check_data=check_data, now=now))
+        step(_evict(index, blobs, max_bytes))
+        step(_remove_orphans(index, blobs, now=now))
+        step(_remove_temp_files(blobs, now=now, min_age=temp_age_seconds))
+        report["unremovable"] = list(dict.fromkeys(unremovable))  # evicted, then orphan
         for ns in drop:
             _remove_empty_dirs(os.path.join(blobs.root, ns.hex()))
         report.update(
@@ -134,17 +145,20 @@ def _namespaces_to_drop(
 def _drop_namespaces(index: Index, blobs, drop: Set[bytes]) -> Dict[str, Any]:
     """Step 1: remove whole namespaces, index first, then their files."""
     dropped_nodes = dropped_bytes = 0
+    unremovable: List[str] = []
     for ns in sorted(drop):
         gone = index.write(
             lambda txn, ns=ns: delete_namespace(index, txn, ns), frees=True
         )
         dropped_nodes += len(gone)
         dropped_bytes += sum(rec.total_bytes for _, rec in gone if rec is not None)
-        release_files(index, blobs, [(ns, h) for h, _ in gone if len(h) == HASH_BYTES])
+        keys = [(ns, h) for h, _ in gone if len(h) == HASH_BYTES]
+        unremovable += release_files(index, blobs, keys).failed
     return dict(
         namespaces_dropped=sorted(ns.hex() for ns in drop),
         dropped_nodes=dropped_nodes,
         dropped_bytes=dropped_bytes,
+        unremovable=unremovable,
     )
 
 
@@ -162,6 +176,7 @@ def _remove_broken(
         broken_bytes=fixed["bytes_removed"],
         quarantined=fixed["quarantined"],
         index_repairs=fixed["index_repairs"],
+        unremovable=fixed["unremovable"],
     )
 
 
@@ -180,6 +195,7 @@ def _evict(index: Index, blobs, max_bytes: Optional[int]) -> Dict[str, Any]:
         evicted_bytes=evicted.bytes,
         evicted_pinned=evicted.pinned,
         over_budget=evicted.excess,
+        unremovable=evicted.unremovable,
     )
 
 
@@ -198,29 +214,46 @@ def _remove_orphans(index: Index, blobs, *, now: float) -> Dict[str, Any]:
                 os.unlink(f.problem["file"])
             except FileNotFoundError:
                 continue
+            except OSError as e:
+                released.failed.append(cannot_remove(f.problem["file"], e))
+                continue
             released.unlinked += 1
             released.bytes += size
-    return dict(orphans_removed=released.unlinked, orphan_bytes=released.bytes)
+    return dict(
+        orphans_removed=released.unlinked,
+        orphan_bytes=released.bytes,
+        unremovable=released.failed,
+    )
 
 
 def _remove_temp_files(blobs, *, now: float, min_age: float) -> Dict[str, Any]:
-    """Step 4: temp files older than ``min_age`` seconds (younger ones may be writes
-    in progress)."""
+    """Step 4: temp files whose writer is gone (its pid and start time are in the
+    name: :func:`kvstore.publish.temp_writer`), and any older than ``min_age``
+    seconds (younger ones of live writers may be writes in progress)."""
     temp_removed = temp_bytes = temp_kept = 0
+    unremovable: List[str] = []
     for kind, p in blobs.iter_files():
         if kind != "temp":
             continue
         try:
             st = os.lstat(p)
-            if now - st.st_mtime <= min_age:
+            if now - st.st_mtime <= min_age and writer_alive(p):
                 temp_kept += 1
                 continue
             os.unlink(p)
         except FileNotFoundError:
             continue
+        except OSError as e:
+            unremovable.append(cannot_remove(p, e))
+            continue
         temp_removed += 1
         temp_bytes += st.st_size
-    return dict(temp_removed=temp_removed, temp_bytes=temp_bytes, temp_kept=temp_kept)
+    return dict(
+        temp_removed=temp_removed,
+        temp_bytes=temp_bytes,
+        temp_kept=temp_kept,
+        unremovable=unremovable,
+    )
 
 
 def _remove_empty_dirs(root: str) -> None:

@@ -28,6 +28,7 @@ from .common import (
     namespace_descriptions,
     opened,
     release_files,
+    writer_alive,
 )
 
 # Findings that are reported but do not make a store unclean: leftovers of crashes and
@@ -408,6 +409,8 @@ def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
         elif kind == "temp":
             age = max(0.0, now - st.st_mtime)
             detail = f"temp file of {st.st_size} bytes, {age:.0f} s old"
+            if not writer_alive(p):
+                detail += ", of a writer process that is gone: `kvstore gc` removes it"
             out.append(_Finding(_problem("temp", file=p, detail=detail)))
         else:
             detail = f"not a kvstore file ({st.st_size} bytes)"
@@ -435,6 +438,7 @@ class Fixed:
     skipped: int = 0  # problem nodes changed by another process before the fix
     quarantined: List[str] = field(default_factory=list)
     files_unlinked: int = 0
+    unremovable: List[str] = field(default_factory=list)  # "path: why", left there
 
     def report(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -495,6 +499,7 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
     released = release_files(index, blobs, gone, quarantine=quarantine)
     done.quarantined = released.quarantined
     done.files_unlinked = released.unlinked
+    done.unremovable = released.failed
     return done
 
 
@@ -530,6 +535,10 @@ def verify_open_store(
         "errors": errors,
         "orphans": kinds.count("orphan"),
         "temp_files": kinds.count("temp"),
+        "dead_writer_temp_files": sum(
+            p["kind"] == "temp" and "writer process that is gone" in p["detail"]
+            for p in problems
+        ),
         "stray_files": kinds.count("stray"),
         "namespaces": len(set(scan.descriptions) | {ns for ns, _ in scan.nodes}),
         "nodes": len(scan.nodes),
@@ -574,15 +583,17 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
             are left to :func:`gc`.
 
     Returns:
-        ``{"path", "clean", "errors", "orphans", "temp_files", "stray_files",
+        ``{"path", "clean", "errors", "orphans", "temp_files",
+        "dead_writer_temp_files", "stray_files",
         "namespaces", "nodes", "files_checked", "bytes_checked", "problems", "fixed"}``:
         ``clean`` is
         True when nothing but orphan, temp and stray files was found (before any fix);
         each problem is ``{"kind", "namespace", "node", "file", "detail"}`` (hex ids,
         None where not applicable); ``fixed`` is None, or with ``fix`` and errors,
         ``{"nodes_removed", "bytes_removed", "index_repairs", "skipped", "quarantined",
-        "files_unlinked"}`` (``skipped``: problem nodes another process changed before
-        the fix, left alone).
+        "files_unlinked", "unremovable"}`` (``skipped``: problem nodes another process
+        changed before the fix, left alone; ``unremovable``: ``"path: why"`` of files
+        that could not be unlinked or moved, left in place).
 
     Raises:
         StoreError: ``path`` is not a kvstore directory.
