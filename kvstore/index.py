@@ -36,7 +36,7 @@ _PAD = b"\xff\xff\xff\xff"  # sorts after every big-endian token id < 2**31
 _MAX_MAP = 1 << 40
 DEFAULT_MAP_SIZE = 64 << 20
 INITIAL_MAP_ENV = "KVSTORE_INITIAL_MAP_BYTES"
-_RESIZED_TRIES = 64  # transactions begun in a row while other processes grow the map
+_RESIZED_TRIES = storecheck.RESIZED_TRIES
 
 _OPEN: Dict[Tuple[str, int], "_Env"] = {}
 _OPEN_LOCK = threading.Lock()

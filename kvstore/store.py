@@ -231,6 +231,7 @@ class KVStore(ReadPath, WritePath, Removal):
             ),
         )
         self._rates_kept: Optional[float] = None  # when the rates were last kept
+        self._rates_due = False  # the rates go into the next write of accesses
         self.restore_io = default_restore_io()
         self.read_threads = read_threads
         self._readers = ThreadPoolExecutor(
@@ -567,18 +568,12 @@ class KVStore(ReadPath, WritePath, Removal):
             self._keep_rates()
 
     def _keep_rates(self) -> None:
-        """Write the measured rates into the store (at most every
-        :data:`kvstore.payoff.PERSIST_EVERY_S`), on the writer thread."""
+        """Have the measured rates written into the store with the next accesses
+        (a save, a flush, close), at most every :data:`kvstore.payoff.PERSIST_EVERY_S`:
+        no write of its own, so a fetch never queues one."""
         now, kept = time.monotonic(), self._rates_kept
-        if kept is not None and now - kept < payoff.PERSIST_EVERY_S:
-            return
-        self._rates_kept = now
-        rates = payoff.Rates(prefill=self.policy.rates.prefill)
-        rates.restore = self.policy.rates.restore
-        db, ns = self.index.db["meta"], self.namespace
-        self.writer.submit(
-            lambda: self.index.write(lambda txn: payoff.write_rates(txn, db, ns, rates))
-        )
+        if kept is None or now - kept >= payoff.PERSIST_EVERY_S:
+            self._rates_kept, self._rates_due = now, True
 
     def _tree_of(self, parts) -> Tuple[bytes, bytes]:
         """``(tree root, quota root)`` of a salt parsed by ``salts.parse_salt``."""
@@ -612,10 +607,15 @@ class KVStore(ReadPath, WritePath, Removal):
     def _apply_touches(self, txn, touched: Dict[bytes, float]) -> None:
         for h, t in touched.items():
             self.index.touch(txn, self.namespace, h, t)
+        if self._rates_due:
+            self._rates_due = False
+            payoff.write_rates(
+                txn, self.index.db["meta"], self.namespace, self.policy.rates
+            )
 
     def _flush_touches(self) -> None:
         touched = self._take_touches()
-        if touched:
+        if touched or self._rates_due:
             self.index.write(lambda txn: self._apply_touches(txn, touched))
 
     def pin(self, tokens, *, pinned: bool = True) -> int:

@@ -35,6 +35,7 @@ class StoreError(Exception):
 LOCK_FILE = "kvstore.lock"
 _OPENING, _HOLDING = 0, 1  # bytes of LOCK_FILE: one opener at a time; every holder
 _RACES = 3  # checks of a data.mdb whose meta page changed (a commit) meanwhile
+RESIZED_TRIES = 64  # transactions begun in a row while other processes grow the map
 
 
 class Opened(NamedTuple):
@@ -105,9 +106,24 @@ def open_env(
                 f"{store}: cannot open the index: {_lmdb_reason(e)}"
             ) from None
         try:
-            handles = _open_dbs(
-                env, store, dbs, readonly=readonly, format_version=format_version
-            )
+            for attempt in range(RESIZED_TRIES):
+                try:
+                    handles = _open_dbs(
+                        env,
+                        store,
+                        dbs,
+                        readonly=readonly,
+                        format_version=format_version,
+                    )
+                    break
+                except lmdb.MapResizedError:
+                    # Another process grew the map while this one opened it: adopt
+                    # its size (no transaction of this new environment is active).
+                    if attempt == RESIZED_TRIES - 1:
+                        raise StoreError(
+                            f"{store}: the LMDB map keeps being resized"
+                        ) from None
+                    env.set_mapsize(0)
             lock_id = None
             if use_lock:
                 st = os.stat(lock)
@@ -251,6 +267,8 @@ def _open_dbs(
         for name in names:
             if name.encode() in keys:
                 handles[name] = env.open_db(name.encode(), create=False)
+    except lmdb.MapResizedError:
+        raise
     except lmdb.Error:  # a plain key of that name, not a database (MDB_INCOMPATIBLE)
         raise StoreError(
             f"{store}: not a kvstore store: its index is another program's LMDB database"

@@ -432,6 +432,53 @@ def test_map_growth_is_invisible_to_threads_and_processes(tmp_path, model, monke
             assert s.lookup(tokens) == len(tokens) - 1, seed
 
 
+GROW_INDEX = """
+import lmdb
+# Plain LMDB: kvstore's own opening would wait for the opener under test.
+env = lmdb.open({path!r}, max_dbs=16, map_size=64 << 10)
+meta = env.open_db(b"meta")
+for i in range(256):  # 4 MiB: the map doubles six times
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(b"%d" % i, bytes(16 << 10), db=meta)
+            break
+        except lmdb.MapFullError:
+            env.set_mapsize(2 * env.info()["map_size"])
+env.close()
+"""
+
+
+def test_opening_adopts_a_map_another_process_grew_meanwhile(tmp_path, monkeypatch):
+    """Another process grows the map between this one's LMDB open and its first
+    transaction: the open adopts the new size (it was an lmdb.MapResizedError, or
+    "not a kvstore store" when it came in open_db)."""
+    from kvstore import storecheck
+    from kvstore.index import Index
+
+    path = str(tmp_path / "index")
+    Index(path, map_size=64 << 10).close()
+    real, grown = storecheck._open_dbs, []
+
+    def open_dbs(env, *args, **kwargs):
+        if not grown:
+            child = spawn(GROW_INDEX, path=path)
+            grown.append(child.communicate(timeout=300))
+            assert child.returncode == 0, grown[0][1][-3000:]
+        return real(env, *args, **kwargs)
+
+    monkeypatch.setattr(storecheck, "_open_dbs", open_dbs)
+    idx = Index(path, map_size=64 << 10)
+    try:
+        assert idx.env.info()["map_size"] >= 4 << 20
+        assert (
+            len(idx.read(lambda txn: bytes(txn.get(b"255", db=idx.db["meta"]))))
+            == 16 << 10
+        )
+    finally:
+        idx.close()
+
+
 def test_map_gate_resize_waits_for_transactions_and_holds_new_ones_back():
     import threading
     import time
