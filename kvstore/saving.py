@@ -166,8 +166,14 @@ class WritePath:
             with self._lock:
                 self._counters.writes_dropped += 1
             log.warning(
-                "kvstore: %d bytes of writes pending; dropped a save",
+                "kvstore: %d bytes of writes pending (max_pending_bytes %d); dropped "
+                "the save of a %d-token prompt (first node %s): %d new nodes, %d bytes",
                 self.writer.pending_bytes,
+                self.writer.max_pending_bytes,
+                len(arr),
+                (path[0].h if path else hashes[0]).hex()[:12],
+                len(nodes),
+                nbytes,
             )
             return 0
         return len(nodes)

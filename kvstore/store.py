@@ -117,7 +117,8 @@ class KVStore(ReadPath, WritePath, Removal):
         salt_disk_bytes: Quota of each salted tree's chunk files (None: none): a
             save under a salt evicts that tree's least recently used prefixes, never
             another tenant's, so one tenant cannot push all others out.
-        max_pending_bytes: Writes waiting for the disk beyond this are dropped.
+        max_pending_bytes: A save whose KV would take the bytes waiting for the
+            disk beyond this is dropped (counted in ``writes_dropped``).
         read_threads: Threads reading chunk files in parallel during a restore
             (the calling thread is one of them). Two were fastest on the 2-core
             CPU machine and on an H100's 16-core host alike (docs/gpu.md).
@@ -670,7 +671,7 @@ class KVStore(ReadPath, WritePath, Removal):
                 "bytes_written": c.bytes_written,
                 "nodes_evicted": c.nodes_evicted,
                 "nodes_skipped": c.nodes_skipped,
-                "writes_dropped": c.writes_dropped + self.writer.dropped,
+                "writes_dropped": c.writes_dropped,
                 "saves_refused": c.saves_refused,
                 "writes_failed": self.writer.failed,
                 "pending_write_bytes": self.writer.pending_bytes,

@@ -12,14 +12,15 @@ class BackgroundWriter:
     """Runs submitted jobs one at a time on a daemon thread.
 
     Args:
-        max_pending_bytes: Jobs are refused (and counted as dropped) while more
-            than this many bytes wait, so a slow disk cannot exhaust memory.
+        max_pending_bytes: A job carrying bytes (a save's KV) is refused while more
+            than this many bytes would wait, so a slow disk cannot exhaust memory.
+            Jobs carrying none (access times, pins, quarantines) are never refused:
+            they hold no memory, and refusing them would lose them silently.
     """
 
     def __init__(self, *, max_pending_bytes: int, name: str = "kvstore-writer"):
         self.max_pending_bytes = max_pending_bytes
         self.pending_bytes = 0
-        self.dropped = 0
         self.failed = 0
         self._queue: "queue.Queue" = queue.Queue()
         self._lock = threading.Lock()
@@ -27,12 +28,18 @@ class BackgroundWriter:
         self._thread.start()
 
     def submit(self, job: Callable[[], None], nbytes: int = 0) -> bool:
+        """Queue ``job``, which holds ``nbytes`` of memory until it has run.
+
+        Returns:
+            False when the job carries bytes and the limit refuses it (the caller
+            counts and reports the dropped save); True when it was queued.
+        """
         with self._lock:
             if (
-                self.pending_bytes
+                nbytes
+                and self.pending_bytes
                 and self.pending_bytes + nbytes > self.max_pending_bytes
             ):
-                self.dropped += 1
                 return False
             self.pending_bytes += nbytes
         self._queue.put((job, nbytes))
