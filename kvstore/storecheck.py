@@ -89,22 +89,31 @@ def open_env(
                 "processes using the store, then open it again"
             )
         use_lock = not readonly or (lock_exists and os.access(lock, os.W_OK))
-        try:
-            env = lmdb.open(
-                path,
-                map_size=map_size,
-                max_dbs=len(dbs),
-                subdir=True,
-                readahead=False,
-                readonly=readonly,
-                lock=use_lock,
-                create=False,
-                mode=0o644,
-            )
-        except lmdb.Error as e:
-            raise StoreError(
-                f"{store}: cannot open the index: {_lmdb_reason(e)}"
-            ) from None
+        for attempt in range(RESIZED_TRIES):
+            try:
+                env = lmdb.open(
+                    path,
+                    map_size=map_size,
+                    max_dbs=len(dbs),
+                    subdir=True,
+                    readahead=False,
+                    readonly=readonly,
+                    lock=use_lock,
+                    create=False,
+                    mode=0o644,
+                )
+                break
+            except lmdb.MapResizedError:
+                # Another process grew the map while py-lmdb's open read it: open
+                # again, which reads the new size.
+                if attempt == RESIZED_TRIES - 1:
+                    raise StoreError(
+                        f"{store}: the LMDB map keeps being resized"
+                    ) from None
+            except lmdb.Error as e:
+                raise StoreError(
+                    f"{store}: cannot open the index: {_lmdb_reason(e)}"
+                ) from None
         try:
             for attempt in range(RESIZED_TRIES):
                 try:

@@ -813,3 +813,26 @@ def test_reader_beside_an_evicting_writer_process_reports_no_corruption(
         assert stats["corrupt"] == 0 and stats["quarantined"] == [], stats
         assert not s._broken
     assert quarantined(path) == []
+
+
+def test_open_adopts_a_map_grown_while_lmdb_opened_it(tmp_path, model, monkeypatch):
+    """py-lmdb's own open can meet MDB_MAP_RESIZED when another process grows the
+    map at that moment (1 open in ~38,000 under the soak): the open is tried again."""
+    import lmdb
+
+    from kvstore import storecheck
+
+    with KVStore(tmp_path, model, chunk_tokens=C) as s:
+        s.save(random_tokens(3 * C, 1), compute_cache(model, random_tokens(3 * C, 1)))
+    real, calls = lmdb.open, []
+
+    def grown_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(storecheck.lmdb, "open", grown_once)
+    with KVStore(tmp_path, model, chunk_tokens=C) as s:
+        assert s.stats()["nodes"] == 3
+    assert len(calls) == 2

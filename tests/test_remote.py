@@ -1049,7 +1049,7 @@ def test_a_listing_that_never_ends_is_bounded(monkeypatch, stub, bounds, match):
     from kvstore.remote import RemoteError
 
     server = EndlessListing(**stub)
-    aws_env(monkeypatch, server.endpoint)
+    aws_env(monkeypatch, Backend("stub", server.endpoint))
     tier = RemoteTier("s3://bkt/p", **bounds)
     try:
         with pytest.raises(RemoteError, match=match):
@@ -1077,7 +1077,7 @@ def test_pull_and_push_end_against_an_endless_listing(
         ({"keys": 3}, "goes on past 2002 pages"),  # the default bounds
     ):
         server = EndlessListing(**stub)
-        aws_env(monkeypatch, server.endpoint)
+        aws_env(monkeypatch, Backend("stub", server.endpoint))
         try:
             for argv in (
                 ["push", "--remote", "s3://bkt/p", "--store", tmp_path / "s"],

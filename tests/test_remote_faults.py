@@ -454,7 +454,7 @@ def test_gateway_frozen_then_killed_during_a_serve_request(
     prompt through it."""
     import signal
 
-    from serving import Server, answer, chat_body, request
+    from serving import Server, answer, chat_body
 
     def serve(name):
         store = str(tmp_path / name)
@@ -474,22 +474,22 @@ def test_gateway_frozen_then_killed_during_a_serve_request(
         tic = time.perf_counter()
         assert answer(b.chat(chat_body("w20 w21 w22")))
         waited = time.perf_counter() - tic
-        stats = request(b.port, "/kvstore/stats")
+        stats = b.stats()
         assert stats["remote_hits"] == 0 and stats["stores"][0]["remote_timeouts"] == 1
         # SIGKILL: the lookup still waiting in the background fails (its retries
         # find no gateway), nothing of it is committed.
         gateway.kill("rgw")
         time.sleep(1.0)
-        assert request(b.port, "/kvstore/stats")["stores"][0]["remote_nodes_down"] == 0
+        assert b.stats()["stores"][0]["remote_nodes_down"] == 0
         gateway.start_rgw()
         # The failed requests (the lookup's, B's own uploads') opened the breaker:
         # the remote is skipped for its 30 s, then asked again.
         deadline = time.monotonic() + 40
-        while request(b.port, "/kvstore/stats")["stores"][0]["remote_open"]:
+        while b.stats()["stores"][0]["remote_open"]:
             assert time.monotonic() < deadline
             time.sleep(0.5)
         assert answer(b.chat(chat_body("w30 w31", system=other)))
-        stats = request(b.port, "/kvstore/stats")
+        stats = b.stats()
     finally:
         assert b.stop() == 0, b.output()
     assert waited < 10 + 5, waited  # lookup_timeout, plus the tiny model's answer
