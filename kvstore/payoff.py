@@ -10,6 +10,9 @@ server (through :meth:`kvstore.KVStore.note_prefill`), restores by the fetches
 themselves. Both are also kept in the store per model and host, so a restarted
 server decides its first fetch by what earlier processes measured.
 
+A fetch may also restore only the first nodes of a prefix, when they are in memory
+and the rest is faster to prefill than to read.
+
 Until a prefill rate is known, every stored prefix is restored (as before any
 measurement, the store cannot know better). A prefix chosen to be recomputed is
 still restored once in :data:`EXPLORE_EVERY` decisions, so the restore rate
@@ -21,7 +24,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 # How a store decides: "auto" by the measured rates, or always / never restore.
 MODES = ("auto", "always", "never")
@@ -45,14 +48,16 @@ def check_mode(mode, *, name: str = "restore") -> None:
 
 @dataclass
 class Decision:
-    """One fetch's choice: restore ``tokens`` (or recompute them), with the two
-    estimates it was made from (None where a rate is not known yet)."""
+    """One fetch's choice: restore the first ``nodes`` nodes of the stored path
+    (``tokens`` tokens; 0 nodes: recompute them all), with the estimates it was made
+    from for those tokens (None where a rate is not known yet)."""
 
     restore: bool
     tokens: int
     restore_s: Optional[float]
     recompute_s: Optional[float]
     explored: bool = False
+    nodes: Optional[int] = None  # None: the whole path
 
 
 class Rates:
@@ -100,20 +105,45 @@ class RestorePolicy:
         self._decisions = 0
         self._lock = threading.Lock()
 
-    def decide(self, tokens: int, nbytes: int) -> Decision:
-        """Whether to restore ``tokens`` stored tokens that cost ``nbytes`` to read
-        (bytes already in memory excluded)."""
-        prefill, restore_rate = self.rates.prefill, self.rates.restore
-        recompute_s = tokens / prefill if prefill else None
-        restore_s = RESTORE_OVERHEAD_S + nbytes / restore_rate if restore_rate else None
-        if self.mode != "auto" or recompute_s is None or restore_s is None:
-            return Decision(self.mode != "never", tokens, restore_s, recompute_s)
-        if restore_s <= recompute_s:
-            return Decision(True, tokens, restore_s, recompute_s)
+    def decide(
+        self, takes: Sequence[int], nbytes: Sequence[int], *, cuttable: bool = True
+    ) -> Decision:
+        """What to restore of a stored path whose node ``i`` holds ``takes[i]`` of the
+        prompt's tokens and costs ``nbytes[i]`` bytes to read (0 when it is in memory).
+
+        The cheapest of: every node, none, or (``cuttable``) the first few, each
+        costed as reading its nodes plus prefilling the rest. Nodes in the RAM tier
+        before nodes on a cold disk make the first few the cheapest.
+        """
+        total = sum(takes)
+        prefill, rate = self.rates.prefill, self.rates.restore
+        if self.mode != "auto" or not prefill or not rate:
+            restore_s = RESTORE_OVERHEAD_S + sum(nbytes) / rate if rate else None
+            recompute_s = total / prefill if prefill else None
+            return Decision(self.mode != "never", total, restore_s, recompute_s)
+        best, best_cost = 0, total / prefill  # recompute everything
+        tokens = read = 0
+        for k, (take, cost) in enumerate(zip(takes, nbytes), 1):
+            tokens, read = tokens + take, read + cost
+            if not cuttable and k < len(takes):
+                continue
+            spent = RESTORE_OVERHEAD_S + read / rate + (total - tokens) / prefill
+            if spent <= best_cost:
+                best, best_cost = k, spent
+        if best:
+            restored = sum(takes[:best])
+            return Decision(
+                True,
+                restored,
+                RESTORE_OVERHEAD_S + sum(nbytes[:best]) / rate,
+                restored / prefill,
+                nodes=best if best < len(takes) else None,
+            )
         with self._lock:
             self._decisions += 1
             explore = self._decisions % EXPLORE_EVERY == 0
-        return Decision(explore, tokens, restore_s, recompute_s, explored=explore)
+        restore_s = RESTORE_OVERHEAD_S + sum(nbytes) / rate
+        return Decision(explore, total, restore_s, total / prefill, explored=explore)
 
     def record(self, decision: Decision, *, nbytes: int, seconds: float) -> None:
         """Count a decision carried out; a restore's bytes and time feed the rate."""

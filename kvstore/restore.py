@@ -125,20 +125,32 @@ class ReadPath:
         )
         if not path:
             return self.new_cache(), 0
-        nbytes = self._bytes_to_read(path)
+        costs = self._read_costs(path)
         if decision is None:
-            decision = self.policy.decide(sum(s.take for s in path), nbytes)
+            decision = self.policy.decide(
+                [s.take for s in path], costs, cuttable=not self.layout.has_state
+            )
             if not decision.restore:
                 self.policy.record(decision, nbytes=0, seconds=0.0)
-                log.info(
-                    "kvstore: recomputing %d stored tokens: reading %d bytes would "
-                    "take %.1f ms, prefilling them %.1f ms",
-                    decision.tokens,
-                    nbytes,
-                    decision.restore_s * 1e3,
-                    decision.recompute_s * 1e3,
-                )
+                if self.policy.mode == "auto":
+                    log.info(
+                        "kvstore: recomputing %d stored tokens: reading %d bytes "
+                        "would take %.1f ms, prefilling them %.1f ms",
+                        decision.tokens,
+                        sum(costs),
+                        decision.restore_s * 1e3,
+                        decision.recompute_s * 1e3,
+                    )
                 return self.new_cache(), 0
+        if decision.nodes is not None:  # the first nodes only: cheaper than all
+            log.info(
+                "kvstore: restoring the first %d of %d stored tokens; the rest is "
+                "faster to prefill than to read",
+                decision.tokens,
+                sum(s.take for s in path),
+            )
+            path, costs = path[: decision.nodes], costs[: decision.nodes]
+        nbytes = sum(costs)
         tic = time.perf_counter()
         read = self._load_path if self.restore_io == "load" else self._read_path
         failures, state_job, delta = read(path, len(arr))
@@ -172,14 +184,14 @@ class ReadPath:
             self._keep_rates()
         return cache, n
 
-    def _bytes_to_read(self, path: List[Step]) -> int:
-        """Bytes of node (and checkpoint) files a restore of ``path`` reads: the
-        RAM tier's nodes cost no read."""
-        total = sum(s.rec.nbytes for s in path if s.h not in self.ram)
+    def _read_costs(self, path: List[Step]) -> List[int]:
+        """Bytes of node (and checkpoint) files a restore of each node of ``path``
+        reads: the RAM tier's nodes cost no read."""
+        costs = [0 if s.h in self.ram else s.rec.nbytes for s in path]
         last = path[-1]
         if self.layout.has_state and state_key(last.h) not in self.ram:
-            total += last.rec.state_nbytes
-        return total
+            costs[-1] += last.rec.state_nbytes
+        return costs
 
     def _read_path(
         self, path: List[Step], query: int

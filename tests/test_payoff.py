@@ -1,6 +1,7 @@
 """Restore only when it pays (kvstore.payoff): the choice, its counters, its rates."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens, tiny_llama
 
@@ -13,18 +14,19 @@ C = 16
 
 def test_without_a_prefill_rate_every_prefix_is_restored():
     policy = RestorePolicy("auto")
-    assert policy.decide(1000, 1 << 30).restore
+    assert policy.decide([1000], [1 << 30]).restore
     policy.rates.note_restore(1 << 20, 1.0)  # a slow disk, but prefill unknown
-    assert policy.decide(1000, 1 << 30).restore
+    assert policy.decide([1000], [1 << 30]).restore
 
 
 def test_the_faster_way_is_chosen_and_recomputing_is_explored_now_and_then():
     rates = Rates(prefill=10_000.0)  # tokens/s
     rates.note_restore(1 << 30, 1.0)  # 1 GiB/s
     policy = RestorePolicy("auto", rates=rates)
-    cheap = policy.decide(20_000, 100 << 20)  # 2 s of prefill, ~0.1 s to read
+    cheap = policy.decide([20_000], [100 << 20])  # 2 s of prefill, ~0.1 s to read
     assert cheap.restore and cheap.recompute_s == pytest.approx(2.0)
-    dear = [policy.decide(100, 1 << 30) for _ in range(2 * EXPLORE_EVERY)]
+    assert cheap.nodes is None
+    dear = [policy.decide([100], [1 << 30]) for _ in range(2 * EXPLORE_EVERY)]
     assert [d.restore for d in dear].count(True) == 2  # one in EXPLORE_EVERY
     assert all(d.explored == d.restore for d in dear)
 
@@ -38,18 +40,32 @@ def test_small_prefills_do_not_move_the_rate():
     assert 1000 < rates.prefill < 2000
 
 
+def test_nodes_in_memory_before_a_slow_disk_are_restored_alone():
+    """Two nodes in the RAM tier (nothing to read), then nodes whose reading costs
+    more than prefilling them: only the first two are restored. A layout that can
+    restore only whole paths (checkpoints) gets all or nothing."""
+    rates = Rates(prefill=10_000.0)
+    rates.note_restore(100 << 20, 1.0)  # 100 MiB/s: 1 s per 100 MiB
+    policy = RestorePolicy("auto", rates=rates)
+    takes, costs = [256] * 6, [0, 0] + [50 << 20] * 4  # 0.5 s a node vs 25.6 ms
+    d = policy.decide(takes, costs)
+    assert d.restore and d.nodes == 2 and d.tokens == 512
+    whole = policy.decide(takes, costs, cuttable=False)
+    assert not whole.restore or whole.explored
+
+
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_forced_modes_ignore_the_rates(mode):
     rates = Rates(prefill=1e9)
     rates.note_restore(1, 1.0)
     policy = RestorePolicy(mode, rates=rates)
-    assert policy.decide(10, 1 << 30).restore == (mode == "always")
+    assert policy.decide([10], [1 << 30]).restore == (mode == "always")
 
 
 def test_counters_and_seconds_saved():
     policy = RestorePolicy("auto", rates=Rates(prefill=1000.0))
     policy.rates.note_restore(1 << 20, 0.001)
-    d = policy.decide(2000, 1 << 20)
+    d = policy.decide([2000], [1 << 20])
     policy.record(d, nbytes=1 << 20, seconds=0.5)
     policy.record(payoff.Decision(False, 10, 1.0, 0.01), nbytes=0, seconds=0.0)
     stats = policy.stats()
@@ -85,6 +101,40 @@ def test_a_store_recomputes_what_is_faster_to_prefill(tmp_path, model):
         s.note_prefill(100, 10.0)  # 10 tokens/s: every restore pays
         s.policy.rates.note_restore(1 << 20, 1.0)
         assert s.fetch(tokens + [1])[1] == len(tokens)
+
+
+def test_a_store_restores_its_ram_tier_and_recomputes_the_rest(tmp_path, model):
+    """The first nodes in RAM, the rest slower to read than to prefill: a fetch
+    returns the RAM part's tokens, and they equal the stored KV."""
+    tokens = random_tokens(6 * C, 9)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(
+        tmp_path, model, chunk_tokens=C, ram_bytes=64 << 20, restore="auto"
+    ) as s:
+        short = tokens[: 2 * C] + [1]
+        assert s.fetch(short)[1] == 2 * C  # puts nothing in RAM by itself
+        arr = np.array(tokens, np.int32)
+        path = s.index.read(lambda txn: s._walk(txn, arr, limit=len(arr)))
+        for step in path[:2]:  # as a pinned prefix preloaded at open would be
+            data = s.blobs.read_all(
+                s.namespace,
+                step.h,
+                nbytes=step.rec.nbytes,
+                checksum=step.rec.checksum,
+                expected=s._expected(step.rec.ntokens),
+            )
+            s.ram.put(step.h, kvstore.ram.RamEntry(data[0], data[1], "user", False))
+        # 96 tokens: 9.6 ms to prefill; the RAM part costs the fixed 2 ms and the rest
+        # 6.4 ms of prefill; a node file takes seconds to read.
+        s.policy.rates.prefill = 1e4
+        s.policy.rates.restore = 1e3
+        cache, n = s.fetch(tokens + [1])
+        assert n == 2 * C and cache[0].offset == 2 * C
+        fresh = compute_cache(model, tokens[: 2 * C])
+        for x, y in zip(cache, fresh):
+            assert np.array_equal(
+                np.array(x.keys[..., :n, :]), np.array(y.keys[..., :n, :])
+            )
 
 
 def test_never_restores_nothing_and_bad_modes_are_refused(tmp_path, model, monkeypatch):
