@@ -21,7 +21,7 @@ import errno
 import os
 import stat
 import time
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, TypeVar
 
 import lmdb
 
@@ -35,6 +35,7 @@ class StoreError(Exception):
 LOCK_FILE = "kvstore.lock"
 _OPENING, _HOLDING = 0, 1  # bytes of LOCK_FILE: one opener at a time; every holder
 _RACES = 3  # checks of a data.mdb whose meta page changed (a commit) meanwhile
+_T = TypeVar("_T")
 RESIZED_TRIES = 64  # transactions begun in a row while other processes grow the map
 
 
@@ -89,9 +90,12 @@ def open_env(
                 "processes using the store, then open it again"
             )
         use_lock = not readonly or (lock_exists and os.access(lock, os.W_OK))
-        for attempt in range(RESIZED_TRIES):
-            try:
-                env = lmdb.open(
+        try:
+            # py-lmdb's own open reads the map too: another process growing it then
+            # is MDB_MAP_RESIZED, and opening again reads the new size.
+            env = _while_resized(
+                store,
+                lambda: lmdb.open(
                     path,
                     map_size=map_size,
                     max_dbs=len(dbs),
@@ -101,38 +105,22 @@ def open_env(
                     lock=use_lock,
                     create=False,
                     mode=0o644,
-                )
-                break
-            except lmdb.MapResizedError:
-                # Another process grew the map while py-lmdb's open read it: open
-                # again, which reads the new size.
-                if attempt == RESIZED_TRIES - 1:
-                    raise StoreError(
-                        f"{store}: the LMDB map keeps being resized"
-                    ) from None
-            except lmdb.Error as e:
-                raise StoreError(
-                    f"{store}: cannot open the index: {_lmdb_reason(e)}"
-                ) from None
+                ),
+            )
+        except lmdb.Error as e:
+            raise StoreError(
+                f"{store}: cannot open the index: {_lmdb_reason(e)}"
+            ) from None
         try:
-            for attempt in range(RESIZED_TRIES):
-                try:
-                    handles = _open_dbs(
-                        env,
-                        store,
-                        dbs,
-                        readonly=readonly,
-                        format_version=format_version,
-                    )
-                    break
-                except lmdb.MapResizedError:
-                    # Another process grew the map while this one opened it: adopt
-                    # its size (no transaction of this new environment is active).
-                    if attempt == RESIZED_TRIES - 1:
-                        raise StoreError(
-                            f"{store}: the LMDB map keeps being resized"
-                        ) from None
-                    env.set_mapsize(0)
+            # Another process grew the map while this one opened it: adopt its size
+            # (no transaction of this new environment is active).
+            handles = _while_resized(
+                store,
+                lambda: _open_dbs(
+                    env, store, dbs, readonly=readonly, format_version=format_version
+                ),
+                on_resized=lambda: env.set_mapsize(0),
+            )
             lock_id = None
             if use_lock:
                 st = os.stat(lock)
@@ -152,6 +140,22 @@ def open_env(
         if holder is not None:
             holder.done_opening()
     return Opened(env, handles, holder.fd if holder is not None else None, lock_id)
+
+
+def _while_resized(store: str, attempt: Callable[[], _T], *, on_resized=None) -> _T:
+    """``attempt()``, tried again (``RESIZED_TRIES`` times in all, ``on_resized()``
+    before each new try) while it meets MDB_MAP_RESIZED: another process growing
+    the map."""
+    for _ in range(RESIZED_TRIES - 1):
+        try:
+            return attempt()
+        except lmdb.MapResizedError:
+            if on_resized is not None:
+                on_resized()
+    try:
+        return attempt()
+    except lmdb.MapResizedError:
+        raise StoreError(f"{store}: the LMDB map keeps being resized") from None
 
 
 def check_data_file(path: str, store: str) -> Optional[int]:
