@@ -213,10 +213,7 @@ class RestoreFile(VirtualFile):
             self.spans.append((base, heads * nrows * row, heads, nrows * row, row))
 
     def fill(self, out: memoryview, start: int) -> None:
-        self._read_data(out, start)
-
-    def _read_data(self, out: memoryview, start: int) -> None:
-        """Fill ``out`` with data bytes ``[start, start + len(out))``."""
+        """Read data bytes ``[start, start + len(out))`` from the nodes into ``out``."""
         tic = time.perf_counter()
         try:
             self._read_range(out, start)
@@ -225,7 +222,8 @@ class RestoreFile(VirtualFile):
 
     def _read_range(self, out: memoryview, start: int) -> None:
         end = start + len(out)
-        jobs: List[List[Tuple[int, Source, list]]] = [[] for _ in self.sources]
+        # Per node, its (file offset, buffer) pieces of each tensor, in file order.
+        jobs: List[List[List[Tuple[int, memoryview]]]] = [[] for _ in self.sources]
         for name, (base, size, heads, stride, row) in zip(self.names, self.spans):
             if base >= end or base + size <= start:
                 continue
@@ -307,8 +305,8 @@ def load_arrays(
             arrays = []
             # A file per tensor, loaded in the node files' order: MLX reads a file's
             # tensors in an order of its own, and each node's hash needs its file
-            # in order. On CUDA the copy of one tensor to the device runs while the
-            # next is read.
+            # in order. (On CUDA each tensor's reads, then its copy to the device,
+            # take turns: docs/gpu.md.)
             for name in names:
                 file = RestoreFile(
                     {name: rows[name]},
