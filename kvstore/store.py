@@ -181,7 +181,8 @@ class KVStore(ReadPath, WritePath, Removal):
         if restore is None:
             restore = os.environ.get("KVSTORE_RESTORE") or "auto"
             payoff.check_mode(restore, name="$KVSTORE_RESTORE")
-        payoff.check_mode(restore)
+        else:
+            payoff.check_mode(restore)
         self.path = os.fspath(path)
         self.remote = _remote_tier(remote)
         _prepare_dir(self.path)
