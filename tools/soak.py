@@ -161,8 +161,11 @@ def emit(msg: Dict[str, Any]) -> None:
 
 
 def stopping_flag() -> threading.Event:
+    """Install the SIGTERM handler, then say so: the harness sends SIGTERM only
+    after the ``ready`` line (before it, SIGTERM would kill the worker)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    emit({"ready": True})
     return stop
 
 
@@ -177,11 +180,11 @@ def worker_writer(a) -> int:
 
     from kvstore import KVStore
 
+    stop = stopping_flag()
     small_map(a.map_bytes)
     model, tokenizer = load(a.model)
     rng = random.Random(a.seed)
     systems = system_prompts(a.prompt_seed)
-    stop = stopping_flag()
     with KVStore(
         a.store, model, tokenizer, disk_bytes=a.disk_bytes, ram_bytes=1 << 20
     ) as store:
@@ -240,10 +243,10 @@ def worker_reader(a) -> int:
 
     from kvstore import KVStore
 
+    stop = stopping_flag()
     small_map(a.map_bytes)
     model, tokenizer = load(a.model)
     rng = random.Random(a.seed)
-    stop = stopping_flag()
     if a.fd_pressure:  # a low limit: few descriptors to fill
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
@@ -355,6 +358,7 @@ class Proc:
         self.log = open(self.log_path, "wb")
         self.on_line = on_line
         self.killed = False
+        self.ready = threading.Event()  # the worker's SIGTERM handler is installed
         self.lines: List[dict] = []
         self.proc = subprocess.Popen(
             argv,
@@ -373,6 +377,9 @@ class Proc:
                 msg = json.loads(raw)
             except ValueError:
                 self.log.write(raw)
+                continue
+            if msg.get("ready"):
+                self.ready.set()
                 continue
             self.lines.append(msg)
             self.on_line(self, msg)
@@ -978,6 +985,11 @@ class Soak:
             self.finish_job(kind, p)
         for p in self.procs.values():
             if p.role != "serve":
+                # A worker restarted just now may not handle SIGTERM yet.
+                deadline = time.monotonic() + 120
+                while p.alive() and time.monotonic() < deadline:
+                    if p.ready.wait(0.5):
+                        break
                 p.proc.send_signal(signal.SIGTERM)
         serve = self.procs.get("serve")
         if serve is not None and serve.alive():
