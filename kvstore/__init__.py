@@ -1,5 +1,14 @@
 """kvstore: a persistent, disk-backed KV snapshot store for MLX / mlx-lm."""
 
+try:
+    import mlx.core  # noqa: F401
+except ImportError as e:  # on Linux MLX's build is the user's to install
+    raise ImportError(
+        f"kvstore needs MLX, which cannot be imported here ({e}). On Linux install "
+        "one build of it: pip install 'kvstore[cpu]' (CPU), 'kvstore[cuda13]' or "
+        "'kvstore[cuda12]' (NVIDIA GPUs); on macOS: pip install mlx"
+    ) from e
+
 from .adapters import UnsupportedCacheError
 from .generate import stream_generate
 from .index import StoreError

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 MARKDOWN = [README] + DOCS
-TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest -q'
+TEST_COMMAND = 'pip install -e ".[cpu,test]" && python -m pytest -q'
 
 # Subcommands whose options live in their own module's parser (cli.main hands the rest
 # of the command line over to it).

@@ -8,7 +8,7 @@ Usage::
                                  [--tests tests/test_store.py ...] [--json OUT]
 
 For each mlx-lm version: a virtualenv under ``--venvs`` (kept between runs; made on
-first use), ``pip install -e ".[test]" mlx-lm==VERSION`` (this checkout; a version
+first use), ``pip install -e ".[cpu,test]" mlx-lm==VERSION`` (this checkout; a version
 outside ``pyproject.toml``'s range is forced in afterwards, to see what breaks), then ``python -m pytest`` of the
 suites below with ``-m "not model"`` (the real model's tests do not depend on the
 mlx-lm version more than the tiny models' do, and take minutes), and ``kvstore
@@ -69,9 +69,9 @@ def make_venv(path: str, version: str, log) -> str:
 
     pip = [python, "-m", "pip", "install", "-q"]
     if SUPPORTED_RANGE.contains(version):
-        steps = [pip + ["-e", ".[test]", f"mlx-lm=={version}"]]
+        steps = [pip + ["-e", ".[cpu,test]", f"mlx-lm=={version}"]]
     else:  # outside the declared range: install, then force the version in
-        steps = [pip + ["-e", ".[test]"], pip + [f"mlx-lm=={version}"]]
+        steps = [pip + ["-e", ".[cpu,test]"], pip + [f"mlx-lm=={version}"]]
     for cmd in steps:
         if run(cmd, log=log).returncode:
             raise RuntimeError(f"{' '.join(cmd[3:])} failed (see the log)")
