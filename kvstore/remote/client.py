@@ -5,12 +5,15 @@ skips a remote after repeated failures. boto3 is an optional dependency, importe
 first use.
 """
 
+import contextvars
 import itertools
 import logging
 import re
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from .errors import NotFound, RemoteCorrupt, RemoteError, RemoteUnavailable
@@ -50,6 +53,30 @@ def parse_url(url) -> Tuple[str, str]:
     return bucket, prefix.rstrip("/")
 
 
+# The remote operation (one fetch's lookup) a request belongs to; None: its own.
+_OPERATION: "contextvars.ContextVar[Optional[object]]" = contextvars.ContextVar(
+    "kvstore_remote_operation", default=None
+)
+
+
+@contextmanager
+def operation():
+    """Requests made inside (and in :class:`ContextPool` tasks submitted from inside)
+    are one operation: the breaker counts at most one failure of it per streak."""
+    token = _OPERATION.set(object())
+    try:
+        yield
+    finally:
+        _OPERATION.reset(token)
+
+
+class ContextPool(ThreadPoolExecutor):
+    """A thread pool whose tasks run in the submitter's context (its operation)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
+
+
 class Counters:
     """A tier's counters and its last error, shared by its client and its parts."""
 
@@ -82,7 +109,9 @@ class S3Client:
         endpoint_url: The S3 endpoint; None: boto3's default.
         connect_timeout, read_timeout, max_attempts: Per request (botocore's standard
             retry mode).
-        failures_to_open: Consecutive failed requests that open the breaker.
+        failures_to_open: Consecutive failed requests that open the breaker; those of
+            one :func:`operation` count once (a fetch's parallel GETs that meet one
+            outage do not open it alone).
         open_seconds: How long an open breaker skips the remote.
         max_connections: The connection pool's size.
         counters: Where requests count errors, skips and bytes.
@@ -121,6 +150,7 @@ class S3Client:
         self._client_lock = threading.Lock()
         self._lock = threading.Lock()
         self._failures = 0
+        self._counted_ops: set = set()  # operations in the current streak
         self._open_until = 0.0
 
     # -- keys ------------------------------------------------------------------------
@@ -183,10 +213,18 @@ class S3Client:
     def _succeeded(self) -> None:
         with self._lock:
             self._failures = 0
+            self._counted_ops.clear()
 
     def _failed(self, reason: str) -> None:
         self.counters.error("remote_errors", reason)
+        op = _OPERATION.get()
         with self._lock:
+            if op is not None:
+                if op in self._counted_ops:
+                    return  # this operation's failure is already in the streak
+                if len(self._counted_ops) >= self.failures_to_open:
+                    self._counted_ops.clear()  # bounded: the streak opened already
+                self._counted_ops.add(op)
             self._failures += 1
             first = self._failures == 1
             was_open = time.monotonic() < self._open_until

@@ -22,7 +22,15 @@ from ..blobs import CorruptBlob
 from ..chunking import chain_hash, chain_hashes, common_prefix
 from ..index import CorruptRecord, NodeRecord
 from ..saving import NewNode
-from .client import LIST_MAX_KEYS, LIST_TIMEOUT, Counters, S3Client, parse_url
+from .client import (
+    LIST_MAX_KEYS,
+    LIST_TIMEOUT,
+    ContextPool,
+    Counters,
+    S3Client,
+    operation,
+    parse_url,
+)
 from .errors import NotFound, RemoteCorrupt, RemoteError
 from .manifest import check_node_file, is_int, node_parts
 from .reader import ManifestReader
@@ -66,7 +74,8 @@ class RemoteTier:
             with jitter).
         lookup_timeout: Seconds a ``fetch`` waits for the remote; a download still
             running then goes on in the background and serves later fetches.
-        failures_to_open: Consecutive failed requests that open the circuit breaker.
+        failures_to_open: Consecutive failed requests that open the circuit breaker
+            (a fetch's parallel requests count once).
         open_seconds: How long an open breaker skips the remote.
         cache_seconds: How long "the remote has no such node" and a node's listing of
             children are remembered (a node uploaded by another machine meanwhile is
@@ -173,7 +182,7 @@ class RemoteTier:
         self._reader = ManifestReader(
             self._s3, cache_seconds=cache_seconds, max_object_bytes=max_object_bytes
         )
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-remote")
+        self._io = ContextPool(threads, thread_name_prefix="kvstore-remote")
         self._store = None
         self._local = threading.local()
         self._closing = threading.Event()
@@ -275,7 +284,8 @@ class RemoteTier:
 
     def _fill_released(self, parent: bytes, pos: int, arr: np.ndarray) -> None:
         try:
-            self._fill(parent, pos, arr)
+            with operation():  # its parallel requests meet one outage: one failure
+                self._fill(parent, pos, arr)
         except RemoteError:
             pass  # counted and logged where it happened
         except Exception:  # e.g. a local write error: logged, never the caller's
