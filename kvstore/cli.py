@@ -9,10 +9,12 @@ from typing import List, Optional
 
 from .options import (
     add_disk_budget_option,
+    add_remote_options,
     add_size_options,
     default_store,
     int_at_least,
     parse_size,
+    remote_options,
     store_disk_budget,
 )
 
@@ -105,15 +107,16 @@ def check_store(path: str) -> None:
         check(path)
 
 
-def remote_tier(url: Optional[str], **options):
-    """The RemoteTier of ``--remote URL`` (None without one); a CLIError naming the
-    option for a bad URL or a missing boto3. No request is made here."""
-    if url is None:
+def remote_tier(args, **options):
+    """The RemoteTier of ``--remote URL`` and its ``--remote-*`` waits (None without
+    one); a CLIError naming the option for a bad URL or a missing boto3. No request
+    is made here."""
+    if args.remote is None:
         return None
     from .remote import RemoteTier
 
     try:
-        return RemoteTier(url, **options)
+        return RemoteTier(args.remote, **remote_options(args), **options)
     except (TypeError, ValueError, ImportError) as e:
         raise CLIError(f"--remote: {e}") from None
 
@@ -137,7 +140,7 @@ def cmd_prefill(args) -> int:
 
     lines = _read_prompts(args.prompts)
     name = "<stdin>" if args.prompts == "-" else args.prompts
-    remote = remote_tier(args.remote)  # a bad URL fails before the model loads
+    remote = remote_tier(args)  # a bad URL fails before the model loads
     check_store(args.store)  # so does a store that is not one, or read-only
     model, tokenizer = load_model(args.model)
     limit = _context_length(model)
@@ -494,7 +497,7 @@ def cmd_pin(args, pinned: bool = True) -> int:
 
 
 def cmd_push(args) -> int:
-    tier = remote_tier(args.remote, upload=False)
+    tier = remote_tier(args, upload=False)
     _guard_store(args.store)
     from .remote import RemoteError, push
 
@@ -545,7 +548,7 @@ def _push_namespaces(args) -> Optional[List[bytes]]:
 
 
 def cmd_pull(args) -> int:
-    tier = remote_tier(args.remote, upload=False)
+    tier = remote_tier(args, upload=False)
     from .remote import RemoteError
 
     model, tokenizer = load_model(args.model)
@@ -681,9 +684,9 @@ def _add_prefill(sub) -> None:
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     add_size_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--remote",
-        metavar="URL",
+    add_remote_options(
+        p,
+        required=False,
         help="shared remote tier s3://bucket/prefix: download what it has, upload "
         "what is computed (endpoint and credentials from AWS_* variables)",
     )
@@ -744,7 +747,7 @@ def _add_push(sub) -> None:
         "push", help="upload the store's nodes that a remote tier (s3://) lacks"
     )
     _common_options(p)
-    p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
+    add_remote_options(p, required=True, help="s3://bucket/prefix")
     p.add_argument(
         "--namespace",
         action="append",
@@ -767,7 +770,7 @@ def _add_pull(sub) -> None:
         help="download (and validate) every node of a model that a remote tier has",
     )
     _common_options(p, model=True)
-    p.add_argument("--remote", metavar="URL", required=True, help="s3://bucket/prefix")
+    add_remote_options(p, required=True, help="s3://bucket/prefix")
     add_disk_budget_option(p)  # a pull evicts as saves do
     p.set_defaults(func=cmd_pull)
 

@@ -132,3 +132,65 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
         "prefilling it, by rates measured on this machine; always / never force "
         "either way (default: $KVSTORE_RESTORE, else auto)",
     )
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value < 1e9):
+        raise argparse.ArgumentTypeError(
+            f"not a number of seconds above 0: {text!r} (e.g. 2 or 0.5)"
+        )
+    return value
+
+
+# --remote-* option -> RemoteTier argument (defaults: RemoteTier's own).
+REMOTE_TIMEOUTS = {
+    "remote_timeout": "lookup_timeout",
+    "remote_connect_timeout": "connect_timeout",
+    "remote_read_timeout": "read_timeout",
+    "remote_retry_after": "open_seconds",
+}
+
+
+def add_remote_options(p: argparse.ArgumentParser, *, required: bool, help: str):
+    """``--remote URL`` and the remote tier's waits (prefill, push, pull, serve)."""
+    p.add_argument("--remote", metavar="URL", required=required, help=help)
+    p.add_argument(
+        "--remote-timeout",
+        type=seconds,
+        metavar="S",
+        help="longest a fetch waits for the remote before going on without it "
+        "(the download continues in the background; default 10)",
+    )
+    p.add_argument(
+        "--remote-connect-timeout",
+        type=seconds,
+        metavar="S",
+        help="connect timeout of each S3 request (default 2)",
+    )
+    p.add_argument(
+        "--remote-read-timeout",
+        type=seconds,
+        metavar="S",
+        help="read timeout of each S3 request (default 10)",
+    )
+    p.add_argument(
+        "--remote-retry-after",
+        type=seconds,
+        metavar="S",
+        help="how long the remote is skipped after repeated failures (default 30)",
+    )
+
+
+def remote_options(args: argparse.Namespace) -> dict:
+    """The RemoteTier keyword arguments that ``args`` sets (the rest keep defaults)."""
+    out = {}
+    for option, name in REMOTE_TIMEOUTS.items():
+        value = getattr(args, option, None)
+        if value is not None:
+            out[name] = value
+    return out

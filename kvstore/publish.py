@@ -122,7 +122,8 @@ class WriteBatch:
         root = self.blobs.root
         if not os.path.isdir(root):  # the store was deleted: do not remake it
             raise FileNotFoundError(errno.ENOENT, "the blobs directory is gone", root)
-        fsutil.check_real_dirs(root, self.blobs.path_parts(ns, h)[:2])  # never write out
+        # Never write out of the store through a directory replaced by a link.
+        fsutil.check_real_dirs(root, self.blobs.path_parts(ns, h)[:2])
         self._make_dir(directory)
         tmp = os.path.join(directory, temp_name(h))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

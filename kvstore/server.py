@@ -49,7 +49,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from . import serve_metrics
 from .compat import check_server, server_refusal
 from .metrics import ServeMetrics
-from .options import add_size_options, default_store, int_at_least, store_disk_budget
+from .options import (
+    add_remote_options,
+    add_size_options,
+    default_store,
+    int_at_least,
+    remote_options,
+    store_disk_budget,
+)
 from .salts import parse_salt
 from .serve_salts import (
     UNKNOWN,
@@ -613,9 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenization; repeatable. E.g. '^x-anthropic-billing-header: .*\\n?'",
     )
     add_size_options(p)
-    p.add_argument(
-        "--remote",
-        metavar="URL",
+    add_remote_options(
+        p,
+        required=False,
         help="shared remote tier s3://bucket/prefix behind the store (endpoint and "
         "credentials from AWS_* variables)",
     )
@@ -745,7 +752,8 @@ def _check_options(args) -> Tuple[List["re.Pattern"], str]:
         from .remote import RemoteTier
 
         try:
-            RemoteTier(args.remote)  # a bad URL or no boto3 fails now (no request)
+            # A bad URL or no boto3 fails now (no request is made).
+            RemoteTier(args.remote, **remote_options(args))
         except (TypeError, ValueError, ImportError) as e:
             raise _BadOption(f"bad --remote: {e}") from None
     return patterns, store_dir
@@ -771,7 +779,11 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     def prompt_cache_factory(max_size: int = 10, max_bytes: int = 1 << 63):
         provider = providers[-1] if providers else None
         cli_args = getattr(provider, "cli_args", None)
-        store_kwargs = {} if args.remote is None else {"remote": args.remote}
+        store_kwargs = {}
+        if args.remote is not None:  # a tier of its own for each store opened
+            from .remote import RemoteTier
+
+            store_kwargs["remote"] = RemoteTier(args.remote, **remote_options(args))
         store_kwargs["disk_bytes"] = store_disk_budget(store_dir, args.disk_bytes)
         if args.ram_bytes is not None:
             store_kwargs["ram_bytes"] = args.ram_bytes

@@ -889,6 +889,14 @@ def test_push_pull_and_prefill_with_remote(tmp_path, tiny_model_dir, url, s3, ca
             ["prefill", "{tmp}/p.jsonl", "--remote", "s3:/x", "--store", "{tmp}/s"],
             "--remote",
         ),
+        (
+            ["pull", "--remote", "s3://bkt/p", "--remote-timeout", "0"],
+            "--remote-timeout: not a number of seconds above 0: '0'",
+        ),
+        (
+            ["push", "--remote", "s3://bkt/p", "--remote-read-timeout", "nan"],
+            "--remote-read-timeout: not a number of seconds above 0",
+        ),
     ],
 )
 def test_cli_remote_arguments(tmp_path, model, s3, capsys, argv, message):
@@ -932,6 +940,26 @@ def test_serve_remote_argument(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert status == 2 and "bad --remote" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        server.main(["--remote", "s3://b/p", "--remote-timeout", "-1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--remote-timeout: not a number of seconds" in err
+
+
+def test_remote_waits_from_the_command_line():
+    from kvstore import cli
+
+    args = cli.build_parser().parse_args(
+        ["pull", "--remote", "s3://bkt/p", "--remote-timeout", "0.5"]
+        + ["--remote-connect-timeout", "1", "--remote-retry-after", "5"]
+    )
+    tier = cli.remote_tier(args, upload=False)
+    assert tier.lookup_timeout == 0.5 and tier.open_seconds == 5.0
+    assert tier._s3._config["connect_timeout"] == 1.0
+    assert (
+        tier._s3._config["read_timeout"]
+        == RemoteTier("s3://bkt/p")._s3._config["read_timeout"]
+    )  # not given: RemoteTier's default
 
 
 def test_without_boto3_the_library_works_and_remote_says_what_to_install(
