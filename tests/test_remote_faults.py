@@ -36,6 +36,7 @@ from test_remote import (
 
 from kvstore import KVStore
 from kvstore.remote import RemoteError, push
+from kvstore.remote import tier as tier_module
 
 # Several conversations sharing prefixes: ~20 nodes over several trie levels.
 PROMPTS = [SYSTEM + random_tokens(64 * k + 30, seed=60 + k) for k in range(1, 5)]
@@ -142,14 +143,15 @@ def test_gateway_killed_during_push(tmp_path, model, url, gateway):
     assert_complete(tmp_path / "b", tmp_path / "a", model, PROMPTS)
 
 
-def test_gateway_killed_during_pull(tmp_path, model, url, gateway):
+def test_gateway_killed_during_pull(tmp_path, model, url, gateway, monkeypatch):
     nodes = source_store(tmp_path / "a", model)
     assert push(str(tmp_path / "a"), fast(url, upload=False))["uploaded"] == nodes
-    levels = []
+    monkeypatch.setattr(tier_module, "_BATCH_BYTES", 1)  # a commit per node
+    commits = []
 
     def progress(n):
-        levels.append(n)
-        if len(levels) == 2:
+        commits.append(n)
+        if len(commits) == 2:
             gateway.kill("rgw")
 
     tier = fast(url, upload=False)

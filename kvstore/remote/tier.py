@@ -41,6 +41,7 @@ log = logging.getLogger("kvstore")
 
 _WINDOW = 8  # full-chunk manifests asked for at once along a prompt
 _BATCH_BYTES = 64 << 20  # downloaded bytes held before they are committed
+_PULL_WAVE_NODES = 4096  # manifests a pull holds before downloading their files
 _STATS = (
     "remote_hits",
     "remote_misses",
@@ -445,13 +446,14 @@ class RemoteTier:
         *,
         chain_mode: bool,
         problems: Optional[List[str]] = None,
+        progress: Optional[Callable[[int], None]] = None,
     ) -> int:
         """Download, validate and commit ``items`` (parents before children).
 
         With ``chain_mode`` the items are one path and the first node that cannot be
         had ends it; otherwise they stand alone and a remote failure raises
         RemoteError. Invalid objects are reported (and added to ``problems``).
-        Returns the number of nodes committed.
+        Returns the number of nodes committed (each batch's also to ``progress``).
         """
         store = self._store
         ns = store.namespace
@@ -485,7 +487,10 @@ class RemoteTier:
                     if not chain_mode:
                         raise
                     stop = True
-            committed += self._commit(nodes)
+            done = self._commit(nodes)
+            committed += done
+            if progress is not None and done:
+                progress(done)
             if stop:
                 break
         self._counters.add(remote_nodes_down=committed)
@@ -556,7 +561,10 @@ class RemoteTier:
                 ns, parent, h, start=start, chunk_tokens=C, strict=True
             )
 
-        reached = 0
+        # Manifests a tree level at a time (a child's start is its parent's end); the
+        # files of many levels at once, committed parents first (a child whose parent
+        # could not be had is skipped by the commit's parent check).
+        reached, wave = 0, []
         level = [(h, store.root, 0) for h in sorted(children[store.root])]
         while level:
             jobs = [(h, self._io.submit(manifest, h, p, s)) for h, p, s in level]
@@ -572,27 +580,33 @@ class RemoteTier:
                 if rec is not None:
                     good.append((h, rec))
             reached += len(level)
-            local = {h for h, _ in good if store.index.get_node(ns, h) is not None}
-            report["present"] += len(local)
-            before = len(report["problems"])
-            pulled = self._download_commit(
-                [(h, rec) for h, rec in good if h not in local],
-                chain_mode=False,
-                problems=report["problems"],
-            )
-            report["pulled"] += pulled
-            report["invalid"] += len(report["problems"]) - before
-            if progress is not None:
-                progress(pulled + len(local))
-            level = [
-                (c, h, rec.end)
-                for h, rec in good
-                if store.index.get_node(ns, h) is not None
-                for c in sorted(children[h])
-            ]
-        report["unreachable"] = len(nodes) - reached
+            wave += good
+            level = [(c, h, rec.end) for h, rec in good for c in sorted(children[h])]
+            if len(wave) >= _PULL_WAVE_NODES or not level:
+                self._pull_wave(wave, report, progress)
+                wave = []
+        report["unreachable"] += len(nodes) - reached
         report["bytes_down"] = self.stats()["bytes_down"]
         return report
+
+    def _pull_wave(self, wave, report: dict, progress) -> None:
+        """Download and commit the nodes of ``wave`` (manifests, parents first) that
+        the store lacks; count them in ``report``."""
+        store = self._store
+        local = {h for h, _ in wave if store.index.get_node(store.namespace, h)}
+        report["present"] += len(local)
+        if progress is not None and local:
+            progress(len(local))
+        todo = [(h, rec) for h, rec in wave if h not in local]
+        before = len(report["problems"])
+        pulled = self._download_commit(
+            todo, chain_mode=False, problems=report["problems"], progress=progress
+        )
+        invalid = len(report["problems"]) - before
+        report["pulled"] += pulled
+        report["invalid"] += invalid
+        # The rest lie below a node that could not be had (or came meanwhile).
+        report["unreachable"] += len(todo) - pulled - invalid
 
 
 def _new_node(h: bytes, rec: NodeRecord, raw: Dict[str, bytes]):
