@@ -368,7 +368,8 @@ class WritePath:
         their file replaced meanwhile)."""
         ns = self.namespace
         added, superseded, skipped = [], [], 0
-        for at, (node, delta, state) in enumerate(written):
+        unsaved = set()  # hashes of nodes skipped: their descendants are skipped too
+        for node, delta, state in written:
             if state is not None and not self._is_ours(node.h, state[1], STATE_PART):
                 state = None
             if delta is None:
@@ -381,12 +382,16 @@ class WritePath:
                 added.append((node.h, rec, None, state[0]))
                 continue
             # A first node hangs from a root (the namespace's or a salted one).
-            parent_ok = node.start == 0 or self.index.get_node(ns, node.parent, txn)
+            parent_ok = node.parent not in unsaved and (
+                node.start == 0 or self.index.get_node(ns, node.parent, txn)
+            )
             if not parent_ok or not self._is_ours(node.h, delta[1]):
-                # Its parent was evicted, or its file replaced, meanwhile: this
-                # node and the ones after it stay unsaved (counted, not raised).
-                skipped = sum(1 for w in written[at:] if w[1] is not None)
-                break
+                # Its parent was evicted, or its file replaced, meanwhile: this node
+                # and those below it stay unsaved (counted, not raised). A pull's
+                # batch holds other subtrees too, which go on.
+                unsaved.add(node.h)
+                skipped += 1
+                continue
             rec = NodeRecord(
                 node.parent,
                 node.start,

@@ -1003,6 +1003,7 @@ def test_bench_remote_vs_cold_vs_disk(tmp_path, model, url):
         "upload (boto3)",
         "pull (kvstore)",
         "download (boto3)",
+        "+ fsync (boto3)",
         "warm start",
     ]
     assert all(r["s"] > 0 and r["mb"] > 0 for r in rows)

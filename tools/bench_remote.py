@@ -28,7 +28,7 @@ With ``--sync-prompts N`` (N prompts of ``--tokens`` sharing a quarter of their
 tokens), also: ``kvstore push`` of that store, ``pull`` into an empty one, and a new
 machine's warm start (open an empty store, pull, restore the first prompt), next to
 plain boto3 copying the same node files up and down with as many threads in the same
-run.
+run (downloads twice: into files, then with an fsync per file, a pull's floor).
 
 Medians of ``--repeats`` (cold prefill runs once); nothing is asserted. This is a tool, not a test: pytest
 never collects it (``tests/test_remote.py`` runs a small version).
@@ -193,6 +193,7 @@ def run_sync(
             "upload (boto3)",
             "pull (kvstore)",
             "download (boto3)",
+            "+ fsync (boto3)",
             "warm start",
         )
     }
@@ -240,16 +241,20 @@ def run_sync(
         copies = os.path.join(workdir, f"boto3-{r}")
         os.makedirs(copies)
 
-        def download(item):
+        def download(item, durable=False):
             i, key = item
             data = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-            with open(os.path.join(copies, str(i)), "wb") as f:
+            with open(os.path.join(copies, f"{i}.{durable}"), "wb") as f:
                 f.write(data)
+                if durable:  # the floor of a pull, which keeps what it acknowledges
+                    f.flush()
+                    os.fsync(f.fileno())
 
-        tic = time.perf_counter()
-        with ThreadPoolExecutor(threads) as io:
-            list(io.map(download, enumerate(keys)))
-        samples["download (boto3)"].append(time.perf_counter() - tic)
+        for name, durable in (("download (boto3)", False), ("+ fsync (boto3)", True)):
+            tic = time.perf_counter()
+            with ThreadPoolExecutor(threads) as io:
+                list(io.map(lambda item: download(item, durable), enumerate(keys)))
+            samples[name].append(time.perf_counter() - tic)
         shutil.rmtree(fresh)
         shutil.rmtree(copies)
         _delete_prefix(s3, bucket, run_prefix + "/")

@@ -40,7 +40,7 @@ from .uploads import Uploader
 log = logging.getLogger("kvstore")
 
 _WINDOW = 8  # full-chunk manifests asked for at once along a prompt
-_BATCH_BYTES = 64 << 20  # downloaded bytes held before they are committed
+_BATCH_BYTES = 64 << 20  # downloaded bytes of a commit (two batches in memory at most)
 _PULL_WAVE_NODES = 4096  # manifests a pull holds before downloading their files
 _STATS = (
     "remote_hits",
@@ -458,43 +458,65 @@ class RemoteTier:
         store = self._store
         ns = store.namespace
         todo = [(h, rec) for h, rec in items if store.index.get_node(ns, h) is None]
-        committed, i = 0, 0
-        while i < len(todo) and not self._closing.is_set():
-            batch, nbytes = [], 0  # bounded bytes in memory between download and commit
-            while i < len(todo) and (
-                not batch or nbytes + todo[i][1].total_bytes <= _BATCH_BYTES
-            ):
-                batch.append(todo[i])
-                nbytes += todo[i][1].total_bytes
-                i += 1
-            jobs = [
+        batches: List[List[Tuple[bytes, NodeRecord]]] = []
+        nbytes = 0  # bounded bytes in memory between download and commit
+        for item in todo:
+            if not batches or nbytes + item[1].total_bytes > _BATCH_BYTES:
+                batches.append([])
+                nbytes = 0
+            batches[-1].append(item)
+            nbytes += item[1].total_bytes
+
+        def submit(batch):
+            return [
                 (h, rec, self._io.submit(self._download, h, rec)) for h, rec in batch
             ]
-            nodes, stop = [], False
-            for h, rec, job in jobs:
-                if stop:
-                    job.cancel()
-                    continue
-                try:
-                    nodes.append((rec.kind, _new_node(h, rec, job.result())))
-                except RemoteCorrupt as e:
-                    self._reader.report_corrupt(str(e))
-                    self._reader.mark_missing(h)
-                    if problems is not None:
-                        problems.append(str(e))
-                    stop = chain_mode
-                except RemoteError:
-                    if not chain_mode:
-                        raise
-                    stop = True
-            done = self._commit(nodes)
-            committed += done
-            if progress is not None and done:
-                progress(done)
+
+        # The next batch downloads while this one is validated and committed.
+        committed, ahead = 0, submit(batches[0]) if batches else []
+        for k in range(len(batches)):
+            jobs, ahead = ahead, submit(batches[k + 1]) if k + 1 < len(batches) else []
+            stop = True  # until this batch is through: closing, an error, a stop
+            try:
+                if self._closing.is_set():
+                    break
+                nodes, stop = self._downloaded(jobs, chain_mode, problems)
+                done = self._commit(nodes)
+                committed += done
+                if progress is not None and done:
+                    progress(done)
+            finally:
+                if stop:  # what has not started is not needed
+                    _cancel(jobs)
+                    _cancel(ahead)
             if stop:
                 break
         self._counters.add(remote_nodes_down=committed)
         return committed
+
+    def _downloaded(
+        self, jobs, chain_mode: bool, problems: Optional[List[str]]
+    ) -> Tuple[List[tuple], bool]:
+        """The ``(kind, node)`` of a batch's download ``jobs``, and whether the chain
+        stops there (``chain_mode``: the first node that cannot be had ends it)."""
+        nodes, stop = [], False
+        for h, rec, job in jobs:
+            if stop:
+                job.cancel()
+                continue
+            try:
+                nodes.append((rec.kind, _new_node(h, rec, job.result())))
+            except RemoteCorrupt as e:
+                self._reader.report_corrupt(str(e))
+                self._reader.mark_missing(h)
+                if problems is not None:
+                    problems.append(str(e))
+                stop = chain_mode
+            except RemoteError:
+                if not chain_mode:
+                    raise
+                stop = True
+        return nodes, stop
 
     def _commit(self, nodes: List[tuple]) -> int:
         """Commit downloaded ``(kind, node)`` through the store's own save commit
@@ -607,6 +629,12 @@ class RemoteTier:
         report["invalid"] += invalid
         # The rest lie below a node that could not be had (or came meanwhile).
         report["unreachable"] += len(todo) - pulled - invalid
+
+
+def _cancel(jobs) -> None:
+    """Cancel the download ``jobs`` that have not started (the rest finish unused)."""
+    for _, _, job in jobs:
+        job.cancel()
 
 
 def _new_node(h: bytes, rec: NodeRecord, raw: Dict[str, bytes]):
