@@ -10,6 +10,7 @@ shows the store's path.
 import json
 import logging
 import os
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional, Tuple
@@ -84,8 +85,14 @@ class MetricsListener:
             def log_message(self, fmt, *args):
                 log.debug("kvstore metrics: " + fmt, *args)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        # IPv4 or IPv6, as the host resolves (ThreadingHTTPServer assumes IPv4).
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+        class Server(ThreadingHTTPServer):
+            address_family = family
+            daemon_threads = True
+
+        self._server = Server((host, port), Handler)
         self.address = self._server.server_address[:2]
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="kvstore-metrics", daemon=True
@@ -93,7 +100,9 @@ class MetricsListener:
 
     def start(self) -> None:
         self._thread.start()
-        log.info("kvstore: metrics on http://%s:%d", *self.address)
+        host, port = self.address
+        host = f"[{host}]" if ":" in host else host
+        log.info("kvstore: metrics on http://%s:%d", host, port)
 
     def close(self) -> None:
         if self._thread.is_alive():

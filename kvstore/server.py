@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-host",
         default="127.0.0.1",
         metavar="HOST",
-        help="the address --metrics-port listens on (default: 127.0.0.1)",
+        help="the address --metrics-port listens on, IPv4 or IPv6 (default: 127.0.0.1)",
     )
     p.add_argument(
         "--api-metrics",

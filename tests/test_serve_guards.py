@@ -274,3 +274,25 @@ def test_metrics_stay_off_the_api_port(tmp_path, tiny_model_dir):
             timeout=120,
         )
     assert out.returncode == 2 and "--metrics-port" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+def test_metrics_listener_takes_ipv4_and_ipv6_hosts(host):
+    from kvstore.serve_metrics import MetricsListener
+
+    try:
+        listener = MetricsListener(host, 0, lambda: None)
+    except OSError as e:  # no IPv6 on this machine's loopback
+        if host == "::1":
+            pytest.skip(f"cannot listen on ::1 here: {e}")
+        raise
+    listener.start()
+    try:
+        conn = http.client.HTTPConnection(*listener.address, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        listener.close()
+    with pytest.raises(OSError):  # a host that does not resolve: the caller's error
+        MetricsListener("no-such-host.invalid", 0, lambda: None)
