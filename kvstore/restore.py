@@ -327,11 +327,39 @@ class ReadPath:
         salted one), else the namespace's.
         """
         checkpoints = self.layout.has_state and not full_only
-        full_only = full_only or checkpoints
+        parent = self.root if root is None else root
+        return self._walk_from(
+            txn,
+            arr,
+            parent,
+            0,
+            limit=limit,
+            full_only=full_only or checkpoints,
+            checkpoints=checkpoints,
+            look_aside=True,
+        )
+
+    def _walk_from(
+        self,
+        txn,
+        arr: np.ndarray,
+        parent: bytes,
+        pos: int,
+        *,
+        limit: int,
+        full_only: bool,
+        checkpoints: bool,
+        look_aside: bool,
+    ) -> List[Step]:
+        """:meth:`_walk` from node ``parent``, which ends at ``pos``. With
+        ``look_aside``, where the longest match is part of a node, the longest whole
+        sibling is walked too (without looking aside again) and taken if it goes
+        further: a system prompt's node with the rest below it, beside a sibling that
+        shares a few more tokens."""
         path: List[Step] = []
         best: List[Step] = []  # the longest path ending at a checkpoint
         best_end = 0
-        parent, pos, C = self.root if root is None else root, 0, self.chunk_tokens
+        C = self.chunk_tokens
         while pos < limit:
             usable = [
                 step
@@ -353,9 +381,24 @@ class ReadPath:
             if not usable:
                 break
             step = usable[0]
-            path.append(step)
             if step.take < step.rec.ntokens:
+                whole = [s for s in usable if s.take == s.rec.ntokens]
+                if look_aside and whole:
+                    below = self._walk_from(
+                        txn,
+                        arr,
+                        whole[0].h,
+                        pos + whole[0].take,
+                        limit=limit,
+                        full_only=full_only,
+                        checkpoints=False,
+                        look_aside=False,
+                    )
+                    if whole[0].take + sum(s.take for s in below) > step.take:
+                        return path + [whole[0]] + below
+                path.append(step)
                 break
+            path.append(step)
             parent, pos = step.h, pos + step.take
         return best if checkpoints else path
 

@@ -629,6 +629,28 @@ def test_walk_goes_on_below_a_prefix_node_that_siblings_go_past(tmp_path, model)
         assert starts == [0, 0, 0, 0, 20, 20]  # system, 3 siblings; 400, 250 below
 
 
+def test_walk_takes_a_whole_node_with_more_below_over_a_longer_partial_sibling(
+    tmp_path, model
+):
+    """A system prompt's node (with the rest of the prompt below it) beside a sibling
+    that shares a few more tokens and then differs: the fetch goes down the system
+    node for the whole prompt, not the sibling's longer partial match."""
+    system = random_tokens(20, seed=41)
+    prompt = system + random_tokens(60, seed=42)
+    sibling = prompt[:24] + random_tokens(30, seed=43)
+    with KVStore(tmp_path / "s", model, chunk_tokens=256) as s:
+        s.save(sibling, compute_cache(model, sibling))
+        s.flush()
+        s.save(prompt, compute_cache(model, prompt), boundaries=(len(system),))
+        s.flush()
+        starts = sorted((rec.start, rec.ntokens) for _, rec in _records(s))
+        assert starts == [(0, 20), (0, 54), (20, 60)]
+        assert s.lookup(prompt + [1]) == len(prompt)
+        assert_same_as_cold(model, s, prompt + [1], len(prompt))
+        # A prompt that goes on along the sibling still takes the sibling.
+        assert s.lookup(sibling + [1]) == len(sibling)
+
+
 def _records(store):
     from kvstore.index import NodeRecord
 
