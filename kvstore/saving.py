@@ -48,12 +48,14 @@ class HeldTokens:
             self._arrays = {}
         return self._host
 
-    def release(self) -> None:
+    def release(self, *, state_read: bool = False) -> None:
         """Drop the host arrays once the save is written. With CUDA their buffers
-        were moved to host memory: MLX would otherwise hand them out again for GPU
-        work, which then migrates them back (measured: decode 17% slower after a
-        32K-token save of an 8B model), so its buffer cache is cleared."""
-        moved = self._host is not None and devices.host_access_moves_arrays()
+        (and a checkpoint's, ``state_read``) were moved to host memory: MLX would
+        otherwise hand them out again for GPU work, which then migrates them back
+        (measured: decode 17% slower after a 32K-token save of an 8B model), so its
+        buffer cache is cleared."""
+        read = self._host is not None or state_read
+        moved = read and devices.host_access_moves_arrays()
         self._host, self._arrays = None, {}
         if moved:
             mx.clear_cache()
@@ -160,7 +162,7 @@ class WritePath:
                 )
             finally:
                 nodes.clear()
-                held.release()
+                held.release(state_read=state is not None)
 
         if (nodes or pin) and not self.writer.submit(job, nbytes):
             with self._lock:

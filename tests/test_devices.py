@@ -122,3 +122,25 @@ def test_a_save_is_immune_to_the_callers_later_updates_as_on_cuda(tmp_path, as_o
         assert np.array_equal(
             np.array(x.keys[..., :n, :]), np.array(y.keys[..., :n, :])
         )
+
+
+def test_a_checkpoint_only_save_clears_mlx_cache_as_on_cuda(
+    tmp_path, as_on_cuda, monkeypatch
+):
+    """A save whose only new file is a checkpoint (its tokens are stored without one)
+    moves the state's device copies to the host too: MLX's buffer cache is cleared
+    after it, as after a save of new tokens."""
+    from families import build
+
+    model = build("mamba2")
+    tokens = random_tokens(3 * C, 6)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        s.save(tokens, compute_cache(model, tokens))  # a checkpoint at 3 * C only
+        s.flush()
+        cleared = []
+        monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1))
+        prefix = tokens[: 2 * C]
+        assert s.save(prefix, compute_cache(model, prefix)) == 1  # its checkpoint
+        s.flush()
+        assert s.stats()["writes_failed"] == 0 and cleared
+        assert s.lookup(prefix + [1]) == len(prefix)  # restorable there now
