@@ -351,14 +351,20 @@ class ReadPath:
         checkpoints: bool,
         look_aside: bool,
     ) -> List[Step]:
-        """:meth:`_walk` from node ``parent``, which ends at ``pos``. With
-        ``look_aside``, where the longest match is part of a node, the longest whole
-        sibling is walked too (without looking aside again) and taken if it goes
-        further: a system prompt's node with the rest below it, beside a sibling that
-        shares a few more tokens."""
+        """:meth:`_walk` from node ``parent``, which ends at ``pos``.
+
+        The walk takes the longest match at each level. With ``look_aside`` it then
+        walks below the longest whole sibling it passed over at each level (without
+        looking aside again) and keeps a path that goes further: a system prompt's
+        node with the prompt's rest below it, beside a sibling that shares a few more
+        tokens and ends. Siblings that both match are rare (chunks are found by
+        hash), so this costs nothing in the common case.
+        """
+        start = pos
         path: List[Step] = []
         best: List[Step] = []  # the longest path ending at a checkpoint
         best_end = 0
+        passed = []  # (index in path, position, whole sibling not taken there)
         C = self.chunk_tokens
         while pos < limit:
             usable = [
@@ -381,26 +387,31 @@ class ReadPath:
             if not usable:
                 break
             step = usable[0]
-            if step.take < step.rec.ntokens:
-                whole = [s for s in usable if s.take == s.rec.ntokens]
-                if look_aside and whole:
-                    below = self._walk_from(
-                        txn,
-                        arr,
-                        whole[0].h,
-                        pos + whole[0].take,
-                        limit=limit,
-                        full_only=full_only,
-                        checkpoints=False,
-                        look_aside=False,
-                    )
-                    if whole[0].take + sum(s.take for s in below) > step.take:
-                        return path + [whole[0]] + below
-                path.append(step)
-                break
+            whole = [s for s in usable[1:] if s.take == s.rec.ntokens]
+            if look_aside and whole and not checkpoints:
+                passed.append((len(path), pos, whole[0]))
             path.append(step)
+            if step.take < step.rec.ntokens:
+                break
             parent, pos = step.h, pos + step.take
-        return best if checkpoints else path
+        if checkpoints:
+            return best
+        end, greedy = start + sum(step.take for step in path), path
+        for at, where, other in passed:
+            below = self._walk_from(
+                txn,
+                arr,
+                other.h,
+                where + other.take,
+                limit=limit,
+                full_only=full_only,
+                checkpoints=False,
+                look_aside=False,
+            )
+            other_end = where + other.take + sum(step.take for step in below)
+            if other_end > end:
+                path, end = greedy[:at] + [other] + below, other_end
+        return path
 
     def _candidates(
         self, txn, parent: bytes, query: np.ndarray, checkpoints: bool
