@@ -562,6 +562,26 @@ def test_broken_remote_object_is_a_miss_and_a_report(
     assert not [p for p in (tmp_path / "b").rglob("*.tmp")]
 
 
+@pytest.mark.parametrize(
+    "damage", ["manifest-start-wrong", "manifest-not-json", "manifest-parent-wrong"]
+)
+def test_pull_reports_a_broken_manifest_and_skips_what_is_below(
+    tmp_path, model, shared, s3, damage
+):
+    """SYSTEM's three nodes on the remote, the second's manifest broken: a pull
+    takes the first, reports the second, and does not reach the third."""
+    url = shared
+    with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
+        mkey, _, h1 = _second_node(b, url)
+        _rewrite(s3, url, mkey, DAMAGE[damage][1])
+        report = b.remote.pull()
+        assert report["remote_nodes"] == 3 and report["pulled"] == 1
+        assert report["invalid"] == 1 and report["unreachable"] == 1
+        assert h1.hex() in report["problems"][0]
+        assert b.stats()["nodes"] == 1 and b.index.get_node(b.namespace, h1) is None
+    assert_clean(tmp_path / "b")
+
+
 def test_manifest_decoder_is_strict(tmp_path, model):
     """Round trip, then a fuzz of single-byte changes: a record or RemoteCorrupt."""
     from kvstore.index import NodeRecord

@@ -60,13 +60,14 @@ class ManifestReader:
         parent: bytes,
         h: bytes,
         *,
-        start: int,
+        start: Optional[int],
         chunk_tokens: int,
         tokens: Optional[np.ndarray] = None,
         strict: bool = False,
     ) -> Optional[NodeRecord]:
         """Node ``h``'s manifest, validated; None when the remote lacks it or it is
-        invalid (reported). With ``strict``, an invalid one raises RemoteCorrupt."""
+        invalid (reported). With ``strict``, an invalid one raises RemoteCorrupt.
+        ``start`` None: the caller checks where the node starts."""
         hit = self._manifests.get(h)
         if hit is not None and not strict:
             return hit[1]
@@ -85,7 +86,7 @@ class ManifestReader:
             )
             if rec.parent != parent:
                 raise RemoteCorrupt("manifest names another parent")
-            if rec.start != start:
+            if start is not None and rec.start != start:
                 raise RemoteCorrupt(f"manifest start {rec.start}, expected {start}")
             if tokens is not None and not np.array_equal(rec.tokens, tokens):
                 raise RemoteCorrupt("manifest tokens differ from the prompt's")

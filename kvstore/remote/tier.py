@@ -578,35 +578,50 @@ class RemoteTier:
         report = {"remote_nodes": len(nodes), "pulled": 0, "present": 0}
         report.update({"invalid": 0, "unreachable": 0, "problems": []})
 
-        def manifest(h, parent, start):
+        def manifest(h, parent):
             return self._reader.manifest(
-                ns, parent, h, start=start, chunk_tokens=C, strict=True
+                ns, parent, h, start=None, chunk_tokens=C, strict=True
             )
 
-        # Manifests a tree level at a time (a child's start is its parent's end); the
-        # files of many levels at once, committed parents first (a child whose parent
+        # Every manifest's key is in the listing: they are read in parallel, in the
+        # tree's breadth-first order, a wave at a time. A node is kept when its parent
+        # was and it starts where its parent ends; the files of a wave are then
+        # downloaded together and committed parents first (a child of a node that
         # could not be had is skipped by the commit's parent check).
-        reached, wave = 0, []
-        level = [(h, store.root, 0) for h in sorted(children[store.root])]
-        while level:
-            jobs = [(h, self._io.submit(manifest, h, p, s)) for h, p, s in level]
+        order, at = [(h, store.root) for h in sorted(children[store.root])], 0
+        while at < len(order):
+            order += [(c, order[at][0]) for c in sorted(children[order[at][0]])]
+            at += 1
+        ends = {store.root: 0}  # where each kept node ends
+        reached = 0
+        for lo in range(0, len(order), _PULL_WAVE_NODES):
+            wave = order[lo : lo + _PULL_WAVE_NODES]
+            jobs = [(h, p, self._io.submit(manifest, h, p)) for h, p in wave]
             good = []
-            for h, job in jobs:
+            for h, parent, job in jobs:
                 try:
-                    rec = job.result()
+                    rec, problem = job.result(), None
                 except RemoteCorrupt as e:
-                    self._reader.report_corrupt(str(e))
-                    report["problems"].append(str(e))
+                    rec, problem = None, str(e)
+                except BaseException:  # the remote failed: the pull ends here
+                    _cancel(jobs)
+                    raise
+                if parent not in ends:
+                    continue  # below a node that is missing or invalid: unreachable
+                reached += 1
+                if rec is not None and rec.start != ends[parent]:
+                    key = self._s3.manifest_key(ns, parent, h)
+                    problem = (
+                        f"{key}: manifest start {rec.start}, expected {ends[parent]}"
+                    )
+                if problem is not None:
+                    self._reader.report_corrupt(problem)
+                    report["problems"].append(problem)
                     report["invalid"] += 1
-                    continue
-                if rec is not None:
+                elif rec is not None:
                     good.append((h, rec))
-            reached += len(level)
-            wave += good
-            level = [(c, h, rec.end) for h, rec in good for c in sorted(children[h])]
-            if len(wave) >= _PULL_WAVE_NODES or not level:
-                self._pull_wave(wave, report, progress)
-                wave = []
+                    ends[h] = rec.end
+            self._pull_wave(good, report, progress)
         report["unreachable"] += len(nodes) - reached
         report["bytes_down"] = self.stats()["bytes_down"]
         return report
@@ -632,7 +647,8 @@ class RemoteTier:
 
 
 def _cancel(jobs) -> None:
-    """Cancel the download ``jobs`` that have not started (the rest finish unused)."""
+    """Cancel the ``(hash, _, future)`` jobs that have not started (the rest finish
+    unused)."""
     for _, _, job in jobs:
         job.cancel()
 
