@@ -16,6 +16,13 @@ from .manifest import CHILD_KEY, decode_manifest, manifest_limit
 log = logging.getLogger("kvstore")
 
 
+def wrong_start(rec: NodeRecord, start: int) -> Optional[str]:
+    """Why a manifest does not start at ``start`` (its parent's end); None if it does."""
+    if rec.start == start:
+        return None
+    return f"manifest start {rec.start}, expected {start}"
+
+
 class _Expiring:
     """A bounded map whose entries expire ``seconds`` after they were set."""
 
@@ -86,8 +93,9 @@ class ManifestReader:
             )
             if rec.parent != parent:
                 raise RemoteCorrupt("manifest names another parent")
-            if start is not None and rec.start != start:
-                raise RemoteCorrupt(f"manifest start {rec.start}, expected {start}")
+            wrong = None if start is None else wrong_start(rec, start)
+            if wrong is not None:
+                raise RemoteCorrupt(wrong)
             if tokens is not None and not np.array_equal(rec.tokens, tokens):
                 raise RemoteCorrupt("manifest tokens differ from the prompt's")
         except NotFound:

@@ -33,7 +33,7 @@ from .client import (
 )
 from .errors import NotFound, RemoteCorrupt, RemoteError
 from .manifest import check_node_file, is_int, node_parts
-from .reader import ManifestReader
+from .reader import ManifestReader, wrong_start
 from .sync import list_nodes
 from .uploads import Uploader
 
@@ -609,11 +609,9 @@ class RemoteTier:
                 if parent not in ends:
                     continue  # below a node that is missing or invalid: unreachable
                 reached += 1
-                if rec is not None and rec.start != ends[parent]:
-                    key = self._s3.manifest_key(ns, parent, h)
-                    problem = (
-                        f"{key}: manifest start {rec.start}, expected {ends[parent]}"
-                    )
+                wrong = None if rec is None else wrong_start(rec, ends[parent])
+                if wrong is not None:
+                    problem = f"{self._s3.manifest_key(ns, parent, h)}: {wrong}"
                 if problem is not None:
                     self._reader.report_corrupt(problem)
                     report["problems"].append(problem)
