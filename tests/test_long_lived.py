@@ -16,6 +16,8 @@ from conftest import compute_cache, random_tokens, run_cli
 from kvstore import KVStore, mdbfile
 from kvstore.storecheck import StoreError, check_data_file
 
+pytestmark = pytest.mark.stress
+
 C = 8  # tokens per chunk
 
 
