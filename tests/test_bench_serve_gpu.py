@@ -176,3 +176,32 @@ def test_bench_gpu_order_is_a_latin_square():
     # Repeat 0 opens each length with another case.
     cases = ["cold", "kvstore", "load_prompt_cache"]
     assert [bench_gpu.case_order(cases, li)[0] for li in range(3)] == cases
+
+
+def test_a_stream_that_ends_early_is_a_failure_not_a_sample():
+    """mlx-lm's generation thread dying mid-stream (out of GPU memory, say) ends the
+    streams without their usage: the round says so instead of counting them."""
+    import http.server
+    import threading
+
+    class Dying(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            delta = {"choices": [{"delta": {"content": "w9"}}]}
+            self.wfile.write(b"data: " + json.dumps(delta).encode() + b"\n\n")
+            self.wfile.flush()  # then the connection closes: no usage, no [DONE]
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        results, wall, errors = tool.run_round(server.server_address[1], [{}, {}])
+    finally:
+        server.shutdown()
+    assert [r["tokens"] for r in results] == [1, 1]
+    assert len(errors) == 1 and errors[0].startswith("users [0, 1]: the stream ended")

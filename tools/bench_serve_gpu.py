@@ -245,14 +245,18 @@ def run_round(port: int, bodies: List[dict]) -> tuple:
     """Every body at once (a thread each); the results and the round's wall time."""
     start = threading.Barrier(len(bodies))
     results: List[Optional[dict]] = [None] * len(bodies)
-    errors: List[str] = []
+    errors: Dict[str, List[int]] = {}  # what went wrong: the users it happened to
 
     def client(i):
         start.wait()
         try:
-            results[i] = stream(port, bodies[i])
+            r = results[i] = stream(port, bodies[i])
         except Exception as e:  # the server died (e.g. out of memory): say so
-            errors.append(f"user {i}: {type(e).__name__}: {e}")
+            errors.setdefault(f"{type(e).__name__}: {e}", []).append(i)
+            return
+        if r["completion"] is None:  # mlx-lm's generation thread died mid-stream
+            why = "the stream ended early, without its usage (see the server's log)"
+            errors.setdefault(why, []).append(i)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
     tic = time.perf_counter()
@@ -260,7 +264,8 @@ def run_round(port: int, bodies: List[dict]) -> tuple:
         t.start()
     for t in threads:
         t.join()
-    return results, time.perf_counter() - tic, errors
+    wall = time.perf_counter() - tic
+    return results, wall, [f"users {sorted(us)}: {why}" for why, us in errors.items()]
 
 
 # -- the machine ---------------------------------------------------------------------
@@ -627,6 +632,9 @@ def report(data: dict) -> List[str]:
             (Figures([s for s in mine if s["phase"] == p]).rounds for p in PHASES),
             default=0,
         )
+        if not n_rounds:
+            rows += ["", f"{users} user(s): no phase finished a round (below)"]
+            continue
         rows += [
             "",
             f"{users} user(s): TTFT s (median over users and repeats), decode tok/s "
