@@ -31,6 +31,10 @@ loads then, and a fresh machine compiles its kernels):
   (``/proc/sys/vm/drop_caches``, root) before the server starts; where that is not
   permitted the phase runs anyway and its sample says so.
 
+Before the first phase, a discarded plain round at the largest ``--users`` value: the
+first large batched prefill on a machine compiles MLX's kernels, seconds that no
+measured phase should pay (``--no-prime`` skips it).
+
 Per round: time to first token (TTFT) of every request, its decode rate (tokens
 after the first over the time between the first and the last), and the round's
 aggregate output tokens/s. Each ``--users`` value gets a fresh store per repeat; the
@@ -359,9 +363,9 @@ class Phase:
         self.workload = workload
         self.launcher = [sys.executable, os.path.abspath(__file__), "--launch"]
 
-    def command(self, phase: str, store: str) -> List[str]:
+    def command(self, phase: str, store: Optional[str]) -> List[str]:
         extra = self.args.server_args.split()
-        if phase.startswith("plain"):
+        if not phase.startswith("kvstore"):  # plain, plain-restart, prime
             return ["mlx_lm", "server", "--model", self.model_dir, *extra]
         return [
             "kvstore",
@@ -386,7 +390,15 @@ class Phase:
             "logit_bias": {str(i): -1000.0 for i in range(w.ban_below)},
         }
 
-    def run(self, phase: str, users: int, store: str, log_dir: str) -> dict:
+    def run(
+        self,
+        phase: str,
+        users: int,
+        store: Optional[str],
+        log_dir: str,
+        *,
+        rounds: Optional[int] = None,
+    ) -> dict:
         out: Dict[str, object] = {"phase": phase, "users": users}
         if phase == "kvstore-fresh":
             shutil.rmtree(store, ignore_errors=True)
@@ -395,14 +407,14 @@ class Phase:
         os.makedirs(log_dir, exist_ok=True)
         memory = GpuMemory()
         tic = time.perf_counter()
-        name = "plain" if phase.startswith("plain") else "kvstore"
+        name = "kvstore" if phase.startswith("kvstore") else "plain"
         server = None
         try:
             server = Server(
                 name, self.command(phase, store), log_dir, launcher=self.launcher
             )
             out["start_s"] = time.perf_counter() - tic
-            self._rounds(server, users, out)
+            self._rounds(server, users, out, rounds or self.workload.rounds)
         except Exception as e:  # one failed phase does not end the run: say why
             out["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -413,7 +425,7 @@ class Phase:
         out["log_lines"] = kvstore_log(os.path.join(log_dir, f"{name}.log"))
         return out
 
-    def _rounds(self, server: Server, users: int, out: dict) -> None:
+    def _rounds(self, server: Server, users: int, out: dict, rounds: int) -> None:
         tic = time.perf_counter()
         warm = stream(server.port, self.warm_up_body())
         out["warm_up_s"] = time.perf_counter() - tic
@@ -421,7 +433,7 @@ class Phase:
         server.settle()
         chats = [Chat(u, self.workload, self.texts) for u in range(users)]
         out["rounds"] = []
-        for rnd in range(self.workload.rounds):
+        for rnd in range(rounds):
             bodies = [chat.request(rnd, self.workload) for chat in chats]
             results, wall, errors = run_round(server.port, bodies)
             if errors:
@@ -520,6 +532,17 @@ def run(args) -> dict:
         "notes": [],
     }
     phase = Phase(args, model_dir, texts, workload)
+    if args.prime:
+        # The first large batched prefill on a machine compiles MLX's kernels (seconds):
+        # a discarded plain round, so that no measured phase pays for it.
+        users = max(args.users)
+        sample = phase.run("prime", users, None, os.path.join(logs, "prime"), rounds=1)
+        data["priming"] = sample
+        print(
+            f"priming ({users} users, one round, not measured): "
+            + (sample.get("error") or f"{sample['phase_s']:.1f} s"),
+            flush=True,
+        )
     steps = plan(args.users, args.repeats, args.phases)
     durations: Dict[int, float] = {}  # the longest phase seen, per --users value
     for i, (rep, users, name) in enumerate(steps):
@@ -810,6 +833,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         choices=("auto", "skip"),
         default="auto",
         help="kvstore-dropped: drop the page cache (auto: where permitted)",
+    )
+    p.add_argument(
+        "--no-prime",
+        dest="prime",
+        action="store_false",
+        help="skip the discarded plain round that compiles the kernels first",
     )
     p.add_argument("--server-args", default="", help="extra flags for both servers")
     p.add_argument("--kvstore-args", default="", help="extra flags for kvstore serve")
