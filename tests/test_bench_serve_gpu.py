@@ -17,6 +17,7 @@ bench_gpu = _load_tool("bench_gpu")
 ROUNDS, MAX_TOKENS, SYSTEM = 2, 3, 48
 
 
+@pytest.mark.stress
 def test_chat_load_end_to_end(tmp_path):
     out = tmp_path / "serve.json"
     argv = [
