@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import _load_tool
 
 tool = _load_tool("bench_serve_gpu")
