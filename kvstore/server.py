@@ -214,25 +214,23 @@ class PersistentPromptCache:
             return None, tokens
         cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
         ram_n = len(tokens) - len(rest) if cache is not None else 0
-        source, n, seconds = ("ram" if ram_n else None), ram_n, 0.0
+        source, n, seconds, from_ram = ("ram" if ram_n else None), ram_n, 0.0, ram_n
         # The store gives at most len(tokens) - 1 tokens: ask only when it may do better.
         store = self._store_for(model) if ram_n < len(tokens) - 1 else None
         if store is not None:
             remote_hits = _remote_hits(store)
             tic = time.perf_counter()
             try:
-                if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
-                    disk_cache, disk_n = None, 0  # no longer than RAM: no restore
-                else:
-                    disk_cache, disk_n = store.fetch(tokens, salt=salt)
+                got = _extend_from_store(store, tokens, cache, ram_n, salt)
             except Exception:
                 log.exception("kvstore: store fetch failed; continuing without it")
                 self._count(store_errors=1)
-                disk_cache, disk_n = None, 0
+                got = None
             seconds = time.perf_counter() - tic
-            if disk_n > ram_n:
+            if got is not None:
                 source = "remote" if _remote_hits(store) > remote_hits else "disk"
-                cache, rest, n = disk_cache, tokens[disk_n:], disk_n
+                cache, n, from_ram = got
+                rest = tokens[n:]
                 self.metrics.restore_seconds.observe(seconds)
         self._count(
             requests=1,
@@ -242,17 +240,18 @@ class PersistentPromptCache:
             misses=source is None,
             tokens_requested=len(tokens),
             tokens_reused=n,
-            tokens_reused_ram=n if source == "ram" else 0,
-            tokens_reused_disk=n if source == "disk" else 0,
-            tokens_reused_remote=n if source == "remote" else 0,
+            tokens_reused_ram=from_ram,
+            tokens_reused_disk=n - from_ram if source == "disk" else 0,
+            tokens_reused_remote=n - from_ram if source == "remote" else 0,
             tokens_computed=len(rest),
             restore_seconds=seconds,
         )
         log.info(
-            "kvstore: prompt %d tokens: reused %d (%s), computing %d, restore %.1f ms",
+            "kvstore: prompt %d tokens: reused %d (%s%s), computing %d, restore %.1f ms",
             len(tokens),
             n,
             source or "miss",
+            f", {from_ram} of them from ram" if 0 < from_ram < n else "",
             len(rest),
             seconds * 1e3,
         )
@@ -425,6 +424,31 @@ def _remote_hits(store) -> int:
         return store.remote.stats().get("remote_hits", 0)
     except Exception:
         return 0
+
+
+def _extend_from_store(
+    store, tokens: List[int], cache, ram_n: int, salt
+) -> Optional[Tuple[List[Any], int, int]]:
+    """What the store adds to a RAM copy of ``tokens[:ram_n]`` (``cache``):
+    ``(cache, tokens held, tokens of them taken from the RAM copy)``, or None when
+    it holds no more or prefilling the difference is cheaper (by measured rates).
+
+    Only the stored nodes past the RAM copy are read, and appended to it.
+    """
+    # The index alone tells whether the store holds more (a remote tier may).
+    if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
+        return None
+    tail = store.fetch_beyond(tokens, ram_n, salt=salt)
+    if tail is None or tail.end <= ram_n:
+        return None
+    if tail.start == 0:
+        return tail.cache, tail.end, 0
+    try:
+        return store.join_tail(cache, tail, query=len(tokens)), tail.end, tail.start
+    except (TypeError, ValueError) as e:  # LayoutMismatch: a RAM copy of other layers
+        log.info("kvstore: RAM copy not extended (%s); restoring the prefix", e)
+    whole, n = store.fetch(tokens, salt=salt)
+    return (whole, n, 0) if n > ram_n else None
 
 
 def _held_tokens(store, cache: Sequence[Any]) -> int:

@@ -4,9 +4,10 @@ import glob
 import os
 import re
 
+import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import compute_cache, random_tokens
+from conftest import compute_cache, next_logits, random_tokens
 from mlx_lm.models.cache import LRUPromptCache
 from serving import KEY, SYSTEM, Server, answer, chat_body, provider
 
@@ -72,6 +73,46 @@ def test_ram_or_disk_whichever_is_longer(tmp_path, model, tokenizer):
 
     pc2.insert_cache(KEY, [1, 2, 3], [RotatingKVCache(max_size=8)])
     assert pc2.stats()["saves_skipped"] == 1
+    pc2.close()
+
+
+def test_ram_copy_extended_by_the_stored_tail(tmp_path, model, tokenizer, monkeypatch):
+    """RAM holds most of a stored prompt: only the stored nodes past the RAM copy
+    are read, appended to it; or none when prefilling the difference is cheaper."""
+    tokens = random_tokens(600, seed=21)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    pc.close()
+
+    pc2 = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    store = pc2.open_store(KEY)
+    tails = []
+    real = store.fetch_beyond
+    monkeypatch.setattr(
+        store,
+        "fetch_beyond",
+        lambda *a, **kw: tails.append(real(*a, **kw)) or tails[-1],
+    )
+    pc2._lru.insert_cache(KEY, tokens[:270], compute_cache(model, tokens[:270]))
+    query = tokens + [1, 2, 3]
+    got, rest = pc2.fetch_nearest_cache(KEY, query)
+    assert rest == [1, 2, 3] and all(c.offset == 600 for c in got)
+    assert (tails[0].start, tails[0].end) == (256, 600)  # nodes [256, 512), [512, 600)
+    s = pc2.stats()
+    assert (s["disk_hits"], s["tokens_reused_ram"], s["tokens_reused_disk"]) == (
+        1,
+        256,
+        344,
+    )
+    want = next_logits(model, compute_cache(model, []), query)
+    assert mx.allclose(next_logits(model, got, rest), want, atol=1e-4).item()
+
+    # Prefilling 330 tokens is cheaper than reading two nodes: RAM and prefill.
+    store.policy.mode = "auto"
+    store.policy.rates.prefill = 1e9
+    got, rest = pc2.fetch_nearest_cache(KEY, query)
+    assert len(rest) == 333 and got[0].offset == 270
+    assert pc2.stats()["ram_hits"] == 1 and store.stats()["recomputes_chosen"] == 1
     pc2.close()
 
 
