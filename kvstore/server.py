@@ -67,6 +67,11 @@ from .serve_salts import (
     missing_hooks,
     response_generator_class,
 )
+from .serve_timing import (
+    PrefillClock,
+    timed_batch_generator_class,
+    timed_response_generator_class,
+)
 
 log = logging.getLogger("kvstore.server")
 
@@ -151,6 +156,8 @@ class PersistentPromptCache:
         self._counters = {name: 0 for name in _COUNTER_NAMES}
         self.salts = salts
         self.metrics = ServeMetrics(self.stats)
+        # Started at each lookup: a sequential request's prefill is timed from here.
+        self.prefill_clock = PrefillClock()
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -255,6 +262,7 @@ class PersistentPromptCache:
             len(rest),
             seconds * 1e3,
         )
+        self.prefill_clock.looked_up(len(rest))
         return cache, rest
 
     def insert_cache(
@@ -310,6 +318,18 @@ class PersistentPromptCache:
         except Exception as e:
             log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
             self._count(saves_skipped=1, store_errors=1)
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """The server prefilled ``tokens`` prompt tokens in ``seconds``: the open
+        store learns the rate (and keeps it for the next process), so that
+        ``restore="auto"`` weighs restores against this server's own prefill."""
+        with self._lock:
+            stores = [s for s in self._stores.values() if s is not None]
+        for store in stores:
+            try:
+                store.note_prefill(tokens, seconds)
+            except Exception:
+                log.exception("kvstore: recording the prefill rate failed")
 
     @staticmethod
     def _salt(salt, from_request: Optional[Callable[[], Any]]):
@@ -830,10 +850,15 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             store_kwargs=store_kwargs,
             salts=router,
         )
+        cache.prefill_clock = clock
         caches.append(cache)
         return cache
 
-    router = SaltRouter()
+    def on_prefill(tokens: int, seconds: float) -> None:
+        if caches:
+            caches[-1].note_prefill(tokens, seconds)
+
+    router, clock = SaltRouter(), PrefillClock()
     policy = SaltPolicy(header=args.salt_header, required=args.require_salt)
     handler = make_handler_class(
         mls.APIHandler, patterns, policy, api_metrics=args.api_metrics
@@ -850,8 +875,15 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     }
     mls.LRUPromptCache = prompt_cache_factory
     mls.ModelProvider = KVStoreModelProvider
-    mls.ResponseGenerator = response_generator_class(saved["ResponseGenerator"], router)
-    mls.BatchGenerator = batch_generator_class(saved["BatchGenerator"], router)
+    generator = response_generator_class(saved["ResponseGenerator"], router)
+    if getattr(mls, "Response", None) is not None:  # the sequential path's tokens
+        generator = timed_response_generator_class(
+            generator, mls.Response, clock, on_prefill
+        )
+    mls.ResponseGenerator = generator
+    mls.BatchGenerator = timed_batch_generator_class(
+        batch_generator_class(saved["BatchGenerator"], router), on_prefill
+    )
     mls._run_http_server = functools.partial(
         saved["_run_http_server"], handler_class=handler
     )

@@ -3,6 +3,7 @@
 import glob
 import os
 import re
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -248,12 +249,16 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
         assert answer(s1.chat(first)) == want_first
         stats = s1.stats()
         assert stats["misses"] == 1 and stats["saves"] >= 1
+        # The server timed its own prefill of the prompt.
+        assert stats["stores"][0]["prefill_tokens_per_s"] > 0
     finally:
         assert s1.stop() == 0, s1.output()
     assert "stores flushed and closed" in s1.output()
 
     s2 = Server(kv, tmp_path / "run2.log")  # a restart: nothing in RAM
     try:
+        # The rate measured before the restart decides the first fetch.
+        assert _settled(s2)["stores"][0]["prefill_tokens_per_s"] > 0
         r = s2.chat(second)
         stats = s2.stats()
     finally:
@@ -287,6 +292,16 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
     assert stats["disk_hits"] == 0 and stats["misses"] == 1
 
 
+def _settled(server, timeout=30):
+    """The server's stats once its store is open (the model loads after /health)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if stats["stores"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
 def test_serve_strip_pattern(tmp_path, tiny_model_dir):
     kv = [
         "kvstore.server",
@@ -317,3 +332,69 @@ def test_serve_strip_pattern(tmp_path, tiny_model_dir):
         stats["requests"] == 2
         and stats["tokens_reused"] >= a["usage"]["prompt_tokens"] - 1
     )
+
+
+# -- the prefill rate, from the server's own requests -------------------------------
+
+
+def test_batch_steps_report_their_prompt_tokens():
+    import contextlib
+    from types import SimpleNamespace
+
+    from kvstore.serve_timing import timed_batch_generator_class
+
+    class Base:
+        def __init__(self):
+            self.steps = [(512, 0.25), (0, 0.0), (3, 0.01)]
+
+        @contextlib.contextmanager
+        def stats(self):
+            window = SimpleNamespace(prompt_tokens=0, prompt_time=0.0)
+            yield window
+            window.prompt_tokens, window.prompt_time = self.current
+
+        def next(self):
+            self.current = self.steps.pop(0)
+            return [], []
+
+    seen = []
+    gen = timed_batch_generator_class(Base, lambda t, s: seen.append((t, s)))()
+    for _ in range(3):
+        assert gen.next() == ([], [])
+    assert seen == [(512, 0.25), (3, 0.01)]
+
+    # A failing callback is logged, never raised into the generation loop.
+    def boom(tokens, seconds):
+        raise RuntimeError("no store")
+
+    gen = timed_batch_generator_class(Base, boom)()
+    assert gen.next() == ([], [])
+
+
+def test_sequential_request_timed_from_lookup_to_first_token():
+    import queue
+
+    from kvstore.serve_timing import PrefillClock, timed_response_generator_class
+
+    class Response:
+        pass
+
+    clock, seen = PrefillClock(), []
+
+    class Base:
+        def _serve_single(self, request, stream):
+            rqueue = request[0]
+            rqueue.put("ctx")
+            clock.looked_up(120)  # the prompt cache's lookup
+            rqueue.put((60, 120))  # progress
+            rqueue.put(Response())
+            rqueue.put(Response())
+            rqueue.put(None)
+
+    cls = timed_response_generator_class(
+        Base, Response, clock, lambda t, s: seen.append((t, s))
+    )
+    q = queue.Queue()
+    cls()._serve_single((q, "request", "args"), None)
+    assert [t for t, _ in seen] == [120] and seen[0][1] >= 0
+    assert q.qsize() == 5
