@@ -58,6 +58,11 @@ from .options import (
     store_disk_budget,
 )
 from .salts import parse_salt
+from .serve_prefetch import (
+    Prefetched,
+    Prefetcher,
+    prefetch_response_generator_class,
+)
 from .serve_salts import (
     UNKNOWN,
     SaltedCache,
@@ -88,6 +93,7 @@ _COUNTER_NAMES = (
     "tokens_reused_remote",
     "tokens_computed",
     "restore_seconds",
+    "restores_prefetched",
     "saves",
     "saves_skipped",
     "saves_unattributed",
@@ -151,6 +157,8 @@ class PersistentPromptCache:
         self.model_provider = model_provider
         self.store_kwargs = dict(store_kwargs or {})
         self._lru = LRUPromptCache(max_size, max_bytes)
+        # mlx-lm's LRU is the generation thread's; prefetch threads only search it.
+        self._lru_lock = threading.RLock()
         self._stores: Dict[Any, Any] = {}  # model key -> KVStore, or None (unusable)
         self._lock = threading.Lock()
         self._counters = {name: 0 for name in _COUNTER_NAMES}
@@ -158,6 +166,8 @@ class PersistentPromptCache:
         self.metrics = ServeMetrics(self.stats)
         # Started at each lookup: a sequential request's prefill is timed from here.
         self.prefill_clock = PrefillClock()
+        # Restores started when requests arrive (kvstore serve sets one).
+        self.prefetcher: Optional[Prefetcher] = None
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -179,7 +189,8 @@ class PersistentPromptCache:
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
     ):
-        self._lru.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+        with self._lru_lock:
+            self._lru.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
 
     def stats_by_type(self):
         return self._lru.stats_by_type()
@@ -219,16 +230,24 @@ class PersistentPromptCache:
                 tokens_computed=len(tokens),
             )
             return None, tokens
-        cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
+        pre = self.prefetcher.take() if self.prefetcher is not None else None
+        with self._lru_lock:
+            cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
         ram_n = len(tokens) - len(rest) if cache is not None else 0
         source, n, seconds, from_ram = ("ram" if ram_n else None), ram_n, 0.0, ram_n
+        prefetched = False
         # The store gives at most len(tokens) - 1 tokens: ask only when it may do better.
         store = self._store_for(model) if ram_n < len(tokens) - 1 else None
         if store is not None:
             remote_hits = _remote_hits(store)
             tic = time.perf_counter()
             try:
-                got = _extend_from_store(store, tokens, cache, ram_n, salt)
+                tail, prefetched = _prefetched_tail(pre, model, tokens, ram_n, salt)
+                if not prefetched:
+                    tail = _stored_tail(store, tokens, ram_n, salt)
+                got = None
+                if tail is not None:
+                    got = _extended(store, tokens, cache, ram_n, tail, salt)
             except Exception:
                 log.exception("kvstore: store fetch failed; continuing without it")
                 self._count(store_errors=1)
@@ -252,15 +271,17 @@ class PersistentPromptCache:
             tokens_reused_remote=n - from_ram if source == "remote" else 0,
             tokens_computed=len(rest),
             restore_seconds=seconds,
+            restores_prefetched=prefetched and source in ("disk", "remote"),
         )
         log.info(
-            "kvstore: prompt %d tokens: reused %d (%s%s), computing %d, restore %.1f ms",
+            "kvstore: prompt %d tokens: reused %d (%s%s), computing %d, restore %.1f ms%s",
             len(tokens),
             n,
             source or "miss",
             f", {from_ram} of them from ram" if 0 < from_ram < n else "",
             len(rest),
             seconds * 1e3,
+            f" (prefetched in {pre.seconds * 1e3:.1f} ms)" if prefetched else "",
         )
         self.prefill_clock.looked_up(len(rest))
         return cache, rest
@@ -297,9 +318,10 @@ class PersistentPromptCache:
             self._count(saves_skipped=1, saves_unattributed=1)
             log.warning("kvstore: a cache of an unknown request was not kept")
             return
-        self._lru.insert_cache(
-            _ram_key(model, salt), tokens, prompt_cache, cache_type=cache_type
-        )
+        with self._lru_lock:
+            self._lru.insert_cache(
+                _ram_key(model, salt), tokens, prompt_cache, cache_type=cache_type
+            )
         store = self._store_for(model)
         if store is None:
             return
@@ -318,6 +340,49 @@ class PersistentPromptCache:
         except Exception as e:
             log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
             self._count(saves_skipped=1, store_errors=1)
+
+    def prefetch(self, model_key, tokens: List[int], salt) -> Optional[Prefetched]:
+        """On a prefetch thread: restore what the store holds of ``tokens`` past
+        the RAM LRU's copy, for the request's lookup to take (see
+        :mod:`kvstore.serve_prefetch`). Only a store already open is read."""
+        tic = time.perf_counter()
+        salt = self._salt(salt, None)
+        with self._lock:
+            store = self._stores.get(model_key)
+        if store is None:
+            return None
+        held = self._ram_held(model_key, tokens, salt)
+        tail = None
+        if held < len(tokens) - 1:
+            tail = _stored_tail(store, tokens, held, salt)
+        return Prefetched(
+            model_key, salt, list(tokens), held, tail, time.perf_counter() - tic
+        )
+
+    def can_prefetch(self) -> bool:
+        """Whether this mlx-lm's LRU can be searched without copying a cache."""
+        trie = getattr(self._lru, "_trie", None)
+        return callable(getattr(trie, "search", None)) and callable(
+            getattr(trie, "get", None)
+        )
+
+    def _ram_held(self, model_key, tokens: List[int], salt) -> int:
+        """Tokens of ``tokens`` that the RAM LRU's ``fetch_nearest_cache`` would
+        give now, found without copying its cache (mlx-lm's trie, read under the
+        LRU's lock)."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        with self._lru_lock:
+            trie = self._lru._trie
+            found = trie.search(_ram_key(model_key, salt), tokens)
+            if found.exact is not None:
+                return len(tokens)
+            short = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > short:
+                entry = trie.get(found.model, found.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    return min(len(tokens) - 1, found.common_prefix)
+            return short
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """The server prefilled ``tokens`` prompt tokens in ``seconds``: the open
@@ -405,6 +470,8 @@ class PersistentPromptCache:
 
     def close(self) -> None:
         """Flush and close the stores. Idempotent."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         with self._lock:
             stores, self._stores = [
                 s for s in self._stores.values() if s is not None
@@ -446,21 +513,39 @@ def _remote_hits(store) -> int:
         return 0
 
 
-def _extend_from_store(
-    store, tokens: List[int], cache, ram_n: int, salt
-) -> Optional[Tuple[List[Any], int, int]]:
-    """What the store adds to a RAM copy of ``tokens[:ram_n]`` (``cache``):
-    ``(cache, tokens held, tokens of them taken from the RAM copy)``, or None when
-    it holds no more or prefilling the difference is cheaper (by measured rates).
+def _prefetched_tail(pre: Optional[Prefetched], model, tokens, ram_n: int, salt):
+    """``(tail or None, True)`` when the prefetch ``pre`` of this very request
+    (model, salt, tokens) tells what the store adds to ``ram_n`` RAM tokens;
+    ``(None, False)`` when it cannot (none, or RAM lost tokens since)."""
+    if pre is None or pre.model_key != model or pre.salt != salt:
+        return None, False
+    if pre.tokens != list(tokens):
+        return None, False
+    tail = pre.tail
+    if tail is None:
+        return None, ram_n >= pre.held  # nothing past what RAM held, or not worth it
+    if tail.start > ram_n:
+        return None, False  # RAM lost the tokens the tail goes after
+    return (tail if tail.end > ram_n else None), True
 
-    Only the stored nodes past the RAM copy are read, and appended to it.
-    """
+
+def _stored_tail(store, tokens: List[int], ram_n: int, salt):
+    """What the store holds of ``tokens`` past a RAM copy of ``ram_n`` of them (a
+    :class:`kvstore.tail.Tail`: only the nodes past the copy are read), or None
+    when it holds no more or prefilling the difference is cheaper (by the
+    measured rates)."""
     # The index alone tells whether the store holds more (a remote tier may).
     if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
         return None
     tail = store.fetch_beyond(tokens, ram_n, salt=salt)
-    if tail is None or tail.end <= ram_n:
-        return None
+    return tail if tail is not None and tail.end > ram_n else None
+
+
+def _extended(
+    store, tokens: List[int], cache, ram_n: int, tail, salt
+) -> Optional[Tuple[List[Any], int, int]]:
+    """The RAM copy ``cache`` (``ram_n`` tokens) with ``tail`` appended:
+    ``(cache, tokens held, tokens of them taken from the RAM copy)``."""
     if tail.start == 0:
         return tail.cache, tail.end, 0
     try:
@@ -851,6 +936,10 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             salts=router,
         )
         cache.prefill_clock = clock
+        if cache.can_prefetch():
+            cache.prefetcher = prefetcher
+        else:
+            log.warning("kvstore: this mlx-lm's LRU cannot be searched: no prefetch")
         caches.append(cache)
         return cache
 
@@ -875,7 +964,20 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     }
     mls.LRUPromptCache = prompt_cache_factory
     mls.ModelProvider = KVStoreModelProvider
-    generator = response_generator_class(saved["ResponseGenerator"], router)
+    prefetcher = Prefetcher()
+
+    def prepare(model_key, tokens, salt):
+        cache = caches[-1] if caches else None
+        if cache is None or cache.prefetcher is not prefetcher:
+            return None
+        return cache.prefetch(model_key, tokens, salt)
+
+    generator = response_generator_class(
+        prefetch_response_generator_class(
+            saved["ResponseGenerator"], prefetcher, prepare
+        ),
+        router,
+    )
     if getattr(mls, "Response", None) is not None:  # the sequential path's tokens
         generator = timed_response_generator_class(
             generator, mls.Response, clock, on_prefill
