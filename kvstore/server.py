@@ -72,6 +72,7 @@ from .serve_salts import (
     missing_hooks,
     response_generator_class,
 )
+from .serve_saves import SaveJob, SaveQueue, evaluate
 from .serve_timing import (
     PrefillClock,
     timed_batch_generator_class,
@@ -97,6 +98,9 @@ _COUNTER_NAMES = (
     "saves",
     "saves_skipped",
     "saves_unattributed",
+    "saves_deferred",
+    "saves_merged",
+    "saves_lost",
     "store_errors",
     "rejected_requests",
 )
@@ -168,6 +172,8 @@ class PersistentPromptCache:
         self.prefill_clock = PrefillClock()
         # Restores started when requests arrive (kvstore serve sets one).
         self.prefetcher: Optional[Prefetcher] = None
+        # Saves captured off the generation thread (kvstore serve sets one).
+        self.saves: Optional[SaveQueue] = None
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -332,6 +338,14 @@ class PersistentPromptCache:
         # A cache that holds fewer tokens than its key (mlx-lm's sequential path keys
         # the cache with the last generated token, which was never fed) is saved for
         # the tokens it does hold.
+        if self.saves is not None:
+            evaluate(prompt_cache)  # here: the save thread reads finished arrays only
+            job = SaveJob(
+                store, model, list(tokens), held, prompt_cache, cache_type, salt
+            )
+            self.saves.put(job)
+            self._count(saves=1)
+            return
         try:
             store.save_prefix(
                 list(tokens[:held]), prompt_cache, kind=cache_type, salt=salt
@@ -383,6 +397,20 @@ class PersistentPromptCache:
                 if can_trim_prompt_cache(entry.prompt_cache):
                     return min(len(tokens) - 1, found.common_prefix)
             return short
+
+    def use_threads(self, prefetcher: Prefetcher) -> bool:
+        """Restore on ``prefetcher``'s threads and save on a thread of this cache's
+        own (``kvstore serve``); False when this mlx-lm's LRU cannot be searched
+        (then both stay on the generation thread)."""
+        if not self.can_prefetch():
+            return False
+        self.prefetcher = prefetcher
+        self.saves = SaveQueue(in_ram=self._save_in_ram, count=self._count)
+        return True
+
+    def _save_in_ram(self, job: SaveJob) -> bool:
+        """Whether RAM still holds the tokens ``job`` saves (a deferred save)."""
+        return self._ram_held(job.model_key, job.tokens, job.salt) >= job.held
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """The server prefilled ``tokens`` prompt tokens in ``seconds``: the open
@@ -460,6 +488,8 @@ class PersistentPromptCache:
 
     def flush(self) -> None:
         """Wait until every queued write of every open store is on disk."""
+        if self.saves is not None:
+            self.saves.flush()
         with self._lock:
             stores = [s for s in self._stores.values() if s is not None]
         for s in stores:
@@ -472,6 +502,8 @@ class PersistentPromptCache:
         """Flush and close the stores. Idempotent."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.saves is not None:
+            self.saves.close()  # hands every queued save to its store's writer
         with self._lock:
             stores, self._stores = [
                 s for s in self._stores.values() if s is not None
@@ -936,10 +968,11 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             salts=router,
         )
         cache.prefill_clock = clock
-        if cache.can_prefetch():
-            cache.prefetcher = prefetcher
-        else:
-            log.warning("kvstore: this mlx-lm's LRU cannot be searched: no prefetch")
+        if not cache.use_threads(prefetcher):
+            log.warning(
+                "kvstore: this mlx-lm's LRU cannot be searched: restores and saves "
+                "run on the generation thread"
+            )
         caches.append(cache)
         return cache
 

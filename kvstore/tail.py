@@ -132,7 +132,10 @@ class TailRead:
             return None
         if start == 0:
             cache, n = self._fetch(arr, root=root, decision=decision)
-            return Tail(cache, 0, n) if n > held else None
+            if n <= held:
+                return None
+            _evaluate(cache)
+            return Tail(cache, 0, n)
         if decision.nodes is not None:
             steps, costs = steps[: decision.nodes], costs[: decision.nodes]
         return self._read_tail(steps, start, len(arr), sum(costs), decision)
@@ -163,8 +166,7 @@ class TailRead:
         self._touch(step.h for step in steps)
         with MLX_LOCK:
             cache = self.layout.build(delta, {}, n)
-            # Evaluated here: the caller may use it on another thread.
-            mx.eval([a for layer in cache_leaves(cache) for a in _arrays(layer[1])])
+        _evaluate(cache)
         seconds = time.perf_counter() - tic
         self.policy.record(decision, nbytes=nbytes if complete else 0, seconds=seconds)
         if complete:
@@ -200,6 +202,13 @@ class TailRead:
             built.append(codec.build(leaf, arrays, tail.end))
         mx.eval([a for layer in built for a in _arrays(layer)])
         return _nest(self.layout.tree, iter(built))
+
+
+def _evaluate(cache: List[Any]) -> None:
+    """Evaluate a restore on this thread. MLX's streams belong to the thread that
+    made them: another thread (the server's generation thread) may only use the
+    arrays of finished work."""
+    mx.eval([layer.state for _, layer in cache_leaves(cache)])
 
 
 def _arrays(layer) -> List[mx.array]:

@@ -151,3 +151,32 @@ def test_state_layout_restores_all_or_nothing(tmp_path, io_path):
         _same_as_cold(model, tail.cache, stored + [1, 2], 96)
         with pytest.raises(ValueError, match="state"):
             store.join_tail(compute_cache(model, stored[:70]), tail, query=97)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_restore_on_another_thread_is_usable_here(tmp_path, io_path, family):
+    """MLX's streams belong to their thread: a restore made on a prefetch thread
+    is evaluated there, so the generation thread can use it."""
+    import threading
+
+    model = tiny_llama(0) if family == "llama" else build(family)
+    stored = random_tokens(96, seed=19)
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        store.save(stored, compute_cache(model, stored), boundaries=[64])
+        store.flush()
+        got = {}
+        for held in (0, 40):
+            t = threading.Thread(
+                target=lambda h=held: got.update(
+                    {h: store.fetch_beyond(stored + [1], h)}
+                )
+            )
+            t.start()
+            t.join()
+        _same_as_cold(model, got[0].cache, stored + [1, 2], 96)
+        tail = got[40]
+        if tail.start:
+            tail.cache = store.join_tail(
+                compute_cache(model, stored[:40]), tail, query=97
+            )
+        _same_as_cold(model, tail.cache, stored + [1, 2], 96)
