@@ -19,13 +19,14 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from . import salts
-from .adapters import CODECS, DELTA, _nest, cache_leaves
+from .adapters import CODECS, cache_leaves
 from .chunking import as_token_array
 from .loadpath import Failures
 from .payoff import Decision
-from .restore import MLX_LOCK, Step, _capacity
+from .restore import MLX_LOCK, ROOM_MIN_BYTES, Step
 
 log = logging.getLogger("kvstore")
 
@@ -186,22 +187,32 @@ class TailRead:
             raise ValueError("a layout with state layers cannot be joined")
         self.layout.check_cache(list(head), tail.start, exact=False)
         n = tail.end - tail.start
-        total = _capacity(tail.end, query, self.restore_room, self._token_bytes)
-        built = []
+        total = _rows(tail.end, query, self.restore_room, self._token_bytes)
+        joined = {}
         for leaf, (_, h), (_, t) in zip(
             self.layout.leaves, cache_leaves(head), cache_leaves(tail.cache)
         ):
             codec = CODECS[leaf.cls]
-            arrays = []
-            for a, b in zip(codec.arrays(h), codec.arrays(t)):
+            names = [f"{leaf.name}.{suffix}" for suffix, _, _ in leaf.tensors]
+            for name, a, b in zip(names, codec.arrays(h), codec.arrays(t)):
                 parts = [a[:, :, : tail.start], b[:, :, :n]]
                 if total > tail.end:
                     shape = (*a.shape[:2], total - tail.end, a.shape[3])
                     parts.append(mx.zeros(shape, a.dtype))
-                arrays.append(mx.concatenate(parts, axis=2))
-            built.append(codec.build(leaf, arrays, tail.end))
-        mx.eval([a for layer in built for a in _arrays(layer)])
-        return _nest(self.layout.tree, iter(built))
+                joined[name] = mx.concatenate(parts, axis=2)
+        cache = self.layout.build(joined, {}, tail.end)
+        mx.eval(list(joined.values()))
+        return cache
+
+
+def _rows(n: int, query: int, room: int, token_bytes: int) -> int:
+    """Rows of a joined cache of ``n`` tokens: as a restore's (``restore_room``
+    more of a ``query``-token prompt and the first generated token, in mlx-lm's
+    cache steps), so the next forward pass writes in place."""
+    if room == 0 or n * token_bytes < ROOM_MIN_BYTES:
+        return n
+    want = min(query, n + room) + 1
+    return -(-want // KVCache.step) * KVCache.step
 
 
 def _evaluate(cache: List[Any]) -> None:
@@ -209,11 +220,3 @@ def _evaluate(cache: List[Any]) -> None:
     made them: another thread (the server's generation thread) may only use the
     arrays of finished work."""
     mx.eval([layer.state for _, layer in cache_leaves(cache)])
-
-
-def _arrays(layer) -> List[mx.array]:
-    """The arrays of a delta layer (KVCache, QuantizedKVCache); none of others."""
-    codec = CODECS.get(type(layer).__name__)
-    if codec is None or codec.mode != DELTA or getattr(layer, "keys", None) is None:
-        return []
-    return codec.arrays(layer)
