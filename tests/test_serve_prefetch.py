@@ -41,9 +41,12 @@ def restarted(path, model, tokenizer):
 
 
 def arrive(pc, tokens, salt=None):
-    """A request arriving: its prefetch is submitted (as the HTTP handler does)."""
+    """A request arriving: its prefetch is submitted (as the HTTP handler does),
+    and has run by the time this returns (one not started yet would be cancelled
+    by the lookup: a test of its own)."""
     request = Request()
     pc.prefetcher.submit(request, lambda: pc.prefetch(KEY, tokens, salt))
+    request.kvstore_prefetch.future.exception()  # waits
     return request
 
 
@@ -88,7 +91,6 @@ def test_prefetch_restores_only_past_the_ram_copy(stored, model, tokenizer):
 
     # RAM lost its copy meanwhile: the tail alone is no use, the lookup restores.
     request = arrive(pc, query)
-    request.kvstore_prefetch.future.result()
     pc.trim_to(n_sequences=0)
     cache, rest = look_up(pc, request, query)
     assert rest == [3] and cache[0].offset == 600
@@ -138,7 +140,8 @@ def test_failed_or_unstarted_prefetch_restores_at_lookup(stored, model, tokenize
     slow = [Request() for _ in range(2)]
     for r in slow:
         pc.prefetcher.submit(r, gate.wait)
-    request = arrive(pc, query)
+    request = Request()
+    pc.prefetcher.submit(request, lambda: pc.prefetch(KEY, query, None))
     cache, rest = look_up(pc, request, query)
     assert rest == [5] and request.kvstore_prefetch is None
     assert pc.stats()["restores_prefetched"] == 0
