@@ -32,6 +32,7 @@ from .removal import Removal
 from .restore import ReadPath, Step
 from .saving import WritePath
 from .storecheck import check_store_dirs
+from .tail import TailRead
 from .writer import BackgroundWriter
 
 __all__ = [
@@ -102,7 +103,7 @@ def _check_arguments(path, model, tokenizer, **numbers) -> None:
         )
 
 
-class KVStore(ReadPath, WritePath, Removal):
+class KVStore(ReadPath, TailRead, WritePath, Removal):
     """A persistent store of KV snapshots for one mlx-lm model.
 
     Args:
