@@ -408,6 +408,20 @@ def _print_node(node: dict, decode, indent: str) -> None:
         print(f"{indent}  ... {node['more']} more")
 
 
+def _print_salvage(done: dict) -> None:
+    """What ``verify --fix`` salvaged from a damaged index, and what was lost."""
+    for why in done["damage"]:
+        print(f"damage: {why}")
+    for lost in done["lost"]:
+        print(f"lost: node {lost['node']}: {lost['why']}")
+    print(
+        f"salvaged {done['nodes_kept']} of {done['nodes_found']} node records found "
+        f"({done['records_from_scan']} from pages the index no longer reached) into a "
+        f"new index; {done['orphan_files']} node files lost their record (orphans: "
+        f"`kvstore gc` removes them); the damaged index is at {done['moved_to']}"
+    )
+
+
 def cmd_verify(args) -> int:
     _guard_store(args.store)
     report = _maintenance().verify(args.store, fix=args.fix)
@@ -418,6 +432,8 @@ def cmd_verify(args) -> int:
             print(
                 f"{p['kind']}: {p.get('file') or p.get('node')}: {p.get('detail', '')}"
             )
+        if report.get("salvaged"):
+            _print_salvage(report["salvaged"])
         if not report["clean"]:
             print("problems found" + (" (fixed)" if args.fix else ""))
         elif report["orphans"]:

@@ -21,15 +21,35 @@ import errno
 import os
 import stat
 import time
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
 import lmdb
 
-from . import fsutil, mdbfile
+from . import fsutil, mdbcheck, mdbfile
 
 
 class StoreError(Exception):
     """The store directory cannot be used (not a store, other format version...)."""
+
+
+class IndexDamaged(StoreError):
+    """``index/data.mdb`` holds pages LMDB did not write there (:mod:`.mdbcheck`):
+    ``kvstore verify --fix`` salvages it (:mod:`kvstore.maintenance.salvage`)."""
+
+    def __init__(self, message: str, problem: str):
+        super().__init__(message)
+        self.problem = problem  # what is damaged, without the advice
+
+
+def damaged(store: str, problem: str) -> IndexDamaged:
+    """The one-line error for a damaged index, with what to do about it."""
+    return IndexDamaged(
+        f"{store}: index/data.mdb is damaged ({problem}): `kvstore verify --fix` "
+        "salvages every record it can still read into a new index and moves the "
+        "damaged one aside",
+        problem,
+    )
 
 
 LOCK_FILE = "kvstore.lock"
@@ -114,17 +134,24 @@ def open_env(
         try:
             # Another process grew the map while this one opened it: adopt its size
             # (no transaction of this new environment is active).
-            handles = _while_resized(
-                store,
-                lambda: _open_dbs(
+
+            def read():  # every page LMDB can reach is checked before it reads one
+                _check_pages(env, data, store)
+                return _open_dbs(
                     env, store, dbs, readonly=readonly, format_version=format_version
-                ),
-                on_resized=lambda: env.set_mapsize(0),
-            )
+                )
+
+            handles = _while_resized(store, read, on_resized=lambda: env.set_mapsize(0))
             lock_id = None
             if use_lock:
                 st = os.stat(lock)
                 lock_id = (st.st_dev, st.st_ino)
+        except lmdb.MapResizedError:
+            env.close()
+            raise
+        except lmdb.Error as e:  # what the page check cannot see (a bad key's bytes)
+            env.close()
+            raise damaged(store, f"{type(e).__name__}: {e}") from None
         except BaseException:
             env.close()
             raise
@@ -180,6 +207,11 @@ def check_data_file(path: str, store: str) -> Optional[int]:
                     f"{store}: index/data.mdb is not an LMDB file ({size} bytes); not "
                     "a kvstore store"
                 )
+            problem = mdbcheck.meta_problem(mdbcheck.read_meta_pages(fd))
+            if problem is not None:
+                if mdbfile.newest_meta(fd) != meta:
+                    continue  # a commit raced the reads
+                raise damaged(store, problem)
             if size >= (max(2, meta.last_page + 1)) * meta.page_size:
                 return size
             whole = mdbfile.unwritten_pages_are_free(fd, meta, size)
@@ -194,6 +226,34 @@ def check_data_file(path: str, store: str) -> Optional[int]:
                 "removes)"
             )
         return size
+    finally:
+        os.close(fd)
+
+
+def _check_pages(env: lmdb.Environment, data: str, store: str) -> None:
+    """Check every page a read transaction of ``env`` can reach before LMDB reads any
+    (:mod:`kvstore.mdbcheck`): a damaged page would end the process in liblmdb.
+
+    The walk runs inside a read transaction, so no writer reuses the pages it reads.
+    """
+    fd = fsutil.open_regular(data)
+    try:
+        for _ in range(_RACES):
+            with env.begin() as txn:
+                txnid = txn.id()
+                metas = mdbcheck.read_meta_pages(fd)
+                problem = mdbcheck.meta_problem(metas)
+                if problem is not None:
+                    raise damaged(store, problem)
+                mine = [m for m in metas if m.txnid == txnid]
+                if not mine:
+                    continue  # two commits since the transaction began: again
+                try:
+                    mdbcheck.check_file(fd, mine[0], os.fstat(fd).st_size)
+                except mdbcheck.Damage as e:
+                    raise damaged(store, str(e)) from None
+                return
+        raise StoreError(f"{store}: the index changed too fast to be checked")
     finally:
         os.close(fd)
 
@@ -378,6 +438,28 @@ class _Holder:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+@contextmanager
+def alone(path: str) -> Iterator[None]:
+    """No other process has the index directory ``path`` open, nor opens it until the
+    block ends (its openers wait): for replacing the whole index.
+
+    Raises:
+        StoreError: another process has it open.
+    """
+    store = store_name(path)
+    holder = _Holder.take(path, store, create=True)
+    if holder is None:
+        raise StoreError(f"{store}: cannot lock index/{LOCK_FILE}")
+    try:
+        if not holder.alone():
+            raise StoreError(
+                f"{store}: another process has the store open: stop it first"
+            )
+        yield
+    finally:
+        holder.close()
 
 
 def check_store_dirs(path: str) -> None:

@@ -598,9 +598,14 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
     Raises:
         StoreError: ``path`` is not a kvstore directory.
     """
+    from . import salvage  # (it checks files as this module does)
+
     path = os.fspath(path)
+    salvaged = salvage.salvage_if_damaged(path) if fix else None  # a damaged index
     with opened(path, readonly=not fix) as (index, blobs):
         report = verify_open_store(
             index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time()
         )
+    if salvaged is not None:
+        report = salvage.with_salvage(report, salvaged)
     return {"path": path, **report}
