@@ -842,6 +842,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
+    except lmdb.Error as e:  # damage the page check at open could not see
+        print(
+            f"kvstore {args.command}: {getattr(args, 'store', '')}: the index cannot be "
+            f"read "
+            f"({type(e).__name__}: {e}): `kvstore verify --fix` salvages what it can",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     except OSError as e:  # e.g. a file of the store that cannot be read
         print(f"kvstore {args.command}: {args.store}: {e}", file=sys.stderr)
         return EXIT_ERROR

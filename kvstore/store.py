@@ -22,7 +22,7 @@ from . import adapters, fsutil, maintenance, payoff, reservations, salts, spare
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
-from .index import KINDS, Index, StoreError
+from .index import KINDS, Index, IndexDamaged, StoreError
 from .loadpath import default_restore_io
 from .maintenance.common import check_int
 from .namespace import open_namespace
@@ -314,6 +314,10 @@ class KVStore(ReadPath, WritePath, Removal):
             self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
             cache, n = self._fetch(arr, root=self._tree_of(parts)[0])
+        except IndexDamaged:  # logged once by the index: a miss from now on
+            with self._lock:
+                self._counters.errors += 1
+            cache, n = self.new_cache(), 0
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             with self._lock:
@@ -554,10 +558,15 @@ class KVStore(ReadPath, WritePath, Removal):
         """
         self._check_open()
         arr = as_token_array(tokens)
-        root = self._tree_of(salts.parse_salt(salt))[0]
-        path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
-        )
+        try:
+            root = self._tree_of(salts.parse_salt(salt))[0]
+            path = self.index.read(
+                lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
+            )
+        except IndexDamaged:  # logged once by the index: a miss
+            with self._lock:
+                self._counters.errors += 1
+            return 0
         return sum(step.take for step in path)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
@@ -640,9 +649,12 @@ class KVStore(ReadPath, WritePath, Removal):
 
     def stats(self) -> Dict[str, Any]:
         """Counts for the store (all namespaces), this model's namespace, and this process."""
-        namespaces = self.index.namespaces()
-        nodes, tokens, nbytes, pinned = self.index.counters(self.namespace)
-        total = self.index.total_bytes()
+        try:
+            namespaces = self.index.namespaces()
+            nodes, tokens, nbytes, pinned = self.index.counters(self.namespace)
+            total = self.index.total_bytes()
+        except IndexDamaged:  # store_problem says why
+            namespaces, (nodes, tokens, nbytes, pinned), total = {}, (0,) * 4, 0
         remote = {"remote": None} if self.remote is None else self.remote.stats()
         with self._lock:
             c = self._counters
