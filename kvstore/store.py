@@ -573,7 +573,12 @@ class KVStore(ReadPath, WritePath, Removal):
         """Tell the store that the model prefilled ``tokens`` tokens in ``seconds``
         (a generate loop's own measurement), for deciding what restores pay (see
         ``restore``). ``kvstore.stream_generate`` and :meth:`prefill` call it;
-        the rate is kept in the store for other processes on this host."""
+        the rate is kept in the store for other processes on this host.
+
+        Raises:
+            ValueError: ``tokens`` is not a finite number >= 0, ``seconds`` not a
+                finite number > 0, or ``tokens / seconds`` is not finite.
+        """
         if self.policy.rates.note_prefill(tokens, seconds):
             self._keep_rates()
 
