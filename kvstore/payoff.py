@@ -18,7 +18,7 @@ The rates are running means in which one sample moves the mean by at most a fact
 that far (a winsorized mean). A bogus sample (a wrong timing passed by a caller, a
 stall) then cannot switch restores off for long: a prefill rate 3e14 tokens/s from
 one bad call raises the mean 1.9-fold instead of to 1e14, and the next two real
-prefills bring it within 1.5-fold of the truth, where a plain running mean took ~70.
+prefills bring it within 1.5-fold of the truth, where a plain running mean needs ~70.
 A real change (another machine's kept rate, a model that got faster) is followed
 1.9-fold a sample. Kept rates that are not finite and positive are ignored.
 
@@ -126,8 +126,8 @@ def _check_number(name: str, value, *, positive: bool) -> None:
 
 
 def usable_rate(value) -> Optional[float]:
-    """``value`` as a rate: a finite number > 0, else None (a kept rate written by
-    hand, or by an older kvstore that kept ``Infinity``)."""
+    """``value`` as a rate: a finite number > 0, else None (a kept rate edited by
+    hand, or ``Infinity`` from one bogus measurement)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return float(value) if ok and math.isfinite(value) and value > 0 else None
 

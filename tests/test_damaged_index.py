@@ -217,8 +217,8 @@ def test_damage_met_while_a_store_is_open_is_a_logged_miss(store, model, caplog)
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["zeroed-nodes-leaf", "zeroed-children-branch"])
 def test_no_command_ends_by_a_signal(store, case):
-    """These ended in liblmdb's assertions (SIGABRT, exit 134): verify and gc, the
-    commands an operator runs to diagnose and repair."""
+    """Without the page check these end in liblmdb's assertions (SIGABRT, exit 134):
+    verify and gc, the commands an operator runs to diagnose and repair."""
     CASES[case][0](store)
     for argv in (["verify"], ["gc"]):
         proc = subprocess.run(

@@ -202,7 +202,8 @@ def test_generate_loops_and_prefill_feed_the_rate(tmp_path, model, tokenizer):
 def test_wrong_prefill_arguments_are_value_errors_naming_them(
     tmp_path, model, tokens, seconds, name
 ):
-    """They made the rate inf or NaN, kept for every later process of the model."""
+    """Taken as measurements, they make the rate inf or NaN, kept for every later
+    process of the model."""
     with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
         s.note_prefill(1000, 1.0)
         with pytest.raises(ValueError, match=name):
@@ -212,8 +213,8 @@ def test_wrong_prefill_arguments_are_value_errors_naming_them(
 
 @pytest.mark.parametrize("kept", ["Infinity", "NaN", "-Infinity", "-3", "0", "true"])
 def test_a_kept_rate_that_is_not_finite_and_positive_is_ignored(tmp_path, model, kept):
-    """An older kvstore kept Infinity after one bogus call: restores stayed off, in
-    every later process, until someone deleted the key."""
+    """A kept Infinity (one bogus measurement, or a hand edit) would keep restores
+    off in every later process until someone deleted the key."""
     tokens = random_tokens(4 * C, 11)
     _stored(tmp_path, model, tokens)
     with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
@@ -228,8 +229,9 @@ def test_a_kept_rate_that_is_not_finite_and_positive_is_ignored(tmp_path, model,
 
 
 def test_one_outlier_cannot_switch_restores_off_for_long(tmp_path, model):
-    """note_prefill(10**15, 1.0) kept 3e14 tokens/s, which took ~70 real prefills to
-    wash out; every fetch meanwhile recomputed (bar the 1-in-16 exploration)."""
+    """With a plain running mean, note_prefill(10**15, 1.0) makes the rate 3e14
+    tokens/s and ~70 real prefills wash it out; every fetch meanwhile recomputes (bar
+    the 1-in-16 exploration)."""
     tokens = random_tokens(6 * C, 12)
     _stored(tmp_path, model, tokens)
     with kvstore.KVStore(

@@ -586,10 +586,10 @@ def test_pull_reports_a_broken_manifest_and_skips_what_is_below(
 def test_a_stray_manifest_copy_hides_nothing_from_a_pull(
     tmp_path, model, shared, s3, stray
 ):
-    """SYSTEM's second node's manifest copied under a made-up parent: the listing's
-    last key won, the pull kept the made-up parent and never reached the real node
-    and what hangs below it. Now the node is reported as listed twice and pulled
-    from under its real parent, whichever parent the listing gives first."""
+    """SYSTEM's second node's manifest copied under a made-up parent: if the
+    listing's last key won, the pull would keep the made-up parent and never reach
+    the real node and what hangs below it. The node is reported as listed twice and
+    pulled from under its real parent, whichever parent the listing gives first."""
     url = shared
     with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
         mkey, base, h1 = _second_node(b, url)
