@@ -732,7 +732,11 @@ def _add_verify(sub) -> None:
     """``kvstore verify``."""
     p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")
     _common_options(p)
-    p.add_argument("--fix", action="store_true", help="quarantine what is broken")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="quarantine what is broken; salvage a damaged index into a new one",
+    )
     p.set_defaults(func=cmd_verify)
 
 

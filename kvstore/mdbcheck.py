@@ -29,7 +29,7 @@ cannot read and reports it). The format is that of :mod:`kvstore.mdbfile`.
 
 import os
 import struct
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 from .mdbfile import MAGIC, P_INVALID
 
@@ -193,9 +193,8 @@ class _Walker:
             self.live.add(extra)
         data = b""
         if read and dsize:
-            data = page[_HEAD:] + os.pread(
-                self.fd, _HEAD + dsize - self.psize, (pgno + 1) * self.psize
-            )
+            rest = max(0, _HEAD + dsize - self.psize)  # bounded: count pages hold it
+            data = page[_HEAD:] + os.pread(self.fd, rest, (pgno + 1) * self.psize)
             data = data[:dsize]
         return count, data
 
@@ -334,24 +333,22 @@ def _kind(flags: int) -> str:
     return (" and ".join(names) or f"flags {flags:#x}") + " page"
 
 
-def check_file(fd: int, meta: MetaPage, file_size: int) -> Dict[str, int]:
+def check_file(fd: int, meta: MetaPage, file_size: int) -> int:
     """Check every page reachable from ``meta`` (see the module docstring).
 
     Returns:
-        Named database -> its records, for the caller's information.
+        The number of pages checked.
 
     Raises:
         Damage: the first problem found.
     """
     walker = _Walker(fd, meta, file_size)
-    entries: Dict[str, int] = {}
     for key, data, nflags in _tree(walker, "main", meta.main, values=False):
         if nflags & _F_SUBDATA:
             db = DbRecord.parse(data)
             label = key.decode("ascii", "replace")[:40]
             for _ in _tree(walker, label, db, values=False):
                 pass
-            entries[label] = db.entries
     free = set()
     for _, data, _ in _tree(walker, "free-list", meta.free, values=True):
         free.update(_free_ids(data))
@@ -364,7 +361,7 @@ def check_file(fd: int, meta: MetaPage, file_size: int) -> Dict[str, int]:
     beyond = [p for p in free if p > meta.last_page or p < 2]
     if beyond:
         raise Damage(f"the free list names page {beyond[0]}, outside the file's pages")
-    return entries
+    return len(walker.live)
 
 
 def _free_ids(data: bytes) -> List[int]:

@@ -196,6 +196,7 @@ def check_data_file(path: str, store: str) -> Optional[int]:
     except fsutil.NotRegularFile:
         raise StoreError(f"{store}: index/data.mdb is not a regular file") from None
     try:
+        whole, problem = True, None
         for _ in range(_RACES):
             # The meta page before the size: a commit writes its pages, then its meta.
             meta = mdbfile.newest_meta(fd)
@@ -217,6 +218,8 @@ def check_data_file(path: str, store: str) -> Optional[int]:
             whole = mdbfile.unwritten_pages_are_free(fd, meta, size)
             if mdbfile.newest_meta(fd) == meta:  # else a commit raced the check
                 break
+        if problem is not None:
+            raise damaged(store, problem)
         if not whole:
             need = (meta.last_page + 1) * meta.page_size
             raise StoreError(

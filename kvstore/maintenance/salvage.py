@@ -23,7 +23,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import xxhash
 
@@ -33,7 +33,10 @@ from ..chunking import HASH_BYTES, chain_hash, root_hash
 from ..fsutil import fsync_dir, open_regular
 from ..index import CorruptRecord, Index, NodeRecord
 from .common import Key, description_layout
-from .verify import _check_file
+
+# verify's check of a node's files: (blobs, ns, h, record, layout, *, check_data)
+# -> (kind, detail) of what is wrong, or None.
+CheckFile = Callable[..., Optional[Tuple[str, str]]]
 
 SALVAGE_DIR = "index.salvage"  # the new index while it is built
 DAMAGED_PREFIX = "index.damaged-"  # where the damaged index goes
@@ -117,7 +120,9 @@ class _Kept:
     lost: Dict[Key, str] = field(default_factory=dict)  # node -> why
 
 
-def _choose_nodes(found: _Found, blobs: Blobs, layouts: Dict[bytes, Any]) -> _Kept:
+def _choose_nodes(
+    found: _Found, blobs: Blobs, layouts: Dict[bytes, Any], check_file: CheckFile
+) -> _Kept:
     """The node records to keep: decodable, hashing to their key, hanging from a root
     through kept nodes, with whole files (parents are decided before children)."""
     out = _Kept()
@@ -141,7 +146,10 @@ def _choose_nodes(found: _Found, blobs: Blobs, layouts: Dict[bytes, Any]) -> _Ke
     for (ns, h), recs in sorted(candidates.items(), key=lambda kv: kv[1][0].start):
         why = None
         for rec in recs:
-            why = _why_not(rec, ns, out.nodes, blobs, layouts, h)
+            why = _why_not(rec, ns, out.nodes, layouts, h)
+            if why is None:
+                bad = check_file(blobs, ns, h, rec, layouts[ns], check_data=True)
+                why = None if bad is None else f"{bad[0]}: {bad[1]}"
             if why is None:
                 out.nodes[ns, h] = rec
                 break
@@ -150,7 +158,8 @@ def _choose_nodes(found: _Found, blobs: Blobs, layouts: Dict[bytes, Any]) -> _Ke
     return out
 
 
-def _why_not(rec, ns, kept, blobs, layouts, h) -> Optional[str]:
+def _why_not(rec, ns, kept, layouts, h) -> Optional[str]:
+    """Why the record of node ``h`` cannot be kept, its files aside (None: it can)."""
     if ns not in layouts:
         return "its namespace's description was lost"
     if rec.parent == root_hash(ns):
@@ -162,12 +171,12 @@ def _why_not(rec, ns, kept, blobs, layouts, h) -> Optional[str]:
             return "its parent was lost"
         if parent.end != rec.start:
             return f"starts at {rec.start}, its parent ends at {parent.end}"
-    bad = _check_file(blobs, ns, h, rec, layouts[ns], check_data=True)
-    return None if bad is None else f"{bad[0]}: {bad[1]}"
+    return None
 
 
-def salvage(path: str) -> Dict[str, Any]:
-    """Rebuild the damaged index of the store at ``path`` from what can be read.
+def salvage(path: str, *, check_file: CheckFile) -> Dict[str, Any]:
+    """Rebuild the damaged index of the store at ``path`` from what can be read;
+    ``check_file`` checks a node's files (:mod:`.verify`'s check).
 
     Returns:
         ``{"damage", "moved_to", "nodes_found", "nodes_kept", "nodes_lost",
@@ -196,7 +205,7 @@ def salvage(path: str) -> Dict[str, Any]:
                 layouts[ns] = description_layout(json.loads(raw))
             except ValueError:
                 pass
-        kept = _choose_nodes(found, blobs, layouts)
+        kept = _choose_nodes(found, blobs, layouts, check_file)
         new_dir = os.path.join(path, SALVAGE_DIR)
         _build(new_dir, found, kept, {ns: namespaces[ns] for ns in layouts})
         aside = _swap(path, index_dir, new_dir)
@@ -276,13 +285,13 @@ def _orphan_files(blobs: Blobs, kept: _Kept) -> int:
     return len(orphans)
 
 
-def salvage_if_damaged(path: str) -> Optional[Dict[str, Any]]:
+def salvage_if_damaged(path: str, *, check_file: CheckFile) -> Optional[Dict[str, Any]]:
     """:func:`salvage` the store at ``path`` when its index is damaged (None when it
     opens: nothing done)."""
     try:
         Index(os.path.join(path, "index"), create=False, readonly=True).close()
     except storecheck.IndexDamaged as e:
-        report = salvage(path)
+        report = salvage(path, check_file=check_file)
         report["damage"] = list(dict.fromkeys([e.problem] + report["damage"]))
         return report
     return None
