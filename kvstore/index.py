@@ -229,6 +229,12 @@ class Index:
         map_size: Initial map size; the map doubles when it fills up. None: 64 MiB,
             or the bytes in the environment variable ``KVSTORE_INITIAL_MAP_BYTES``
             (for tests that make the map grow from a tiny start, in every process).
+        check: ``"roots"``: the pages LMDB's open reads are checked (meta pages,
+            each tree's root: a time that does not grow with the index); damage
+            deeper down is met later as a logged miss. ``"full"``: every page a
+            read can reach, for an open followed by a scan of the whole index (the
+            maintenance commands, ``kvstore serve``'s start; even where this
+            process has the index open already). See :mod:`kvstore.mdbcheck`.
 
     Raises:
         StoreError: not a kvstore index, another format version, files that are not
@@ -256,6 +262,7 @@ class Index:
         create: bool = True,
         readonly: bool = False,
         map_size: Optional[int] = None,
+        check: str = "roots",
     ):
         self.path = path
         self.readonly = readonly
@@ -266,6 +273,7 @@ class Index:
         # path in one process (two models, say) share it.
         with _OPEN_LOCK:
             shared = _OPEN.get(self._key)
+            recheck = False
             if shared is None:
                 opened = storecheck.open_env(
                     path,
@@ -274,6 +282,7 @@ class Index:
                     readonly=readonly,
                     map_size=map_size or initial_map_size(),
                     format_version=FORMAT_VERSION,
+                    check=check,
                 )
                 shared = _Env(opened, readonly=readonly)
                 _clear_stale_readers(shared.env)
@@ -282,12 +291,34 @@ class Index:
                     f"{storecheck.store_name(path)}: the index is open read-only in "
                     "this process; close that first"
                 )
+            else:
+                recheck = check == "full"  # opened here before: maybe bounded only
             shared.refs += 1
             _OPEN[self._key] = shared
         self._shared = shared
         self.env = shared.env
         self.db = shared.dbs
         self._closed = False
+        if recheck:
+            try:
+                self._check_all_pages()
+            except BaseException:
+                self.close()
+                raise
+
+    def _check_all_pages(self) -> None:
+        """:func:`kvstore.storecheck.check_index_pages` on the open environment."""
+        for _ in range(_RESIZED_TRIES):
+            if self._shared.damage is not None:
+                raise self._shared.damage
+            with self._shared.gate.transaction():
+                try:
+                    storecheck.check_index_pages(self.env, self.path)
+                    return
+                except lmdb.MapResizedError:
+                    pass
+            self._adopt_map_size()
+        raise StoreError(f"{self.path}: the LMDB map keeps being resized")
 
     @property
     def problem(self) -> Optional[str]:

@@ -5,10 +5,10 @@ process in an assertion (``IS_LEAF(mp)`` in ``mdb_cursor_next``: SIGABRT) when a
 cursor steps onto it, a page of the wrong type met by a search is
 ``MDB_CORRUPTED``, a page number past the file's end kills it with SIGBUS, a node
 offset pointing outside its page reads unmapped memory. None of these can be caught
-in the process. So a store is opened only after this module has read, with
-``pread``, every page reachable from the meta page its read transaction uses
-(:func:`check_environment`), and checked that each one is what LMDB would have
-written there:
+in the process. So before a scan of the whole index (the maintenance commands,
+``kvstore serve`` at start) this module reads, with ``pread``, every page reachable
+from the meta page its read transaction uses (:func:`check_file`), and checks that
+each one is what LMDB would have written there:
 
 * its header names its own page number (a zeroed page names 0, a misdirected
   pointer another page), it lies inside the file and before the meta page's last
@@ -23,7 +23,9 @@ written there:
   live page) and every meta page agrees with the other on the page size, and two
   meta pages of one transaction id are the same.
 
-:func:`walk` is the same walk in a tolerant mode for salvaging (it skips what it
+:func:`check_roots` is the bounded check of every other open (the main database
+and each tree's root page: a time that does not grow with the index). :func:`walk`
+is the same walk in a tolerant mode for salvaging (it skips what it
 cannot read and reports it). The format is that of :mod:`kvstore.mdbfile`.
 """
 
@@ -48,6 +50,7 @@ _FREE_AT, _MAIN_AT, META_END = 40, 88, 152
 _U64 = struct.Struct("<Q")
 _MAX_DEPTH = 32  # LMDB's CURSOR_STACK
 _DATA_VERSION = 1  # MDB_DATA_VERSION
+SMALL_TREE_PAGES = 16  # trees check_roots checks whole: a bounded cost at every open
 
 
 class Damage(Exception):
@@ -361,6 +364,44 @@ def check_file(fd: int, meta: MetaPage, file_size: int) -> int:
     beyond = [p for p in free if p > meta.last_page or p < 2]
     if beyond:
         raise Damage(f"the free list names page {beyond[0]}, outside the file's pages")
+    return len(walker.live)
+
+
+def check_roots(fd: int, meta: MetaPage, file_size: int) -> int:
+    """The bounded check of a library open: every page of the main database (in
+    kvstore's index one leaf naming its few databases: :mod:`kvstore.storecheck`
+    walks it all), every page of each named database of at most
+    ``SMALL_TREE_PAGES`` pages (its whole scans, such as the namespaces', are then
+    safe), and the root page of every larger one and of the free list, with the page
+    checks of :func:`check_file`. What lies below a large tree's root is left to
+    :func:`check_file` (the maintenance scans) and to the open store's handling of
+    ``MDB_CORRUPTED``: checking it costs time in proportion to the index.
+
+    Returns:
+        The number of pages checked.
+
+    Raises:
+        Damage: the first problem found.
+    """
+    walker = _Walker(fd, meta, file_size)
+    roots = [("free-list", meta.free)]
+    for key, data, nflags in _tree(walker, "main", meta.main, values=False):
+        if nflags & _F_SUBDATA:
+            roots.append((key.decode("ascii", "replace")[:40], DbRecord.parse(data)))
+    for name, db in roots:
+        pages = db.branch_pages + db.leaf_pages + db.overflow_pages
+        if name != "free-list" and pages <= SMALL_TREE_PAGES:
+            for _ in _tree(walker, name, db, values=False):
+                pass
+            continue
+        if db.root == P_INVALID:
+            if db.depth or db.entries:
+                raise Damage(f"the {name} database is empty but has records")
+            continue
+        if not 1 <= db.depth <= _MAX_DEPTH:
+            raise Damage(f"the {name} database has depth {db.depth}")
+        what = f"the root of the {name} database"
+        _page_records(walker, db.root, 1, db.depth, what, name, name == "free-list")
     return len(walker.live)
 
 

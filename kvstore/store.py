@@ -790,14 +790,20 @@ def _prepare_dir(path: str) -> None:
             )
 
 
-def check_store(path: str) -> None:
+def check_store(path: str, *, check: str = "roots") -> None:
     """What opening a ``KVStore`` at ``path`` checks before it needs the model: a
     store directory (created when missing), writable, whose index, if it has one,
     is kvstore's, of this format version and whole.
+
+    Args:
+        path: The store directory.
+        check: How much of the index's pages to check: ``"roots"`` (what every open
+            checks) or ``"full"`` (every page: ``kvstore serve``'s start, whose
+            time then grows with the index; see :class:`kvstore.index.Index`).
 
     Raises:
         StoreError: with one line naming the store and the problem.
     """
     _prepare_dir(path)
     if os.path.lexists(os.path.join(path, "index", "data.mdb")):
-        Index(os.path.join(path, "index"), create=False).close()
+        Index(os.path.join(path, "index"), create=False, check=check).close()

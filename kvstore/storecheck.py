@@ -4,7 +4,9 @@ LMDB trusts the files it is given: a ``data.mdb`` shorter than the pages its met
 names kills the process with SIGBUS at the first read past the end, a FIFO blocks the
 open for ever, and another program's environment opens as well as kvstore's (and
 would be written into). So before LMDB maps anything, :func:`open_env` checks that the
-directory and its files are regular and ``data.mdb`` is whole; after opening, that the
+directory and its files are regular and ``data.mdb`` is whole; then that the pages
+LMDB's open reads are sound (:func:`open_env`'s ``check``; :func:`check_index_pages`
+checks every page before a whole-index scan); after opening, that the
 environment holds kvstore's databases of this format version, or nothing at all (only
 then is it initialized). A read-only open writes nothing, not even LMDB's lock file.
 
@@ -57,6 +59,7 @@ _OPENING, _HOLDING = 0, 1  # bytes of LOCK_FILE: one opener at a time; every hol
 _RACES = 3  # checks of a data.mdb whose meta page changed (a commit) meanwhile
 _T = TypeVar("_T")
 RESIZED_TRIES = 64  # transactions begun in a row while other processes grow the map
+CHECKS = ("roots", "full")  # open_env's page checks: bounded, or every page
 
 
 class Opened(NamedTuple):
@@ -79,13 +82,21 @@ def open_env(
     readonly: bool,
     map_size: int,
     format_version: int,
+    check: str = "roots",
 ) -> Opened:
     """Check the index directory ``path`` and open it (see the module docstring).
+
+    ``check`` is how much of ``data.mdb`` is checked before LMDB reads it
+    (:mod:`.mdbcheck`): ``"roots"`` the meta pages, the main database and each
+    tree's root page (a time that does not grow with the index); ``"full"`` every
+    page a read can reach, for an open followed by a scan of the whole index.
 
     Raises:
         StoreError: with one line naming the store and the problem.
     """
     store = store_name(path)
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {CHECKS}, not {check!r}")
     _check_dir(path, store, create=create and not readonly)
     data = os.path.join(path, "data.mdb")
     lock = os.path.join(path, "lock.mdb")
@@ -135,8 +146,8 @@ def open_env(
             # Another process grew the map while this one opened it: adopt its size
             # (no transaction of this new environment is active).
 
-            def read():  # every page LMDB can reach is checked before it reads one
-                _check_pages(env, data, store)
+            def read():  # the pages LMDB's open reads are checked before it does
+                _check_pages(env, data, store, full=check == "full")
                 return _open_dbs(
                     env, store, dbs, readonly=readonly, format_version=format_version
                 )
@@ -233,9 +244,27 @@ def check_data_file(path: str, store: str) -> Optional[int]:
         os.close(fd)
 
 
-def _check_pages(env: lmdb.Environment, data: str, store: str) -> None:
-    """Check every page a read transaction of ``env`` can reach before LMDB reads any
-    (:mod:`kvstore.mdbcheck`): a damaged page would end the process in liblmdb.
+def check_index_pages(env: lmdb.Environment, path: str) -> int:
+    """Check every page a read transaction of ``env`` (the open index directory
+    ``path``) can reach, before a scan of the whole index steps onto one: a damaged
+    page would end the process in liblmdb (:func:`kvstore.mdbcheck.check_file`). Its
+    time grows with the index (tens of microseconds a page).
+
+    Returns:
+        The number of pages checked.
+
+    Raises:
+        IndexDamaged: with one line naming the store, the page and the way back.
+    """
+    return _check_pages(env, os.path.join(path, "data.mdb"), store_name(path))
+
+
+def _check_pages(
+    env: lmdb.Environment, data: str, store: str, *, full: bool = True
+) -> int:
+    """Check the pages of ``env``'s ``data.mdb`` that a read transaction can reach
+    (``full``) or the bounded set of :func:`kvstore.mdbcheck.check_roots`, before
+    LMDB reads them. Returns the number of pages checked.
 
     The walk runs inside a read transaction, so no writer reuses the pages it reads.
     """
@@ -251,11 +280,11 @@ def _check_pages(env: lmdb.Environment, data: str, store: str) -> None:
                 mine = [m for m in metas if m.txnid == txnid]
                 if not mine:
                     continue  # two commits since the transaction began: again
+                walk = mdbcheck.check_file if full else mdbcheck.check_roots
                 try:
-                    mdbcheck.check_file(fd, mine[0], os.fstat(fd).st_size)
+                    return walk(fd, mine[0], os.fstat(fd).st_size)
                 except mdbcheck.Damage as e:
                     raise damaged(store, str(e)) from None
-                return
         raise StoreError(f"{store}: the index changed too fast to be checked")
     finally:
         os.close(fd)

@@ -289,7 +289,8 @@ def salvage_if_damaged(path: str, *, check_file: CheckFile) -> Optional[Dict[str
     """:func:`salvage` the store at ``path`` when its index is damaged (None when it
     opens: nothing done)."""
     try:
-        Index(os.path.join(path, "index"), create=False, readonly=True).close()
+        index_dir = os.path.join(path, "index")
+        Index(index_dir, create=False, readonly=True, check="full").close()
     except storecheck.IndexDamaged as e:
         report = salvage(path, check_file=check_file)
         report["damage"] = list(dict.fromkeys([e.problem] + report["damage"]))

@@ -51,7 +51,9 @@ def push(
         namespaces: Which namespaces (ids); None: every namespace with nodes.
     """
     check_store_dirs(path)
-    index = Index(os.path.join(path, "index"), create=False, readonly=True)
+    index = Index(  # every page checked: a scan of the whole index follows
+        os.path.join(path, "index"), create=False, readonly=True, check="full"
+    )
     report = {"namespaces": 0, "nodes": 0, "uploaded": 0, "present": 0}
     report.update({"skipped": 0, "problems": []})
     try:
