@@ -408,6 +408,20 @@ def _print_node(node: dict, decode, indent: str) -> None:
         print(f"{indent}  ... {node['more']} more")
 
 
+def _print_salvage(done: dict) -> None:
+    """What ``verify --fix`` salvaged from a damaged index, and what was lost."""
+    for why in done["damage"]:
+        print(f"damage: {why}")
+    for lost in done["lost"]:
+        print(f"lost: node {lost['node']}: {lost['why']}")
+    print(
+        f"salvaged {done['nodes_kept']} of {done['nodes_found']} node records found "
+        f"({done['records_from_scan']} from pages the index no longer reached) into a "
+        f"new index; {done['orphan_files']} node files lost their record (orphans: "
+        f"`kvstore gc` removes them); the damaged index is at {done['moved_to']}"
+    )
+
+
 def cmd_verify(args) -> int:
     _guard_store(args.store)
     report = _maintenance().verify(args.store, fix=args.fix)
@@ -418,6 +432,8 @@ def cmd_verify(args) -> int:
             print(
                 f"{p['kind']}: {p.get('file') or p.get('node')}: {p.get('detail', '')}"
             )
+        if report.get("salvaged"):
+            _print_salvage(report["salvaged"])
         if not report["clean"]:
             print("problems found" + (" (fixed)" if args.fix else ""))
         elif report["orphans"]:
@@ -716,7 +732,11 @@ def _add_verify(sub) -> None:
     """``kvstore verify``."""
     p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")
     _common_options(p)
-    p.add_argument("--fix", action="store_true", help="quarantine what is broken")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="quarantine what is broken; salvage a damaged index into a new one",
+    )
     p.set_defaults(func=cmd_verify)
 
 
@@ -823,6 +843,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             "index needs room for the commit that records the deletions (LMDB writes "
             "new pages before it frees old ones): free a few MiB on that file system, "
             "then run the command again",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    except lmdb.Error as e:  # damage the page check at open could not see
+        print(
+            f"kvstore {args.command}: {getattr(args, 'store', '')}: the index cannot be "
+            f"read "
+            f"({type(e).__name__}: {e}): `kvstore verify --fix` salvages what it can",
             file=sys.stderr,
         )
         return EXIT_ERROR

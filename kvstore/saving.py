@@ -15,7 +15,7 @@ import numpy as np
 from . import devices, maintenance, reservations, salts
 from .blobs import DELTA_PART, STATE_PART, NodeFile, node_metadata, parse_header
 from .chunking import chain_hashes, split_spans
-from .index import NodeRecord
+from .index import IndexDamaged, NodeRecord
 from .policy import stronger_kind
 from .publish import WriteBatch
 from .ram import RamEntry
@@ -116,9 +116,16 @@ class WritePath:
         root = (
             self.root if root is None else root
         )  # a salted tree's, or the namespace's
-        path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True, root=root)
-        )
+        try:
+            path = self.index.read(
+                lambda txn: self._walk(
+                    txn, arr, limit=len(arr), full_only=True, root=root
+                )
+            )
+        except IndexDamaged:  # logged once by the index; nothing more is written
+            with self._lock:
+                self._counters.writes_dropped += 1
+            return 0
         pos = sum(step.take for step in path)
         parent = path[-1].h if path else root
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)

@@ -22,7 +22,7 @@ from . import adapters, fsutil, maintenance, payoff, reservations, salts, spare
 from .assemble import PlanAllocator
 from .blobs import STATE_PART, Blobs, CorruptBlob
 from .chunking import as_token_array, root_hash
-from .index import KINDS, Index, StoreError
+from .index import KINDS, Index, IndexDamaged, StoreError
 from .loadpath import default_restore_io
 from .maintenance.common import check_int
 from .namespace import open_namespace
@@ -315,6 +315,10 @@ class KVStore(ReadPath, TailRead, WritePath, Removal):
             self.remote.before_fetch(arr)  # bounded wait; never raises
         try:
             cache, n = self._fetch(arr, root=self._tree_of(parts)[0])
+        except IndexDamaged:  # logged once by the index: a miss from now on
+            with self._lock:
+                self._counters.errors += 1
+            cache, n = self.new_cache(), 0
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             with self._lock:
@@ -555,17 +559,27 @@ class KVStore(ReadPath, TailRead, WritePath, Removal):
         """
         self._check_open()
         arr = as_token_array(tokens)
-        root = self._tree_of(salts.parse_salt(salt))[0]
-        path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
-        )
+        try:
+            root = self._tree_of(salts.parse_salt(salt))[0]
+            path = self.index.read(
+                lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
+            )
+        except IndexDamaged:  # logged once by the index: a miss
+            with self._lock:
+                self._counters.errors += 1
+            return 0
         return sum(step.take for step in path)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """Tell the store that the model prefilled ``tokens`` tokens in ``seconds``
         (a generate loop's own measurement), for deciding what restores pay (see
         ``restore``). ``kvstore.stream_generate`` and :meth:`prefill` call it;
-        the rate is kept in the store for other processes on this host."""
+        the rate is kept in the store for other processes on this host.
+
+        Raises:
+            ValueError: ``tokens`` is not a finite number >= 0, ``seconds`` not a
+                finite number > 0, or ``tokens / seconds`` is not finite.
+        """
         if self.policy.rates.note_prefill(tokens, seconds):
             self._keep_rates()
 
@@ -641,9 +655,12 @@ class KVStore(ReadPath, TailRead, WritePath, Removal):
 
     def stats(self) -> Dict[str, Any]:
         """Counts for the store (all namespaces), this model's namespace, and this process."""
-        namespaces = self.index.namespaces()
-        nodes, tokens, nbytes, pinned = self.index.counters(self.namespace)
-        total = self.index.total_bytes()
+        try:
+            namespaces = self.index.namespaces()
+            nodes, tokens, nbytes, pinned = self.index.counters(self.namespace)
+            total = self.index.total_bytes()
+        except IndexDamaged:  # store_problem says why
+            namespaces, (nodes, tokens, nbytes, pinned), total = {}, (0,) * 4, 0
         remote = {"remote": None} if self.remote is None else self.remote.stats()
         with self._lock:
             c = self._counters
@@ -774,14 +791,20 @@ def _prepare_dir(path: str) -> None:
             )
 
 
-def check_store(path: str) -> None:
+def check_store(path: str, *, check: str = "roots") -> None:
     """What opening a ``KVStore`` at ``path`` checks before it needs the model: a
     store directory (created when missing), writable, whose index, if it has one,
     is kvstore's, of this format version and whole.
+
+    Args:
+        path: The store directory.
+        check: How much of the index's pages to check: ``"roots"`` (what every open
+            checks) or ``"full"`` (every page: ``kvstore serve``'s start, whose
+            time then grows with the index; see :class:`kvstore.index.Index`).
 
     Raises:
         StoreError: with one line naming the store and the problem.
     """
     _prepare_dir(path)
     if os.path.lexists(os.path.join(path, "index", "data.mdb")):
-        Index(os.path.join(path, "index"), create=False).close()
+        Index(os.path.join(path, "index"), create=False, check=check).close()

@@ -584,6 +584,35 @@ def test_pull_reports_a_broken_manifest_and_skips_what_is_below(
     assert_clean(tmp_path / "b")
 
 
+@pytest.mark.parametrize("stray", ["f" * 32, "0" * 32])
+def test_a_stray_manifest_copy_hides_nothing_from_a_pull(
+    tmp_path, model, shared, s3, stray
+):
+    """SYSTEM's second node's manifest copied under a made-up parent: if the
+    listing's last key won, the pull would keep the made-up parent and never reach
+    the real node and what hangs below it. The node is reported as listed twice and
+    pulled from under its real parent, whichever parent the listing gives first."""
+    url = shared
+    with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
+        mkey, base, h1 = _second_node(b, url)
+        bucket = bucket_of(url)
+        s3.copy_object(
+            Bucket=bucket,
+            Key=f"{base}/nodes/{stray}/{h1.hex()}.json",
+            CopySource={"Bucket": bucket, "Key": mkey},
+        )
+        report = b.remote.pull()
+        assert report["remote_nodes"] == 3 and report["pulled"] == 3, report
+        assert report["unreachable"] == 0 and report["invalid"] == 0, report
+        assert len(report["problems"]) == 1, report["problems"]
+        assert (
+            h1.hex() in report["problems"][0] and "2 parents" in report["problems"][0]
+        )
+        assert b.stats()["nodes"] == 3
+        assert b.fetch(PROMPT)[1] == len(SYSTEM)
+    assert_clean(tmp_path / "b")
+
+
 def test_manifest_decoder_is_strict(tmp_path, model):
     """Round trip, then a fuzz of single-byte changes: a record or RemoteCorrupt."""
     from kvstore.index import NodeRecord

@@ -350,7 +350,7 @@ def test_objects_replaced_or_deleted_between_listing_and_reading(tmp_path, model
 
     def racing(namespace):
         out = listing(namespace)
-        mkey = lambda h: f"fleet/{ns}/nodes/{out[h].hex()}/{h.hex()}.json"  # noqa
+        mkey = lambda h: f"fleet/{ns}/nodes/{out[h][0].hex()}/{h.hex()}.json"  # noqa
         for key in keys(s3, other):
             name = key.rsplit("/", 1)[-1]
             if key.startswith("other/") and name.startswith(first.hex()):

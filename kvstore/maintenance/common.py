@@ -40,10 +40,14 @@ _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
 def opened(path, *, readonly: bool = False) -> Iterator[Tuple[Index, Blobs]]:
     """The store's index (never created here) and chunk files; the index is closed
     after. ``readonly``: nothing is written (LMDB's read-only mode, no directory made).
+    Every page of the index is checked first (a scan of the whole index follows, and
+    a damaged page would end the process in liblmdb: :mod:`kvstore.mdbcheck`).
     """
     path = os.fspath(path)
     check_store_dirs(path)
-    index = Index(os.path.join(path, "index"), create=False, readonly=readonly)
+    index = Index(
+        os.path.join(path, "index"), create=False, readonly=readonly, check="full"
+    )
     try:
         blobs = Blobs(
             os.path.join(path, "blobs"),

@@ -558,8 +558,9 @@ class RemoteTier:
 
     # -- sync: pull (push is in sync) -----------------------------------------------------
 
-    def list_nodes(self, ns: bytes) -> Dict[bytes, bytes]:
-        """``hash -> parent`` of every manifest of namespace ``ns`` on the remote."""
+    def list_nodes(self, ns: bytes) -> Dict[bytes, Tuple[bytes, ...]]:
+        """``hash -> parents`` of every manifest of namespace ``ns`` on the remote
+        (:func:`kvstore.remote.sync.list_nodes`)."""
         return list_nodes(self._s3, ns)
 
     def pull(self, *, progress: Optional[Callable[[int], None]] = None) -> dict:
@@ -573,10 +574,20 @@ class RemoteTier:
         ns, C = store.namespace, store.chunk_tokens
         nodes = self.list_nodes(ns)
         children = defaultdict(list)
-        for h, parent in nodes.items():
-            children[parent].append(h)
+        for h, parents in nodes.items():
+            for parent in parents:
+                children[parent].append(h)
         report = {"remote_nodes": len(nodes), "pulled": 0, "present": 0}
         report.update({"invalid": 0, "unreachable": 0, "problems": []})
+        for h, parents in sorted(nodes.items()):
+            if len(parents) > 1:  # one at most can hash to h: the pull finds which
+                problem = (
+                    f"node {h.hex()} is listed under {len(parents)} parents "
+                    f"({', '.join(p.hex()[:12] for p in parents)}): the copy under a "
+                    "reachable parent that its hash proves is pulled"
+                )
+                self._reader.report_corrupt(problem)
+                report["problems"].append(problem)
 
         def manifest(h, parent):
             return self._reader.manifest(
@@ -589,11 +600,14 @@ class RemoteTier:
         # downloaded together and committed parents first (a child of a node that
         # could not be had is skipped by the commit's parent check).
         order, at = [(h, store.root) for h in sorted(children[store.root])], 0
+        listed = set(order)  # each (node, parent) once: listings may loop
         while at < len(order):
-            order += [(c, order[at][0]) for c in sorted(children[order[at][0]])]
+            below = [(c, order[at][0]) for c in sorted(children[order[at][0]])]
+            order += [pair for pair in below if pair not in listed]
+            listed.update(below)
             at += 1
         ends = {store.root: 0}  # where each kept node ends
-        reached = 0
+        reached = set()
         for lo in range(0, len(order), _PULL_WAVE_NODES):
             wave = order[lo : lo + _PULL_WAVE_NODES]
             jobs = [(h, p, self._io.submit(manifest, h, p)) for h, p in wave]
@@ -606,9 +620,9 @@ class RemoteTier:
                 except BaseException:  # the remote failed: the pull ends here
                     _cancel(jobs)
                     raise
-                if parent not in ends:
-                    continue  # below a node that is missing or invalid: unreachable
-                reached += 1
+                if parent not in ends or h in ends:
+                    continue  # below a node that is missing or invalid, or had
+                reached.add(h)
                 wrong = None if rec is None else wrong_start(rec, ends[parent])
                 if wrong is not None:
                     problem = f"{self._s3.manifest_key(ns, parent, h)}: {wrong}"
@@ -620,7 +634,7 @@ class RemoteTier:
                     good.append((h, rec))
                     ends[h] = rec.end
             self._pull_wave(good, report, progress)
-        report["unreachable"] += len(nodes) - reached
+        report["unreachable"] += len(nodes) - len(reached)
         report["bytes_down"] = self.stats()["bytes_down"]
         return report
 
