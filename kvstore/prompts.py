@@ -14,10 +14,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .chunking import as_token_array
+from .disk.chunking import as_token_array
+from .disk.index import KINDS
+from .disk.salts import Salt, Tenant, check_salt
 from .generate import encode_prompt
-from .index import KINDS
-from .salts import Salt, Tenant, check_salt
 
 SHAPES = ("messages", "prompt", "tokens")
 OPTIONAL = ("id", "kind", "pin", "salt", "tenant")

@@ -46,9 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import serve_metrics
-from .compat import check_server, server_refusal
-from .metrics import ServeMetrics
+from .disk.salts import parse_salt
 from .options import (
     add_remote_options,
     add_size_options,
@@ -57,8 +55,10 @@ from .options import (
     remote_options,
     store_disk_budget,
 )
-from .salts import parse_salt
-from .serve_salts import (
+from .platform.compat import check_server, server_refusal
+from .serve import listener as serve_metrics
+from .serve.metrics import ServeMetrics
+from .serve.request_salts import (
     UNKNOWN,
     SaltedCache,
     SaltPolicy,

@@ -18,21 +18,24 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import adapters, fsutil, maintenance, payoff, reservations, salts, spare
-from .assemble import PlanAllocator
-from .blobs import STATE_PART, Blobs, CorruptBlob
-from .chunking import as_token_array, root_hash
-from .index import KINDS, Index, StoreError
-from .loadpath import default_restore_io
+from . import maintenance
+from .disk import adapters, reservations, salts, spare
+from .disk.blobs import STATE_PART, Blobs, CorruptBlob
+from .disk.chunking import as_token_array, root_hash
+from .disk.index import KINDS, Index, StoreError
+from .disk.namespace import open_namespace
+from .disk.storecheck import check_store_dirs
+from .engine import payoff
+from .engine.assemble import PlanAllocator
+from .engine.loadpath import default_restore_io
+from .engine.ram import RamTier
+from .engine.removal import Removal
+from .engine.restore import ReadPath, Step
+from .engine.saving import WritePath
+from .engine.writer import BackgroundWriter
 from .maintenance.common import check_int
-from .namespace import open_namespace
-from .ram import RamTier
+from .platform import fsutil
 from .remote import RemoteTier
-from .removal import Removal
-from .restore import ReadPath, Step
-from .saving import WritePath
-from .storecheck import check_store_dirs
-from .writer import BackgroundWriter
 
 __all__ = [
     "DEFAULT_MAX_PENDING_BYTES",

@@ -8,7 +8,8 @@ import mlx.core as mx
 import pytest
 from conftest import compute_cache, random_tokens
 
-from kvstore import KVStore, fsutil
+from kvstore import KVStore
+from kvstore.platform import fsutil
 
 
 def test_open_regular_opens_a_file(tmp_path):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens, run_cli
 
-from kvstore import KVStore, mdbfile
-from kvstore.storecheck import StoreError, check_data_file
+from kvstore import KVStore
+from kvstore.disk import mdbfile
+from kvstore.disk.storecheck import StoreError, check_data_file
 
 C = 8  # tokens per chunk
 
@@ -104,7 +105,7 @@ def test_truncation_of_pages_lmdb_reads_is_still_refused(shrunk, tmp_path):
     assert refused and accepted[-1].endswith(f"cut-{full}")
     script = textwrap.dedent("""
         import sys
-        from kvstore.index import Index
+        from kvstore.disk.index import Index
         for path in sys.argv[1:]:
             idx = Index(path + "/index", create=False, readonly=True)
             def every(txn):
@@ -177,7 +178,7 @@ def test_transient_error_is_a_miss_and_an_error(saved, model, monkeypatch, code,
     path, tokens = saved
     import errno
 
-    from kvstore import blobs as blobs_module
+    from kvstore.disk import blobs as blobs_module
 
     with KVStore(path, model, chunk_tokens=C, ram_bytes=0) as s:
         nodes = s.stats()["nodes"]
@@ -317,7 +318,7 @@ def test_verify_fix_and_gc_never_remove_a_file_they_cannot_open_now(
     import errno
 
     from kvstore import maintenance
-    from kvstore.blobs import Blobs
+    from kvstore.disk.blobs import Blobs
 
     path, _ = saved
     real = Blobs.open_file
@@ -453,8 +454,8 @@ def test_opening_adopts_a_map_another_process_grew_meanwhile(tmp_path, monkeypat
     """Another process grows the map between this one's LMDB open and its first
     transaction: the open adopts the new size (it was an lmdb.MapResizedError, or
     "not a kvstore store" when it came in open_db)."""
-    from kvstore import storecheck
-    from kvstore.index import Index
+    from kvstore.disk import storecheck
+    from kvstore.disk.index import Index
 
     path = str(tmp_path / "index")
     Index(path, map_size=64 << 10).close()
@@ -483,7 +484,7 @@ def test_map_gate_resize_waits_for_transactions_and_holds_new_ones_back():
     import threading
     import time
 
-    from kvstore.mapgate import MapGate, NestedResize
+    from kvstore.disk.mapgate import MapGate, NestedResize
 
     gate, events = MapGate(), []
     inside, leave = threading.Event(), threading.Event()
@@ -663,7 +664,7 @@ def all_files(root) -> list:
 def test_eviction_goes_on_past_files_it_cannot_remove(tmp_path, model, monkeypatch):
     """A budgeted save's eviction, with unlink refused for some victims (a stand-in
     for another user's files: root ignores permissions, so os.unlink is mocked)."""
-    from kvstore import fsutil
+    from kvstore.platform import fsutil
 
     path = str(tmp_path / "store")
     refused = []
@@ -704,13 +705,13 @@ def test_gc_removes_temp_files_of_dead_writers_at_once(saved, capsys):
     import signal
 
     from kvstore import maintenance
-    from kvstore.publish import temp_name, temp_writer
+    from kvstore.disk.publish import temp_name, temp_writer
 
     path, _ = saved
     directory = os.path.dirname(next(p for p in all_files(os.path.join(path, "blobs"))))
     script = textwrap.dedent(f"""
         import os, sys, time
-        from kvstore.publish import temp_name
+        from kvstore.disk.publish import temp_name
         p = os.path.join({directory!r}, temp_name(b"\\x01" * 16))
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(fd, b"half a node")
@@ -742,8 +743,8 @@ def test_gc_removes_temp_files_of_dead_writers_at_once(saved, capsys):
 
 
 def test_temp_names_are_unique_and_say_who_writes():
-    from kvstore import reservations
-    from kvstore.publish import temp_name, temp_writer
+    from kvstore.disk import reservations
+    from kvstore.disk.publish import temp_name, temp_writer
 
     names = {temp_name(b"\x05" * 16) for _ in range(1000)}
     assert len(names) == 1000
@@ -753,7 +754,7 @@ def test_temp_names_are_unique_and_say_who_writes():
 
 
 def test_spare_room_is_kept_whole_and_leftovers_go(tmp_path):
-    from kvstore import spare
+    from kvstore.disk import spare
 
     index = str(tmp_path)
     leftover = tmp_path / ".spare.1.abcd"
@@ -820,7 +821,7 @@ def test_open_adopts_a_map_grown_while_lmdb_opened_it(tmp_path, model, monkeypat
     map at that moment (1 open in ~38,000 under the soak): the open is tried again."""
     import lmdb
 
-    from kvstore import storecheck
+    from kvstore.disk import storecheck
 
     with KVStore(tmp_path, model, chunk_tokens=C) as s:
         s.save(random_tokens(3 * C, 1), compute_cache(model, random_tokens(3 * C, 1)))

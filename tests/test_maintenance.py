@@ -13,9 +13,9 @@ from conftest import compute_cache, random_tokens
 
 from kvstore import KVStore, StoreError
 from kvstore import maintenance as m
-from kvstore.blobs import Blobs
-from kvstore.chunking import chain_hashes, root_hash, split_spans
-from kvstore.index import _OPEN, FORMAT_VERSION, Index
+from kvstore.disk.blobs import Blobs
+from kvstore.disk.chunking import chain_hashes, root_hash, split_spans
+from kvstore.disk.index import _OPEN, FORMAT_VERSION, Index
 
 C = 64
 A = random_tokens(300, seed=21)  # 4 full chunks and a 44-token tail: nodes a[0..4]

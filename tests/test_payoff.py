@@ -1,4 +1,4 @@
-"""Restore only when it pays (kvstore.payoff): the choice, its counters, its rates."""
+"""Restore only when it pays (kvstore.engine.payoff): the choice, its counters, its rates."""
 
 import mlx.core as mx
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from conftest import compute_cache, random_tokens, tiny_llama
 
 import kvstore
-from kvstore import payoff
-from kvstore.payoff import EXPLORE_EVERY, Rates, RestorePolicy
+from kvstore.engine import payoff
+from kvstore.engine.payoff import EXPLORE_EVERY, Rates, RestorePolicy
 
 C = 16
 
@@ -123,7 +123,9 @@ def test_a_store_restores_its_ram_tier_and_recomputes_the_rest(tmp_path, model):
                 checksum=step.rec.checksum,
                 expected=s._expected(step.rec.ntokens),
             )
-            s.ram.put(step.h, kvstore.ram.RamEntry(data[0], data[1], "user", False))
+            s.ram.put(
+                step.h, kvstore.engine.ram.RamEntry(data[0], data[1], "user", False)
+            )
         # 96 tokens: 9.6 ms to prefill; the RAM part costs the fixed 2 ms and the rest
         # 6.4 ms of prefill; a node file takes seconds to read.
         s.policy.rates.prefill = 1e4

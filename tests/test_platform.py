@@ -11,8 +11,10 @@ import time
 import pytest
 from conftest import compute_cache, random_tokens
 
-from kvstore import KVStore, blobs, fsutil, memutil, reservations
-from kvstore.publish import write_one
+from kvstore import KVStore
+from kvstore.disk import blobs, reservations
+from kvstore.disk.publish import write_one
+from kvstore.platform import fsutil, memutil
 
 MACOS_MODE = os.environ.get("KVSTORE_TEST_PLATFORM") == "macos"
 NS = bytes(16)

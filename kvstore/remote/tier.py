@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from ..blobs import CorruptBlob
-from ..chunking import chain_hash, chain_hashes, common_prefix
-from ..index import CorruptRecord, NodeRecord
-from ..saving import NewNode
+from ..disk.blobs import CorruptBlob
+from ..disk.chunking import chain_hash, chain_hashes, common_prefix
+from ..disk.index import CorruptRecord, NodeRecord
+from ..engine.saving import NewNode
 from .client import (
     LIST_MAX_KEYS,
     LIST_TIMEOUT,

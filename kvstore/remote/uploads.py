@@ -7,8 +7,8 @@ import time
 from collections import OrderedDict
 from typing import Iterable, Optional, Set
 
-from ..blobs import CorruptBlob
-from ..index import NodeRecord
+from ..disk.blobs import CorruptBlob
+from ..disk.index import NodeRecord
 from .client import S3Client
 from .errors import RemoteError
 from .manifest import check_node_file, encode_manifest, node_parts

@@ -41,7 +41,8 @@ from typing import Dict, List, Optional, Tuple
 
 import xxhash
 
-from . import fsutil, reservations
+from ..platform import fsutil
+from . import reservations
 from .blobs import (
     DELTA_PART,
     HASH_BATCH_BYTES,

@@ -36,9 +36,9 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from . import memutil
-from .adapters import dtype_name
-from .blobs import CODE_SIZES, DATA_ALIGN, DTYPES, TensorEntry
+from ..disk.adapters import dtype_name
+from ..disk.blobs import CODE_SIZES, DATA_ALIGN, DTYPES, TensorEntry
+from ..platform import memutil
 
 STACK_BYTES = 30 << 20  # per allocation: see the module docstring
 

@@ -8,8 +8,9 @@ broken nodes, and cleaning up after failed or superseded saves.
 import logging
 from typing import Optional, Sequence
 
-from . import maintenance, salts
-from .index import NodeRecord
+from .. import maintenance
+from ..disk import salts
+from ..disk.index import NodeRecord
 from .restore import state_key
 
 log = logging.getLogger("kvstore")

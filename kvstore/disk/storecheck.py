@@ -25,7 +25,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence, TypeVar
 
 import lmdb
 
-from . import fsutil, mdbfile
+from ..platform import fsutil
+from . import mdbfile
 
 
 class StoreError(Exception):

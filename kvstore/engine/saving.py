@@ -12,12 +12,14 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import devices, maintenance, reservations, salts
-from .blobs import DELTA_PART, STATE_PART, NodeFile, node_metadata, parse_header
-from .chunking import chain_hashes, split_spans
-from .index import NodeRecord
-from .policy import stronger_kind
-from .publish import WriteBatch
+from .. import maintenance
+from ..disk import reservations, salts
+from ..disk.blobs import DELTA_PART, STATE_PART, NodeFile, node_metadata, parse_header
+from ..disk.chunking import chain_hashes, split_spans
+from ..disk.index import NodeRecord
+from ..disk.policy import stronger_kind
+from ..disk.publish import WriteBatch
+from ..platform import devices
 from .ram import RamEntry
 from .restore import MLX_LOCK, state_key
 

@@ -18,8 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .assemble import AssemblyPlan
-from .blobs import (
+from ..disk.blobs import (
     DTYPES,
     MAX_HEADER_BYTES,
     STATE_PART,
@@ -27,8 +26,9 @@ from .blobs import (
     OpenFile,
     metadata_matches,
 )
-from .chunking import chain_hash
-from .index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
+from ..disk.chunking import chain_hash
+from ..disk.index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
+from .assemble import AssemblyPlan
 from .loadpath import Failures, FileSource, MemorySource, load_arrays
 from .payoff import Decision
 from .ram import RamEntry

@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 from safetensors import TensorSpec, serialize
 
-from . import fsutil
+from ..platform import fsutil
 
 MAX_HEADER_BYTES = 1 << 20
 # Buffers per preadv call (the kernel refuses more: EINVAL).

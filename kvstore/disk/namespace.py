@@ -30,7 +30,7 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList
 
-from . import devices
+from ..platform import devices
 from .adapters import (
     Layout,
     UnsupportedCacheError,

@@ -23,7 +23,7 @@ import unicodedata
 from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
-from .salts import Salt, Tenant, check_salt
+from ..disk.salts import Salt, Tenant, check_salt
 
 UNKNOWN = object()  # a cache whose request cannot be told: never stored
 

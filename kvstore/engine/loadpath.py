@@ -29,9 +29,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import mlx.core as mx
 import xxhash
 
-from . import devices, fsutil
+from ..disk.blobs import DTYPES, CorruptBlob, OpenFile, TensorEntry
+from ..platform import devices, fsutil
 from .assemble import VirtualFile
-from .blobs import DTYPES, CorruptBlob, OpenFile, TensorEntry
 
 # Node files one RestoreFile reads from: all of them stay open while it loads, so
 # longer restores are loaded in segments of at most this many nodes, joined on the
