@@ -1,4 +1,5 @@
-"""The package's import structure: no import cycle, no private name across modules.
+"""The package's import structure: no import cycle, folders that import downward only,
+no private name across modules.
 
 Every import statement counts, also those inside functions and ``if TYPE_CHECKING``
 blocks: an import deferred into a function still ties the two modules together, it
@@ -179,6 +180,88 @@ def test_no_private_names_across_modules():
         f"{m}:{line} takes {name} from {source}" for m, line, source, name in private
     ]
     assert not lines, "private names used across modules:\n" + "\n".join(lines)
+
+
+# The package's folders and top-level modules, lowest layer first. A module imports
+# only from its own folder or from those listed before it; a new folder or module
+# directly in kvstore/ must be given its place here. "" is the package itself
+# (``kvstore/__init__.py``), which re-exports the public names.
+LAYERS = [
+    "platform",  # operating system, devices, mlx-lm: nothing of kvstore's below
+    "disk",  # what is on disk: index, node files, chunking, namespaces, salts
+    "maintenance",  # stats, verify, gc, pins; the eviction and deletion rules
+    "engine",  # the read and write paths, removal, the RAM tier
+    "remote",  # the shared S3 tier
+    "store",  # KVStore: the façade composing the engine's parts
+    "generate",  # kvstore.stream_generate
+    "prompts",  # prompt files
+    "options",  # options of the commands and serve
+    "bench",  # kvstore bench
+    "serve",  # what kvstore serve is built from: request salts, metrics
+    "server",  # kvstore serve (also python -m kvstore.server)
+    "cli",  # the kvstore command
+    "__main__",  # python -m kvstore
+    "",
+]
+
+
+def unit(module: str) -> str:
+    """The folder (or top-level module) of ``module``: ``kvstore.disk.index`` -> disk."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def folder_edges(edges: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
+    """The import graph between folders (and top-level modules)."""
+    out: Dict[str, Set[str]] = {}
+    for m, targets in edges.items():
+        out.setdefault(unit(m), set()).update(unit(t) for t in targets)
+    for u, targets in out.items():
+        targets.discard(u)
+    return out
+
+
+def upward_imports(
+    edges: Dict[str, Set[str]], layers: List[str]
+) -> List[Tuple[str, str]]:
+    """``(module, imported module)`` for each import of a folder listed after the
+    importer's own in ``layers``, or of (or by) a folder ``layers`` does not list."""
+    rank = {u: i for i, u in enumerate(layers)}
+    out = []
+    for m, targets in sorted(edges.items()):
+        for t in sorted(targets):
+            a, b = unit(m), unit(t)
+            if a != b and not rank.get(b, len(layers)) < rank.get(a, -1):
+                out.append((m, t))
+    return out
+
+
+def test_layer_check_finds_upward_imports():
+    edges = {
+        "kvstore.disk.index": {"kvstore.platform.fsutil"},
+        "kvstore.platform.fsutil": {"kvstore.engine.ram"},
+        "kvstore.engine.ram": {"kvstore.disk.index", "kvstore.engine.writer"},
+        "kvstore.engine.writer": set(),
+        "kvstore.stray.x": {"kvstore.disk.index"},
+    }
+    assert upward_imports(edges, LAYERS) == [
+        ("kvstore.platform.fsutil", "kvstore.engine.ram"),
+        ("kvstore.stray.x", "kvstore.disk.index"),
+    ]
+    assert cycles(folder_edges(edges)) == [["disk", "engine", "platform"]]
+
+
+def test_every_folder_has_a_layer():
+    units = {unit(m) for m in package_modules()}
+    assert units <= set(LAYERS), f"place {sorted(units - set(LAYERS))} in LAYERS"
+
+
+def test_folders_import_downward_only():
+    edges, _ = imports(package_modules())
+    found = upward_imports(edges, LAYERS)
+    lines = [f"{m} imports {t} ({unit(t)} is not below {unit(m)})" for m, t in found]
+    assert not lines, "imports up the layers:\n" + "\n".join(lines)
+    assert cycles(folder_edges(edges)) == []
 
 
 _IMPORT_EACH = """
