@@ -69,8 +69,10 @@ def test_load_path_restores_what_assemble_does(
 def _node_sources(store, tokens):
     """The whole nodes of ``tokens``' restore, opened as the load path opens them."""
     arr = np.array(tokens, np.int32)
-    path = store.index.read(lambda txn: store._walk(txn, arr, limit=len(arr)))
-    return path, [store._node_source(step) for step in path]
+    path = store.index.read(
+        lambda txn: store.parts.reads.walk(txn, arr, limit=len(arr))
+    )
+    return path, [store.parts.reads._node_source(step) for step in path]
 
 
 def _restore_file(store, path, sources, failures, *, threads=2):

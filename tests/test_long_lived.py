@@ -45,7 +45,7 @@ def shrunk(tmp_path, model, capsys):
         s.flush()
         for tokens, at in zip(prompts, (1, 3)):
             walk = s.index.read(
-                lambda txn, t=tokens: s._walk(txn, np.array(t), limit=len(t))
+                lambda txn, t=tokens: s.parts.reads.walk(txn, np.array(t), limit=len(t))
             )
             with open(s.blobs.path(s.namespace, walk[at].h), "r+b") as f:
                 f.seek(-4, os.SEEK_END)
@@ -207,7 +207,8 @@ def test_transient_error_is_a_miss_and_an_error(saved, model, monkeypatch, code,
         s.flush()
         stats = s.stats()
         assert stats["corrupt"] == 0 and stats["errors"] == 1
-        assert stats["nodes"] == nodes and not s._broken  # nothing deleted or skipped
+        # nothing deleted or skipped
+        assert stats["nodes"] == nodes and not s.parts.broken
         cache, n = s.fetch(tokens)  # the next fetch restores it all
         assert n == len(tokens) - 1
         same_kv(cache, compute_cache(model, tokens[:n]), n)
@@ -272,7 +273,7 @@ def test_node_evicted_by_another_process_mid_fetch_is_a_plain_miss(
         assert evicted[0] > 0 and n < len(tokens) - 1
         stats = s.stats()
         assert stats["corrupt"] == 0 and stats["quarantined"] == []
-        assert not s._broken
+        assert not s.parts.broken
         # Saved again (by this or another process): reused at once, not skipped for
         # the process's lifetime.
         s.save(tokens, compute_cache(model, tokens))
@@ -292,7 +293,9 @@ def test_quarantine_spares_a_node_saved_again_meanwhile(saved, model):
 
     path, tokens = saved
     with KVStore(path, model, chunk_tokens=C, ram_bytes=0) as s:
-        victim = s.index.read(lambda txn: s._walk(txn, np.array(tokens), limit=800))[50]
+        victim = s.index.read(
+            lambda txn: s.parts.reads.walk(txn, np.array(tokens), limit=800)
+        )[50]
         with open(s.blobs.path(s.namespace, victim.h), "r+b") as f:
             f.seek(-5, os.SEEK_END)
             f.write(b"XXXXX")  # a flipped tail: checksum mismatch
@@ -650,7 +653,9 @@ def gc_store_files(tmp_path, model):
             s.flush()
             time.sleep(0.05)
         walk = s.index.read(
-            lambda txn: s._walk(txn, np.array(random_tokens(800, 1)), limit=800)
+            lambda txn: s.parts.reads.walk(
+                txn, np.array(random_tokens(800, 1)), limit=800
+            )
         )
         files = [s.blobs.path(s.namespace, step.h) for step in reversed(walk)]
     blobs = os.path.join(path, "blobs")
@@ -812,7 +817,7 @@ def test_reader_beside_an_evicting_writer_process_reports_no_corruption(
         stats = s.stats()
         assert int(out) > 0 and fetches > 20  # it evicted while this one read
         assert stats["corrupt"] == 0 and stats["quarantined"] == [], stats
-        assert not s._broken
+        assert not s.parts.broken
     assert quarantined(path) == []
 
 

@@ -114,14 +114,14 @@ def test_a_store_restores_its_ram_tier_and_recomputes_the_rest(tmp_path, model):
         short = tokens[: 2 * C] + [1]
         assert s.fetch(short)[1] == 2 * C  # puts nothing in RAM by itself
         arr = np.array(tokens, np.int32)
-        path = s.index.read(lambda txn: s._walk(txn, arr, limit=len(arr)))
+        path = s.index.read(lambda txn: s.parts.reads.walk(txn, arr, limit=len(arr)))
         for step in path[:2]:  # as a pinned prefix preloaded at open would be
             data = s.blobs.read_all(
                 s.namespace,
                 step.h,
                 nbytes=step.rec.nbytes,
                 checksum=step.rec.checksum,
-                expected=s._expected(step.rec.ntokens),
+                expected=s.parts.shapes.expected(step.rec.ntokens),
             )
             s.ram.put(
                 step.h, kvstore.engine.ram.RamEntry(data[0], data[1], "user", False)
@@ -161,7 +161,7 @@ def test_the_rates_are_kept_for_the_next_process_on_this_host(tmp_path, model):
         s.note_prefill(5000, 2.0)
         assert s.fetch(tokens + [1])[1] == len(tokens)
         s.flush()
-        s._rates_kept = None  # as if PERSIST_EVERY_S had passed
+        s.parts.accesses.rates_kept = None  # as if PERSIST_EVERY_S had passed
         s.note_prefill(1e9, 1.0)  # now faster than any read
     with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
         stats = s.stats()

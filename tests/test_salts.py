@@ -367,7 +367,9 @@ def test_tenants_and_plain_salts_never_share_a_tree(tmp_path, model, tokenizer):
                 want = 300 if trees.index(other) <= trees.index(saved) else 0
                 assert store.lookup(query, salt=other) == want, (saved, other)
         assert store.fetch(query, salt=kvstore.Tenant("A", "s"))[1] == 300
-        roots = {store._tree_of(kvstore.disk.salts.parse_salt(t))[0] for t in trees}
+        roots = {
+            store.parts.tree_of(kvstore.disk.salts.parse_salt(t))[0] for t in trees
+        }
         assert len(roots | {store.root}) == len(trees) + 1
     for bad, error, match in (
         (kvstore.Tenant(""), ValueError, "salt tenant must be a non-empty"),

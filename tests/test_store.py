@@ -99,7 +99,7 @@ def test_restore_with_and_without_prefaulting(model, store, monkeypatch, prefaul
 def test_small_restores_are_exactly_full(model, store):
     """Below ROOM_MIN_BYTES of KV the arrays get no room (growing them on the first
     forward pass copies less than the room's buffers cost), and stay exact."""
-    n_bytes = len(STORED) * store._token_bytes
+    n_bytes = len(STORED) * store.parts.shapes.token_bytes
     assert n_bytes < kvstore.engine.restore.ROOM_MIN_BYTES
     cache, n = store.fetch(STORED + FRESH[:50])
     assert [c.keys.shape[2] for c in cache] == [n] * len(cache)
@@ -360,7 +360,7 @@ def test_broken_file_is_a_miss_and_a_report(tmp_path, model, damage):
 
 def _node_at(store, tokens, start):
     path = store.index.read(
-        lambda txn: store._walk(
+        lambda txn: store.parts.reads.walk(
             txn, np.array(tokens, dtype=np.int32), limit=len(tokens)
         )
     )

@@ -1,37 +1,34 @@
 """The read path of ``KVStore``: walking the trie, reading and checking node files.
 
-``ReadPath`` is a mixin of :class:`kvstore.store.KVStore`; its methods use the
-store's index, chunk files, RAM tier and layout, and report broken nodes.
+:class:`ReadPath` owns its reader threads and the thread allocating a restore's
+arrays; it is given the index, node files, RAM tier, layout and the parts it shares
+with the write path and removal.
 """
 
 import functools
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..disk.blobs import (
-    DTYPES,
-    MAX_HEADER_BYTES,
-    STATE_PART,
-    CorruptBlob,
-    OpenFile,
-    metadata_matches,
-)
+from ..disk.adapters import Layout
+from ..disk.blobs import STATE_PART, Blobs, CorruptBlob, OpenFile
 from ..disk.chunking import chain_hash
-from ..disk.index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
-from .assemble import AssemblyPlan
+from ..disk.index import CHILD_KEY_TOKENS, CorruptRecord, Index, NodeRecord
+from .accesses import Accesses
+from .assemble import AssemblyPlan, PlanAllocator
+from .counters import Counters
 from .loadpath import Failures, FileSource, MemorySource, load_arrays
-from .payoff import Decision
-from .ram import RamEntry
+from .payoff import Decision, RestorePolicy
+from .ram import RamEntry, RamTier
+from .shapes import NodeShapes
 
 log = logging.getLogger("kvstore")
 
@@ -109,8 +106,119 @@ def state_key(h: bytes) -> bytes:
 
 
 class ReadPath:
-    """Restores of :class:`kvstore.store.KVStore`: the trie walk, the parallel node
-    reads into an :class:`~kvstore.assemble.AssemblyPlan`, and broken-node reports."""
+    """Restores of one namespace of a store: the trie walk, the parallel node reads
+    into an :class:`~kvstore.engine.assemble.AssemblyPlan` (or through ``mx.load``,
+    :mod:`kvstore.engine.loadpath`), checked against the index; broken nodes go to
+    ``broken``.
+
+    Args:
+        index: The store's index.
+        blobs: The store's node files.
+        ram: The RAM tier, read first.
+        layout: The namespace's cache layout.
+        namespace: The namespace's id.
+        root: The namespace's root (its unsalted tree).
+        chunk_tokens: Tokens per node at most.
+        shapes: The node files' expected tensors and sizes.
+        broken: The broken nodes (skipped; where a failed read is reported).
+        accesses: Where restored nodes' accesses and the rates are noted.
+        counters: Where fetches are counted.
+        policy: Whether a restore pays (:mod:`kvstore.engine.payoff`); it records
+            each restore's rate.
+        restore_room: Tokens of room past a restore (see ``KVStore``).
+        read_threads: Threads reading node files, this one included.
+        restore_io: ``"assemble"`` or ``"load"`` (:func:`default_restore_io`).
+    """
+
+    def __init__(
+        self,
+        *,
+        index: Index,
+        blobs: Blobs,
+        ram: RamTier,
+        layout: Layout,
+        namespace: bytes,
+        root: bytes,
+        chunk_tokens: int,
+        shapes: NodeShapes,
+        broken,
+        accesses: Accesses,
+        counters: Counters,
+        policy: RestorePolicy,
+        restore_room: int,
+        read_threads: int,
+        restore_io: str,
+    ):
+        self.index = index
+        self.blobs = blobs
+        self.ram = ram
+        self.layout = layout
+        self.namespace = namespace
+        self.root = root
+        self.chunk_tokens = chunk_tokens
+        self.shapes = shapes
+        self.broken = broken
+        self.accesses = accesses
+        self.counters = counters
+        self.policy = policy
+        self.restore_room = restore_room
+        self.read_threads = read_threads
+        self.restore_io = restore_io
+        self._readers = ThreadPoolExecutor(
+            self.read_threads, thread_name_prefix="kvstore-read"
+        )
+        # A restore's arrays: see kvstore.engine.assemble.
+        self._allocator = PlanAllocator()
+        self._staging = threading.local()  # per reader thread: one node file at a time
+
+    def close(self) -> None:
+        """Stop the reader threads and the allocating thread."""
+        self._readers.shutdown()
+        self._allocator.close()
+
+    def fetch(
+        self, arr: np.ndarray, *, root: Callable[[], bytes], started: float
+    ) -> Tuple[List[Any], int]:
+        """Restore the longest stored prefix of ``arr`` in the tree whose root
+        ``root()`` gives, and count the fetch (begun at ``started``, a
+        ``perf_counter``). Never raises for a broken store (a damaged salt secret
+        too): the error is logged and counted, and the fetch is a miss."""
+        try:
+            cache, n = self._fetch(arr, root=root())
+        except Exception:
+            log.exception("kvstore: fetch failed; treating it as a miss")
+            self.counters.add(errors=1)
+            cache, n = self.layout.make_cache(), 0
+        self.counters.fetched(len(arr), n, time.perf_counter() - started)
+        return cache, n
+
+    def find(
+        self,
+        arr: np.ndarray,
+        *,
+        limit: int,
+        full_only: bool = False,
+        root: Optional[bytes] = None,
+    ) -> List[Step]:
+        """:meth:`walk` in a read transaction of its own."""
+        return self.index.read(
+            lambda txn: self.walk(txn, arr, limit=limit, full_only=full_only, root=root)
+        )
+
+    def all_stored(self, arr: np.ndarray, *, root: bytes) -> Optional[List[Step]]:
+        """The nodes holding all of ``arr`` (with the checkpoint at its end that a
+        layout with state layers needs), their files read back whole, their access
+        noted; None if any is missing or broken (a broken one is reported)."""
+        stored = self.find(arr, limit=len(arr), full_only=True, root=root)
+        complete = sum(step.take for step in stored) == len(arr)
+        if (
+            complete
+            and (not self.layout.has_state or stored[-1].rec.has_state)
+            and self.intact(stored)
+        ):
+            self.accesses.touch(step.h for step in stored)
+            return stored
+        return None
 
     def _fetch(
         self,
@@ -120,11 +228,9 @@ class ReadPath:
         root: Optional[bytes] = None,
         decision: Optional[Decision] = None,
     ) -> Tuple[List[Any], int]:
-        path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
-        )
+        path = self.find(arr, limit=len(arr) - 1, root=root)
         if not path:
-            return self.new_cache(), 0
+            return self.layout.make_cache(), 0
         costs = self._read_costs(path)
         if decision is None:
             decision = self.policy.decide(
@@ -141,7 +247,7 @@ class ReadPath:
                         decision.restore_s * 1e3,
                         decision.recompute_s * 1e3,
                     )
-                return self.new_cache(), 0
+                return self.layout.make_cache(), 0
         if decision.nodes is not None:  # the first nodes only: cheaper than all
             log.info(
                 "kvstore: restoring the first %d of %d stored tokens; the rest is "
@@ -157,7 +263,7 @@ class ReadPath:
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
             step = path[failed]
-            self._read_failed(step.h, failures.errors[failed], step.rec)
+            self.broken.read_failed(step.h, failures.errors[failed], step.rec)
         state = None
         if state_job is not None:
             if failed < len(path):
@@ -166,22 +272,22 @@ class ReadPath:
                 return (
                     self._fetch(arr, retries - 1, root=root, decision=decision)
                     if retries
-                    else (self.new_cache(), 0)
+                    else (self.layout.make_cache(), 0)
                 )
             state = state_job.result()
         complete = failed >= len(path)
         path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
-            return self.new_cache(), 0
-        self._touch(step.h for step in path)
+            return self.layout.make_cache(), 0
+        self.accesses.touch(step.h for step in path)
         with MLX_LOCK:
             cache = self.layout.build(delta, state or {}, n)
         # A restore cut short says nothing of the rate: counted, not measured.
         seconds = time.perf_counter() - tic
         self.policy.record(decision, nbytes=nbytes if complete else 0, seconds=seconds)
         if complete:
-            self._keep_rates()
+            self.accesses.keep_rates()
         return cache, n
 
     def _read_costs(self, path: List[Step]) -> List[int]:
@@ -210,7 +316,7 @@ class ReadPath:
             state_job = self._readers.submit(self._read_state, path[-1])
             jobs.append((len(path) - 1, state_job))
         opened: Dict[int, _Opened] = {}  # by index in path
-        capacity = _capacity(n, query, self.restore_room, self._token_bytes)
+        capacity = _capacity(n, query, self.restore_room, self.shapes.token_bytes)
         try:
             # The arrays are allocated on the allocator's thread while this one opens
             # the first node files. The lock is held here, for the allocating thread.
@@ -265,7 +371,9 @@ class ReadPath:
         delta: Dict[str, Any] = {}
         try:
             if self.layout.rows:
-                capacity = _capacity(n, query, self.restore_room, self._token_bytes)
+                capacity = _capacity(
+                    n, query, self.restore_room, self.shapes.token_bytes
+                )
                 offsets = list(itertools.accumulate((s.take for s in path), initial=0))
                 with MLX_LOCK:
                     delta = load_arrays(
@@ -293,24 +401,24 @@ class ReadPath:
         if step.take == rec.ntokens:
             opened = self._open_node(step)
             try:
-                self._check_meta(opened.metadata)
+                self.shapes.check_meta(opened.metadata)
             except BaseException:
                 opened.close()
                 raise
             return FileSource(opened, checksum=rec.checksum)
-        self._check_sizes(rec)
+        self.shapes.check_sizes(rec)
         data, tensors, meta = self.blobs.read_staged(
             self.namespace,
             step.h,
             nbytes=rec.nbytes,
             checksum=rec.checksum,
-            expected=self._expected(rec.ntokens),
+            expected=self.shapes.expected(rec.ntokens),
             staging=bytearray(rec.nbytes),
         )
-        self._check_meta(meta)
+        self.shapes.check_meta(meta)
         return MemorySource(data, tensors)
 
-    def _walk(
+    def walk(
         self,
         txn,
         arr: np.ndarray,
@@ -351,7 +459,7 @@ class ReadPath:
         checkpoints: bool,
         look_aside: bool,
     ) -> List[Step]:
-        """:meth:`_walk` from node ``parent``, which ends at ``pos``.
+        """:meth:`walk` from node ``parent``, which ends at ``pos``.
 
         The walk takes the longest match at each level. With ``look_aside`` it then
         walks below the longest whole sibling it passed over at each level (without
@@ -433,9 +541,13 @@ class ReadPath:
         out += [
             Step(h, rec, common)
             for h, rec, common in self.index.nearest_children(
-                self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
+                self.namespace,
+                parent,
+                query,
+                txn,
+                on_corrupt=self.broken.corrupt_record,
             )
-            if h not in self._broken
+            if h not in self.broken
         ]
         if checkpoints:
             out += self._shorter_children(txn, parent, query)
@@ -456,65 +568,31 @@ class ReadPath:
         """Children whose tokens are a strict prefix of ``query`` (found by hash)."""
         out = []
         for h, rec in self.index.prefix_children(
-            self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
+            self.namespace, parent, query, txn, on_corrupt=self.broken.corrupt_record
         ):
-            if h not in self._broken and np.array_equal(
+            if h not in self.broken and np.array_equal(
                 rec.tokens, query[: rec.ntokens]
             ):
                 out.append(Step(h, rec, rec.ntokens))
         return out
 
     def _get_node(self, txn, h: bytes) -> Optional[NodeRecord]:
-        if h in self._broken:
+        if h in self.broken:
             return None
         try:
             return self.index.get_node(self.namespace, h, txn)
         except CorruptRecord as e:
-            self._corrupt_record(h, e)
+            self.broken.corrupt_record(h, e)
             return None
-
-    def _corrupt_record(self, h: bytes, error: CorruptRecord) -> None:
-        self._report_broken(h, f"index record: {error}")
-
-    def _check_sizes(self, rec: NodeRecord) -> None:
-        """Refuse a record whose sizes no node file of this store has, before anything
-        is allocated for it: a corrupt record must not cost gigabytes of memory."""
-        if rec.ntokens > self.chunk_tokens:
-            raise CorruptRecord(
-                f"record holds {rec.ntokens} tokens, nodes hold at most "
-                f"{self.chunk_tokens}"
-            )
-        _, data = self._node_file(rec.ntokens)
-        if not data + 8 < rec.nbytes <= data + 8 + MAX_HEADER_BYTES:
-            raise CorruptRecord(
-                f"record says the file has {rec.nbytes} bytes; a node of "
-                f"{rec.ntokens} tokens has {data} bytes of data and a header"
-            )
-
-    def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
-        """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
-        return self._node_file(ntokens)[0]
-
-    def _node_file(self, ntokens: int) -> Tuple[Dict[str, Tuple[str, Tuple]], int]:
-        """``(tensors, data bytes)`` of a node file of ``ntokens`` tokens, cached."""
-        known = self._node_files.get(ntokens)
-        if known is None:
-            expected = self.layout.delta_tensors(ntokens)
-            data = sum(
-                math.prod(shape) * DTYPES[dtype][1]
-                for dtype, shape in expected.values()
-            )
-            known = self._node_files[ntokens] = (expected, data)
-        return known
 
     def _open_node(self, step: Step) -> OpenFile:
         """Open a whole node's file, its record and header checked."""
-        self._check_sizes(step.rec)
+        self.shapes.check_sizes(step.rec)
         return self.blobs.open_checked(
             self.namespace,
             step.h,
             nbytes=step.rec.nbytes,
-            expected=self._expected(step.rec.ntokens),
+            expected=self.shapes.expected(step.rec.ntokens),
         )
 
     def _open_ahead(self, path: List[Step], opened: Dict[int, _Opened]) -> None:
@@ -591,10 +669,10 @@ class ReadPath:
                     plan.node_targets, offset=offset, node_tokens=rec.ntokens
                 ),
             )
-            self._check_meta(meta)
+            self.shapes.check_meta(meta)
             return
         else:
-            self._check_sizes(rec)
+            self.shapes.check_sizes(rec)
             staging = getattr(self._staging, "buf", None)
             if staging is None or len(staging) < rec.nbytes:
                 # A new buffer rather than a resize: an earlier view may still be alive.
@@ -604,10 +682,10 @@ class ReadPath:
                 key,
                 nbytes=rec.nbytes,
                 checksum=rec.checksum,
-                expected=self._expected(rec.ntokens),
+                expected=self.shapes.expected(rec.ntokens),
                 staging=staging,
             )
-            self._check_meta(meta)
+            self.shapes.check_meta(meta)
         plan.copy_node(
             data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens
         )
@@ -630,74 +708,11 @@ class ReadPath:
                 expected=None,
                 part=STATE_PART,
             )
-            self._check_meta(meta)
+            self.shapes.check_meta(meta)
             data = memoryview(data)
         return self.layout.decode_state(data, tensors, rec.end)
 
-    def _check_meta(self, meta: dict) -> None:
-        if not metadata_matches(meta, self.namespace):
-            raise CorruptBlob("file belongs to another namespace")
-
-    def _read_failed(
-        self, h: bytes, error: BaseException, rec: Optional[NodeRecord]
-    ) -> None:
-        """A node's files could not be read for a fetch (or a prefill, a preload).
-
-        Only evidence that the data is bad (:class:`CorruptBlob`: checksum, header,
-        size, a missing file; :class:`CorruptRecord`) reports the node broken, and
-        only while the index still holds the record it was read for. Any other
-        ``OSError`` (out of descriptors or memory, an interrupted call, EIO) is a
-        miss and a counted error: nothing is removed, the next fetch tries again.
-        """
-        if isinstance(error, (CorruptBlob, CorruptRecord)):
-            self._report_broken(h, str(error), rec)
-            return
-        if isinstance(error, OSError):
-            log.warning(
-                "kvstore: cannot read node %s now (%s); a miss, nothing removed",
-                h.hex()[:12],
-                error,
-            )
-        else:
-            log.error("kvstore: reading node failed", exc_info=error)
-        with self._lock:
-            self._counters.errors += 1
-
-    def _same_record(self, txn, h: bytes, rec: Optional[NodeRecord]) -> bool:
-        """Whether node ``h``'s record in ``txn`` is still ``rec`` (the same files);
-        with ``rec`` None, whether it is still a record that does not decode."""
-        try:
-            now = self.index.get_node(self.namespace, h, txn)
-        except CorruptRecord:
-            return rec is None
-        return now is not None and rec is not None and now.same_files(rec)
-
-    def _report_broken(
-        self, h: bytes, reason: str, rec: Optional[NodeRecord] = None
-    ) -> None:
-        """Report node ``h`` broken (a miss from it on) and have the writer quarantine
-        it: ``rec`` is the record its files were read for (None: a record that does
-        not decode). A node whose record has gone or changed since (another process
-        evicted it, or evicted and saved it again) is a plain miss instead."""
-        if rec is not None and not self.index.read(
-            lambda txn: self._same_record(txn, h, rec)
-        ):
-            log.debug("kvstore: node %s went while it was read: a miss", h.hex()[:12])
-            return
-        with self._lock:
-            if h in self._broken:
-                return
-            self._broken.add(h)
-            self._counters.corrupt += 1
-        log.warning(
-            "kvstore: node %s is broken (%s); treating it as a miss",
-            h.hex()[:12],
-            reason,
-        )
-        self._forget(h)
-        self.writer.submit(lambda: self._quarantine(h, reason, rec))
-
-    def _preload_pinned(self) -> None:
+    def preload_pinned(self) -> None:
         """Load pinned nodes' files into the RAM tier (as far as its budget allows)."""
         if self.ram.max_bytes == 0:
             return
@@ -710,8 +725,10 @@ class ReadPath:
                     or self.ram.nbytes + rec.total_bytes > self.ram.max_bytes
                 ):
                     continue
-                self._check_sizes(rec)
-                parts = [(h, rec.nbytes, rec.checksum, "", self._expected(rec.ntokens))]
+                self.shapes.check_sizes(rec)
+                parts = [
+                    (h, rec.nbytes, rec.checksum, "", self.shapes.expected(rec.ntokens))
+                ]
                 if rec.has_state:
                     parts.append(
                         (
@@ -731,9 +748,36 @@ class ReadPath:
                         expected=expected,
                         part=part,
                     )
-                    self._check_meta(meta)
+                    self.shapes.check_meta(meta)
                     if part == STATE_PART:
                         self.layout.decode_state(memoryview(data), tensors, rec.end)
                     self.ram.put(key, RamEntry(data, tensors, rec.kind, True))
             except (CorruptBlob, CorruptRecord, OSError) as e:
-                self._read_failed(h, e, rec)
+                self.broken.read_failed(h, e, rec)
+
+    def intact(self, steps: List[Step]) -> bool:
+        """Whether the stored nodes' files read back whole (checksums), so a prefill
+        may skip them; the first broken one is reported and quarantined as a fetch
+        would, and the prefill computes it again."""
+        for step in steps:
+            rec = step.rec
+            parts = [("", rec.nbytes, rec.checksum, self.shapes.expected(rec.ntokens))]
+            if rec.has_state:
+                parts.append((STATE_PART, rec.state_nbytes, rec.state_checksum, None))
+            try:
+                for part, nbytes, checksum, expected in parts:
+                    if part == "" and step.h in self.ram:
+                        continue  # checked when it was loaded
+                    meta = self.blobs.read_all(
+                        self.namespace,
+                        step.h,
+                        nbytes=nbytes,
+                        checksum=checksum,
+                        expected=expected,
+                        part=part,
+                    )[2]
+                    self.shapes.check_meta(meta)
+            except (CorruptBlob, OSError) as e:
+                self.broken.read_failed(step.h, e, rec)
+                return False
+        return True

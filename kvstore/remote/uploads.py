@@ -130,7 +130,7 @@ class Uploader:
                 # send. A broken one is the store's to report.
                 self._counters.add(uploads_skipped=1)
                 if isinstance(e, CorruptBlob):
-                    store._report_broken(h, f"before upload: {e}", rec)
+                    store.parts.broken.report(h, f"before upload: {e}", rec)
                 return
             except RemoteError:
                 if attempt == self.attempts - 1:
