@@ -37,7 +37,7 @@ class PromptLine:
     id: Optional[str] = None
     kind: str = "user"
     pin: bool = False
-    salt: Salt = None  # stored in this salt's tree (kvstore.salts)
+    salt: Salt = None  # stored in this salt's tree (kvstore.disk.salts)
     system_end: int = 0  # tokens of the system prompt (stored with kind "system")
     boundaries: List[int] = field(default_factory=list)
 

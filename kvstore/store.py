@@ -264,7 +264,7 @@ class KVStore:
             background. A failing remote is logged and counted, never raised.
         restore: ``"auto"``: a fetch restores a stored prefix only when reading it
             is faster than prefilling it, by the rates measured on this machine
-            (:mod:`kvstore.payoff`; until a prefill rate is known, always);
+            (:mod:`kvstore.engine.payoff`; until a prefill rate is known, always);
             ``"always"`` or ``"never"`` force either way. None: ``$KVSTORE_RESTORE``,
             else ``"auto"``.
 
@@ -334,7 +334,7 @@ class KVStore:
         Args:
             tokens: The prompt's token ids.
             salt: Reuse only KV saved with this salt (a tenant's tree; see
-                :mod:`kvstore.salts`): a string, or a :class:`kvstore.Tenant` (a
+                :mod:`kvstore.disk.salts`): a string, or a :class:`kvstore.Tenant` (a
                 gateway's tenant, apart from every string salt); None: the
                 unsalted tree.
 

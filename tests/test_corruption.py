@@ -40,7 +40,7 @@ def head_size(raw: bytes) -> int:
 
 def node_at(store, start):
     path = store.index.read(
-        lambda txn: store.parts.reads.walk(
+        lambda txn: store.parts.reads.trie.walk(
             txn, np.array(STORED, dtype=np.int32), limit=len(STORED)
         )
     )

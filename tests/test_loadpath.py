@@ -70,7 +70,7 @@ def _node_sources(store, tokens):
     """The whole nodes of ``tokens``' restore, opened as the load path opens them."""
     arr = np.array(tokens, np.int32)
     path = store.index.read(
-        lambda txn: store.parts.reads.walk(txn, arr, limit=len(arr))
+        lambda txn: store.parts.reads.trie.walk(txn, arr, limit=len(arr))
     )
     return path, [store.parts.reads._node_source(step) for step in path]
 

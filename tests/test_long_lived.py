@@ -45,7 +45,9 @@ def shrunk(tmp_path, model, capsys):
         s.flush()
         for tokens, at in zip(prompts, (1, 3)):
             walk = s.index.read(
-                lambda txn, t=tokens: s.parts.reads.walk(txn, np.array(t), limit=len(t))
+                lambda txn, t=tokens: s.parts.reads.trie.walk(
+                    txn, np.array(t), limit=len(t)
+                )
             )
             with open(s.blobs.path(s.namespace, walk[at].h), "r+b") as f:
                 f.seek(-4, os.SEEK_END)
@@ -294,7 +296,7 @@ def test_quarantine_spares_a_node_saved_again_meanwhile(saved, model):
     path, tokens = saved
     with KVStore(path, model, chunk_tokens=C, ram_bytes=0) as s:
         victim = s.index.read(
-            lambda txn: s.parts.reads.walk(txn, np.array(tokens), limit=800)
+            lambda txn: s.parts.reads.trie.walk(txn, np.array(tokens), limit=800)
         )[50]
         with open(s.blobs.path(s.namespace, victim.h), "r+b") as f:
             f.seek(-5, os.SEEK_END)
@@ -653,7 +655,7 @@ def gc_store_files(tmp_path, model):
             s.flush()
             time.sleep(0.05)
         walk = s.index.read(
-            lambda txn: s.parts.reads.walk(
+            lambda txn: s.parts.reads.trie.walk(
                 txn, np.array(random_tokens(800, 1)), limit=800
             )
         )

@@ -114,7 +114,9 @@ def test_a_store_restores_its_ram_tier_and_recomputes_the_rest(tmp_path, model):
         short = tokens[: 2 * C] + [1]
         assert s.fetch(short)[1] == 2 * C  # puts nothing in RAM by itself
         arr = np.array(tokens, np.int32)
-        path = s.index.read(lambda txn: s.parts.reads.walk(txn, arr, limit=len(arr)))
+        path = s.index.read(
+            lambda txn: s.parts.reads.trie.walk(txn, arr, limit=len(arr))
+        )
         for step in path[:2]:  # as a pinned prefix preloaded at open would be
             data = s.blobs.read_all(
                 s.namespace,

@@ -362,6 +362,8 @@ def test_ram_tier_keeps_the_last_nodes_of_a_save_bigger_than_it(tmp_path, model)
         store.flush()
         assert len(store.ram) == 2 and store.ram.nbytes == 2 * node
         path = store.index.read(
-            lambda txn: store.parts.reads.walk(txn, np.array(tokens), limit=len(tokens))
+            lambda txn: store.parts.reads.trie.walk(
+                txn, np.array(tokens), limit=len(tokens)
+            )
         )
         assert [s.h in store.ram for s in path] == [False] * 4 + [True] * 2

@@ -360,7 +360,7 @@ def test_broken_file_is_a_miss_and_a_report(tmp_path, model, damage):
 
 def _node_at(store, tokens, start):
     path = store.index.read(
-        lambda txn: store.parts.reads.walk(
+        lambda txn: store.parts.reads.trie.walk(
             txn, np.array(tokens, dtype=np.int32), limit=len(tokens)
         )
     )

@@ -39,7 +39,7 @@ def hold_writer(store) -> threading.Event:
 def atime(store, tokens) -> float:
     """The access time the index holds for the last node of stored ``tokens``."""
     path = store.index.read(
-        lambda txn: store.parts.reads.walk(
+        lambda txn: store.parts.reads.trie.walk(
             txn, tokens, limit=len(tokens), full_only=True
         )
     )
@@ -84,7 +84,9 @@ def test_second_large_save_while_one_is_pending_is_dropped_once(store, model, ca
     store.save(OTHER, compute_cache(model, OTHER))
     store.flush()
     first = store.index.read(
-        lambda txn: store.parts.reads.walk(txn, OTHER, limit=len(OTHER), full_only=True)
+        lambda txn: store.parts.reads.trie.walk(
+            txn, OTHER, limit=len(OTHER), full_only=True
+        )
     )[0].h
     assert "200-token prompt" in line and first.hex()[:12] in line
 
@@ -108,7 +110,9 @@ def test_quarantine_during_a_large_save_is_not_refused(store, model):
     store.save(SMALL, compute_cache(model, SMALL))
     store.flush()
     path = store.index.read(
-        lambda txn: store.parts.reads.walk(txn, SMALL, limit=len(SMALL), full_only=True)
+        lambda txn: store.parts.reads.trie.walk(
+            txn, SMALL, limit=len(SMALL), full_only=True
+        )
     )
     broken, rec = path[-1].h, path[-1].rec
     gate = hold_writer(store)

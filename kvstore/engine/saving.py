@@ -45,7 +45,7 @@ class HeldTokens:
     On the CPU and Metal these are views of the cache's own buffers (no copy, and
     immune to the caller's updates: while a view holds a buffer, MLX copies it to
     update it). With CUDA they are device copies, read on the host only on the
-    writer thread (:mod:`kvstore.devices`): the caller's live cache stays in
+    writer thread (:mod:`kvstore.platform.devices`): the caller's live cache stays in
     device memory, and ``save()`` does not wait for the copy to reach the host.
     """
 
@@ -290,7 +290,7 @@ class WritePath:
     ) -> Tuple[Optional[NodeFile], Optional[NodeFile]]:
         """Writer thread: the files of ``node`` that the index lacks, its delta file and
         its state file (None: nothing to write), as views of the cache's arrays (no
-        copy: :class:`kvstore.blobs.NodeFile`)."""
+        copy: :class:`kvstore.disk.blobs.NodeFile`)."""
         ns = self.namespace
         rec = self.index.get_node(ns, node.h)
         if node.raw is not None:  # downloaded and validated by the remote tier
@@ -327,7 +327,7 @@ class WritePath:
     ) -> List[tuple]:
         """Writer thread: write every file of :meth:`_serialize` into ``batch`` and
         publish them together (durable before any is linked, see
-        :mod:`kvstore.publish`). Returns ``(node, delta, state)`` per node, each file
+        :mod:`kvstore.disk.publish`). Returns ``(node, delta, state)`` per node, each file
         as a ``(NodeFile, Published)`` pair or None."""
         ns, parts = self.namespace, []
         for node, pair in zip(nodes, files):
@@ -388,7 +388,7 @@ class WritePath:
         also drops the reservation. A file is reserved until it is indexed or unlinked.
         ``root``: a salted tree's (its nodes stay off the remote tier and count
         against ``salt_disk_bytes``); None: the namespace's. ``group``: the root whose
-        quota the tree counts against (a tenant's, :func:`kvstore.salts.tree_of`).
+        quota the tree counts against (a tenant's, :func:`kvstore.disk.salts.tree_of`).
         """
         ns = self.namespace
         files = [self._serialize(node) for node in nodes]
