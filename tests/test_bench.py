@@ -18,6 +18,8 @@ from kvstore.bench.measure import (
     timed_fetch,
 )
 
+pytestmark = pytest.mark.stress
+
 
 def _has_matplotlib() -> bool:
     try:

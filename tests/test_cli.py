@@ -167,6 +167,7 @@ def test_store_of_another_format_version_is_refused(tmp_path, tiny_model_dir):
     assert proc.returncode == 2 and "format version 999" in proc.stderr
 
 
+@pytest.mark.stress
 def test_killed_mid_file_then_rerun_completes(tmp_path, tiny_model_dir):
     rows = [{"tokens": random_tokens(200, 1000 + i)} for i in range(300)]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)

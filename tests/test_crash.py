@@ -20,7 +20,7 @@ from conftest import compute_cache, random_tokens, tiny_llama
 
 from kvstore import KVStore, maintenance
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.stress
 
 C = 32
 PROMPTS = [random_tokens(96 + 16 * (i % 4), 5000 + i) for i in range(24)]

@@ -239,7 +239,7 @@ def world_readable_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_read_only_store(world_readable_dir, model, tiny_model_dir):
     pre = unprivileged()
     store = os.path.join(world_readable_dir, "store")

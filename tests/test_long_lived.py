@@ -17,6 +17,8 @@ from kvstore import KVStore
 from kvstore.disk import mdbfile
 from kvstore.disk.storecheck import StoreError, check_data_file
 
+pytestmark = pytest.mark.stress
+
 C = 8  # tokens per chunk
 
 

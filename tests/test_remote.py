@@ -71,7 +71,9 @@ class Backend:
         self.cluster = cluster  # the CephCluster, for the gateway's
 
 
-@pytest.fixture(scope="module", params=["moto", "ceph"])
+@pytest.fixture(
+    scope="module", params=["moto", pytest.param("ceph", marks=pytest.mark.stress)]
+)
 def backend(request):
     """Each test of the module runs against moto and against Ceph's S3 gateway (a
     real RADOS cluster on this machine; skipped, saying why, without Ceph), with the
@@ -780,7 +782,7 @@ def test_error_answers_are_described(code, message, said):
     assert "None" not in _describe(code, message)
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
     """``kvstore serve --remote`` as real processes on two stores: B answers with the
     system prompt A computed, restored through the remote."""
@@ -1112,6 +1114,7 @@ def test_a_listing_that_never_ends_is_bounded(monkeypatch, stub, bounds, match):
     assert server.pages <= 8 + 4  # both listings
 
 
+@pytest.mark.stress
 def test_pull_and_push_end_against_an_endless_listing(
     tmp_path, tiny_model_dir, monkeypatch, capsys
 ):

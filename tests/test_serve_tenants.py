@@ -290,6 +290,7 @@ def stream_tokens(port, b, started, timeout=120):
     return n
 
 
+@pytest.mark.stress
 def test_sigkill_mid_batch_leaves_a_clean_store(tmp_path, tiny_model_dir):
     store = str(tmp_path / "store")
     kv = ["kvstore.server", "--model", tiny_model_dir, "--store", store]

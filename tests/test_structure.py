@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Dict, Iterable, List, Set, Tuple
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "kvstore"
 
@@ -377,6 +379,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.stress
 def test_every_module_imports_first():
     """Each module imported before any other kvstore module works: an order that
     only works when some other module happens to be loaded first fails here."""
