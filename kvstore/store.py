@@ -19,7 +19,6 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
@@ -35,6 +34,7 @@ from .engine.loadpath import default_restore_io
 from .engine.parts import Parts
 from .engine.ram import RamTier
 from .engine.removal import Budgets
+from .engine.tail import Tail
 from .engine.writer import BackgroundWriter
 from .maintenance.common import check_int
 from .platform import fsutil
@@ -67,8 +67,9 @@ _MINIMUMS = {
 _OPTIONAL_MINIMUMS = {"kv_bits": 1, "disk_bytes": 1, "salt_disk_bytes": 1}
 
 
-def _check_arguments(path, model, tokenizer, **numbers) -> None:
-    """Refuse, naming the argument, what :class:`KVStore` cannot open with."""
+def _check_arguments(path, model, tokenizer, **numbers) -> Dict[str, Any]:
+    """Refuse, naming the argument, what :class:`KVStore` cannot open with; the
+    numbers, checked."""
     for name, minimum in _MINIMUMS.items():
         check_int(name, numbers[name], minimum=minimum)
     for name, minimum in _OPTIONAL_MINIMUMS.items():
@@ -88,6 +89,7 @@ def _check_arguments(path, model, tokenizer, **numbers) -> None:
             f"tokenizer must be an mlx-lm or Hugging Face tokenizer (with "
             f"get_vocab()) or None, got {type(tokenizer).__name__}"
         )
+    return numbers
 
 
 def _numbers(arguments: Dict[str, Any]) -> Dict[str, Any]:
@@ -152,14 +154,9 @@ def _checked(tokens, kind: str, what: str, *, pin=False, boundaries=()) -> np.nd
     return arr
 
 
-def _check_vocab(model, arr: np.ndarray) -> None:
-    """Refuse token ids the model's embedding does not have."""
-    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-    if isinstance(vocab, int) and arr.max() >= vocab:
-        bad = int(np.flatnonzero(arr >= vocab)[0])
-        raise ValueError(
-            f"tokens[{bad}] = {arr[bad]} is not below the model's vocab_size {vocab}"
-        )
+def _check_held(held) -> None:
+    if not isinstance(held, int) or held < 0:
+        raise ValueError(f"held must be a token count >= 0, got {held!r}")
 
 
 class _Setting:
@@ -209,6 +206,7 @@ def _open_parts(
         lambda txn: payoff.read_rates(txn, index.db["meta"], opened.namespace)
     )
     parts = Parts(
+        model=model,
         index=index,
         blobs=Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine")),
         ram=RamTier(ram_bytes),
@@ -296,8 +294,7 @@ class KVStore:
         remote=None,
         restore: Optional[str] = None,
     ):
-        numbers = _numbers(locals())  # the numeric arguments above, by name
-        _check_arguments(path, model, tokenizer, **numbers)
+        numbers = _check_arguments(path, model, tokenizer, **_numbers(locals()))
         restore = _restore_mode(restore)
         self.path, self.model, self.tokenizer = os.fspath(path), model, tokenizer
         self.chunk_tokens, self.read_threads = chunk_tokens, read_threads
@@ -348,16 +345,47 @@ class KVStore:
                 (or a part of a Tenant) not a non-empty string of at most 256 bytes.
         """
         self.parts.check_open()
-        arr, parts, tic = (
-            as_token_array(tokens),
-            salts.parse_salt(salt),
-            time.perf_counter(),
-        )
-        if self.remote is not None and parts is None:
-            # Salted trees stay local: another machine's store has another secret.
-            self.remote.before_fetch(arr)  # bounded wait; never raises
-        root = lambda: self.parts.tree_of(parts)[0]  # noqa: E731 (a miss if it fails)
+        arr, tic = as_token_array(tokens), time.perf_counter()
+        root = self.parts.before_fetch(arr, salts.parse_salt(salt))
         return self.parts.reads.fetch(arr, root=root, started=tic)
+
+    def fetch_beyond(
+        self, tokens, held: int, *, salt: salts.Salt = None
+    ) -> Optional[Tail]:
+        """Restore the stored KV of ``tokens`` past the first ``held``, which the
+        caller has in a cache of its own.
+
+        Only the nodes from the one holding token ``held`` on are read, and only
+        when reading them is faster than prefilling ``stored - held`` tokens
+        (``restore="auto"``, by the measured rates). With state layers the whole
+        stored prefix is restored or nothing.
+
+        Args:
+            tokens: The prompt's token ids.
+            held: Tokens of ``tokens`` the caller holds (0: none).
+            salt: The tree to read (see :meth:`fetch`).
+
+        Returns:
+            A :class:`Tail` (``start <= held < end <= len(tokens) - 1``), or None
+            when the store holds nothing past ``held`` or the tokens are cheaper
+            to prefill. Never raises for a broken store (a miss, logged).
+        """
+        self.parts.check_open()
+        arr, tic = as_token_array(tokens), time.perf_counter()
+        _check_held(held)
+        root = self.parts.before_fetch(arr, salts.parse_salt(salt))
+        return self.parts.tail.fetch_beyond(arr, held, root=root, started=tic)
+
+    def join_tail(self, head: Sequence[Any], tail: Tail, *, query: int) -> List[Any]:
+        """``head`` (a cache holding at least ``tail.start`` tokens) with ``tail``
+        appended: fresh cache objects holding ``tail.end`` tokens, with room past
+        them for the rest of a ``query``-token prompt (``restore_room``).
+
+        Raises:
+            LayoutMismatch, ValueError: ``head`` does not have this store's layout
+                (another layer class, fewer tokens), or the layout has state layers.
+        """
+        return self.parts.tail.join(head, tail, query=query)
 
     def save(
         self,
@@ -439,37 +467,22 @@ class KVStore:
         """
         self.parts.check_open()
         arr = _checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
-        check_int("step_tokens", step_tokens, minimum=1)
-        tree = self.parts.tree_of(salts.parse_salt(salt))
-        _check_vocab(self.model, arr)
-        stored = self.parts.reads.all_stored(arr, root=tree[0])
-        if stored is not None:
-            if pin:
-                self.parts.writes.pin_stored([s.h for s in stored], kind=kind)
-            return {"tokens": len(arr), "computed": 0, "reused": len(arr)}
-        cache, n = self.fetch(arr, salt=salt)
-        stops = sorted({b for b in boundaries if n < b < len(arr)} | {len(arr)})
-        if not self.layout.has_state:
-            stops = [len(arr)]  # deltas can be cut anywhere: one save at the end
-        for start, stop in zip([n] + stops, stops):
-            self.extend(cache, arr, start, stop, step_tokens=step_tokens)
-            bounds = [b for b in boundaries if b < stop]
-            self.parts.writes.save(
-                arr[:stop], cache, kind=kind, pin=pin, boundaries=bounds, tree=tree
-            )
-        return {"tokens": len(arr), "computed": len(arr) - n, "reused": n}
+        return self.parts.prefill.run(
+            arr,
+            self.fetch,
+            salt=salt,
+            kind=kind,
+            pin=pin,
+            boundaries=boundaries,
+            step_tokens=step_tokens,
+        )
 
     def extend(
         self, cache: List[Any], tokens, start: int, end: int, *, step_tokens: int = 512
     ) -> None:
         """Run the model over ``tokens[start:end]`` into ``cache`` (which holds
         ``tokens[:start]``), ``step_tokens`` at a time."""
-        arr = as_token_array(tokens)
-        tic = time.perf_counter()
-        for s in range(start, end, step_tokens):
-            self.model(mx.array(arr[s : min(s + step_tokens, end)])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-        self.note_prefill(end - start, time.perf_counter() - tic)
+        self.parts.prefill.extend(cache, tokens, start, end, step_tokens=step_tokens)
 
     def new_cache(self) -> List[Any]:
         """An empty cache of the layout this store holds (what ``fetch`` returns on a miss)."""
@@ -483,16 +496,14 @@ class KVStore:
         self.parts.check_open()
         arr = as_token_array(tokens)
         root = self.parts.tree_of(salts.parse_salt(salt))[0]
-        path = self.parts.reads.find(arr, limit=len(arr) - 1, root=root)
-        return sum(step.take for step in path)
+        return self.parts.reads.stored_tokens(arr, root=root)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """Tell the store that the model prefilled ``tokens`` tokens in ``seconds``
         (a generate loop's own measurement), for deciding what restores pay (see
         ``restore``). ``kvstore.stream_generate`` and :meth:`prefill` call it;
         the rate is kept in the store for other processes on this host."""
-        if self.policy.rates.note_prefill(tokens, seconds):
-            self.parts.accesses.keep_rates()
+        self.parts.prefill.note_prefill(tokens, seconds)
 
     def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
         """Tokens ``cache`` holds, as far as its layers tell (None: only recurrent
@@ -509,13 +520,7 @@ class KVStore:
         self.parts.check_open()
         arr = _checked(tokens, "user", "pin")
         _check_bool("pinned", pinned)
-        self.flush()
-        path = self.parts.reads.find(arr, limit=len(arr), full_only=True)
-        if not path:
-            return 0
-        return maintenance.pin_path(
-            self.path, self.namespace.hex(), path[-1].h.hex(), pinned
-        )
+        return self.parts.pin(arr, pinned=pinned, path=self.path)
 
     def stats(self) -> Dict[str, Any]:
         """Counts for the store (all namespaces), this model's namespace, and this process."""

@@ -147,6 +147,12 @@ def smollm2(tmp_path_factory):
     return load(ensure_default_model(root=root))
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default options): one worker per core, at most 4; tests that
+    spawn servers and writers need the cores they wait on."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def pytest_report_header(config):
     if os.environ.get("KVSTORE_TEST_PLATFORM") == "macos":
         return (

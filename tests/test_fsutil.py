@@ -186,7 +186,7 @@ def test_lock_byte_excludes_another_process(tmp_path):
     try:
         assert fsutil.lock_byte(fd, 1, exclusive=False, blocking=True)
         probe = (
-            "import os, sys; from kvstore import fsutil; "
+            "import os, sys; from kvstore.platform import fsutil; "
             "fd = os.open(sys.argv[1], os.O_RDWR); "
             "print(fsutil.lock_byte(fd, 1, exclusive=True, blocking=False), "
             "fsutil.lock_byte(fd, 0, exclusive=True, blocking=False))"

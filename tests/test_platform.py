@@ -214,7 +214,7 @@ def test_macos_mode_hides_linux_calls_here_and_in_children(tmp_path, model):
         [
             sys.executable,
             "-c",
-            "import os, fcntl; from kvstore import fsutil, memutil; "
+            "import os, fcntl; from kvstore.platform import fsutil, memutil; "
             "print(hasattr(os, 'preadv'), os.path.exists('/proc/self'), "
             "fcntl.F_FULLFSYNC, fsutil.sync_file_range, memutil.prefault_supported())",
         ],

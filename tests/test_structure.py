@@ -273,6 +273,7 @@ FOREIGN_PRIVATE = {
     "_exit": "os._exit",
     "_idx": "mlx-lm's RotatingKVCache write position, part of the state it saves",
     "_run_http_server": "mlx_lm.server, checked at start-up (kvstore.platform.compat)",
+    "_trie": "mlx-lm's LRUPromptCache trie, searched only where can_prefetch found it",
 }
 
 

@@ -2,8 +2,9 @@
 construction, what it shares with the others."""
 
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
+from .. import maintenance
 from ..disk import salts
 from ..disk.adapters import Layout
 from ..disk.blobs import Blobs
@@ -11,11 +12,13 @@ from ..disk.index import Index, StoreError
 from .accesses import Accesses
 from .counters import Counters
 from .payoff import RestorePolicy
+from .prefill import Prefill
 from .ram import RamTier
 from .removal import BrokenNodes, Budgets, Removal
 from .restore import ReadPath
 from .saving import WritePath
 from .shapes import NodeShapes
+from .tail import TailRead
 from .writer import BackgroundWriter
 
 
@@ -30,9 +33,12 @@ class Parts:
         removal: Eviction, quarantine, cleanup (:class:`~.removal.Removal`).
         broken: The broken nodes found (:class:`~.removal.BrokenNodes`).
         reads: Fetches (:class:`~.restore.ReadPath`).
+        tail: Restores past a caller's own copy (:class:`~.tail.TailRead`).
         writes: Saves (:class:`~.saving.WritePath`).
+        prefill: The model run over what is missing, saved (:class:`~.prefill.Prefill`).
 
     Args:
+        model: The mlx-lm model (for prefills).
         index, blobs, ram, writer, policy: The store's index, node files, RAM tier,
             background writer and restore policy.
         layout, namespace, description, root, chunk_tokens: The namespace's layout,
@@ -45,6 +51,7 @@ class Parts:
     def __init__(
         self,
         *,
+        model,
         index: Index,
         blobs: Blobs,
         ram: RamTier,
@@ -94,6 +101,15 @@ class Parts:
             read_threads=read_threads,
             restore_io=restore_io,
         )
+        self.tail = TailRead(
+            reads=self.reads,
+            layout=layout,
+            shapes=self.shapes,
+            policy=policy,
+            broken=self.broken,
+            accesses=self.accesses,
+            counters=self.counters,
+        )
         self.writes = WritePath(
             **paths,
             reads=self.reads,
@@ -103,6 +119,35 @@ class Parts:
             budgets=budgets,
             remote=remote,
         )
+        self.prefill = Prefill(
+            model=model,
+            layout=layout,
+            reads=self.reads,
+            writes=self.writes,
+            policy=policy,
+            accesses=self.accesses,
+            tree_of=self.tree_of,
+        )
+
+    def before_fetch(self, arr, parts) -> Callable[[], bytes]:
+        """Have the remote tier download what it holds past the local nodes of
+        ``arr`` (unsalted fetches: ``parts`` None), then return how to find the
+        tree's root of ``parts`` (inside the fetch's error handling)."""
+        if self.remote is not None and parts is None:
+            # Salted trees stay local: another machine's store has another secret.
+            self.remote.before_fetch(arr)  # bounded wait; never raises
+        return lambda: self.tree_of(parts)[0]
+
+    def pin(self, arr, *, pinned: bool, path: str) -> int:
+        """Pin (or unpin) the stored prefix of ``arr`` and its ancestors in the store
+        at ``path`` (:func:`kvstore.maintenance.pin_path`), once pending writes are
+        in; the number of nodes changed."""
+        self.flush()
+        stored = self.reads.find(arr, limit=len(arr), full_only=True)
+        if not stored:
+            return 0
+        h = stored[-1].h.hex()
+        return maintenance.pin_path(path, self.namespace.hex(), h, pinned)
 
     def tree_of(self, parts) -> Tuple[bytes, bytes]:
         """``(tree root, quota root)`` of a salt parsed by ``salts.parse_salt``."""

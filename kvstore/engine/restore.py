@@ -183,7 +183,7 @@ class ReadPath:
         ``perf_counter``). Never raises for a broken store (a damaged salt secret
         too): the error is logged and counted, and the fetch is a miss."""
         try:
-            cache, n = self._fetch(arr, root=root())
+            cache, n = self.restore(arr, root=root())
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             self.counters.add(errors=1)
@@ -207,6 +207,10 @@ class ReadPath:
             )
         )
 
+    def stored_tokens(self, arr: np.ndarray, *, root: bytes) -> int:
+        """How many tokens of ``arr`` a fetch would restore now (index only)."""
+        return sum(step.take for step in self.find(arr, limit=len(arr) - 1, root=root))
+
     def all_stored(self, arr: np.ndarray, *, root: bytes) -> Optional[List[Step]]:
         """The nodes holding all of ``arr`` (with the checkpoint at its end that a
         layout with state layers needs), their files read back whole, their access
@@ -222,7 +226,7 @@ class ReadPath:
             return stored
         return None
 
-    def _fetch(
+    def restore(
         self,
         arr: np.ndarray,
         retries: int = 2,
@@ -230,10 +234,12 @@ class ReadPath:
         root: Optional[bytes] = None,
         decision: Optional[Decision] = None,
     ) -> Tuple[List[Any], int]:
+        """:meth:`fetch` without the counting: ``(cache, n)``. ``decision``: one
+        made already (a tail read's), else the policy decides."""
         path = self.find(arr, limit=len(arr) - 1, root=root)
         if not path:
             return self.layout.make_cache(), 0
-        costs = self._read_costs(path)
+        costs = self.read_costs(path)
         if decision is None:
             decision = self.policy.decide(
                 [s.take for s in path], costs, cuttable=not self.layout.has_state
@@ -260,8 +266,7 @@ class ReadPath:
             path, costs = path[: decision.nodes], costs[: decision.nodes]
         nbytes = sum(costs)
         tic = time.perf_counter()
-        read = self._load_path if self.restore_io == "load" else self._read_path
-        failures, state_job, delta = read(path, len(arr))
+        failures, state_job, delta = self.read(path, len(arr))
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
             step = path[failed]
@@ -272,7 +277,7 @@ class ReadPath:
                 # The checkpoint's path is broken: look again (broken nodes are skipped
                 # now) for the next best checkpoint.
                 return (
-                    self._fetch(arr, retries - 1, root=root, decision=decision)
+                    self.restore(arr, retries - 1, root=root, decision=decision)
                     if retries
                     else (self.layout.make_cache(), 0)
                 )
@@ -292,7 +297,7 @@ class ReadPath:
             self.accesses.keep_rates()
         return cache, n
 
-    def _read_costs(self, path: List[Step]) -> List[int]:
+    def read_costs(self, path: List[Step]) -> List[int]:
         """Bytes of node (and checkpoint) files a restore of each node of ``path``
         reads: the RAM tier's nodes cost no read."""
         costs = [0 if s.h in self.ram else s.rec.nbytes for s in path]
@@ -300,6 +305,15 @@ class ReadPath:
         if self.layout.has_state and state_key(last.h) not in self.ram:
             costs[-1] += last.rec.state_nbytes
         return costs
+
+    def read(
+        self, path: List[Step], query: int
+    ) -> Tuple["Failures", Optional[Future], Dict[str, Any]]:
+        """Read the nodes of ``path`` for a ``query``-token prompt into new arrays:
+        ``(failures, state job or None, delta arrays by name)`` (:meth:`_read_path`,
+        or :meth:`_load_path` through ``mx.load`` where ``restore_io`` is load)."""
+        read = self._load_path if self.restore_io == "load" else self._read_path
+        return read(path, query)
 
     def _read_path(
         self, path: List[Step], query: int

@@ -58,8 +58,9 @@ class HeldTokens:
     def host(self) -> Dict[str, np.ndarray]:
         """``name -> (1, heads, tokens, width)`` host arrays (made once)."""
         if self._host is None:
-            with MLX_LOCK:
-                self._host = {k: np.asarray(v) for k, v in self._arrays.items()}
+            self._host = {
+                k: devices.host_copy(v, lock=MLX_LOCK) for k, v in self._arrays.items()
+            }
             self._arrays = {}
         return self._host
 
