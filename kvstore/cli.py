@@ -28,7 +28,7 @@ class CLIError(Exception):
 
 def _salt(text: str) -> str:
     """An argparse type: a cache salt (non-empty, at most 256 bytes)."""
-    from .salts import check_salt
+    from .disk.salts import check_salt
 
     try:
         check_salt(text, what="the salt")
@@ -53,7 +53,7 @@ def load_model(name: Optional[str]):
     if local and not os.path.isdir(os.path.expanduser(name)):
         raise CLIError(f"cannot load model {name!r}: no such directory")
     if name is None:
-        from .default_model import ensure_default_model
+        from .platform.default_model import ensure_default_model
 
         try:
             name = ensure_default_model()
@@ -68,7 +68,9 @@ def load_model(name: Optional[str]):
 def open_store(path: str, model, tokenizer, args, *, remote=None):
     """The store for ``args``' --chunk-tokens, --kv-bits / --kv-group-size and (where
     the command has them) --disk-bytes / --ram-bytes / --restore-room."""
-    from . import KVStore, StoreError, UnsupportedCacheError
+    from .disk.adapters import UnsupportedCacheError
+    from .disk.index import StoreError
+    from .store import KVStore
 
     sizes = {}
     if getattr(args, "ram_bytes", None) is not None:
@@ -366,12 +368,12 @@ def _decoders(store: str, model: Optional[str]) -> dict:
     """Token decoders for the namespaces whose vocabulary is the model's tokenizer's."""
     from mlx_lm.utils import load_tokenizer
 
-    from .index import Index
-    from .namespace import vocab_digest
+    from .disk.index import Index
+    from .disk.namespace import vocab_digest
 
     try:
         if model is None:
-            from .default_model import ensure_default_model
+            from .platform.default_model import ensure_default_model
 
             model = ensure_default_model()
         tokenizer = load_tokenizer(model)
@@ -541,7 +543,7 @@ def _push_namespaces(args) -> Optional[List[bytes]]:
     """The namespaces ``--namespace`` and ``--model`` name; None (all) without them."""
     if not args.namespace and args.model is None:
         return None
-    from .index import Index
+    from .disk.index import Index
     from .maintenance.common import known_namespaces, resolve_namespace
 
     out = []
@@ -827,7 +829,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import lmdb
 
-    from .index import StoreError
+    from .disk.index import StoreError
 
     try:
         return args.func(args)

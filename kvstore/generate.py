@@ -8,7 +8,7 @@ from mlx_lm import stream_generate as _mlx_stream_generate
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .salts import Salt
+from .disk.salts import Salt
 
 
 def encode_prompt(tokenizer, prompt: Union[str, mx.array, List[int]]) -> List[int]:

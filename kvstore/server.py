@@ -46,9 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import serve_metrics
-from .compat import check_server, server_refusal
-from .metrics import ServeMetrics
+from .disk.salts import parse_salt
 from .options import (
     add_remote_options,
     add_size_options,
@@ -57,13 +55,15 @@ from .options import (
     remote_options,
     store_disk_budget,
 )
-from .salts import parse_salt
-from .serve_prefetch import (
+from .platform.compat import check_server, server_refusal
+from .serve import listener as serve_metrics
+from .serve.metrics import ServeMetrics
+from .serve.prefetch import (
     Prefetched,
     Prefetcher,
     prefetch_response_generator_class,
 )
-from .serve_salts import (
+from .serve.request_salts import (
     UNKNOWN,
     SaltedCache,
     SaltPolicy,
@@ -72,8 +72,8 @@ from .serve_salts import (
     missing_hooks,
     response_generator_class,
 )
-from .serve_saves import SaveJob, SaveQueue, evaluate
-from .serve_timing import (
+from .serve.saves import SaveJob, SaveQueue, evaluate
+from .serve.timing import (
     PrefillClock,
     timed_batch_generator_class,
     timed_response_generator_class,
@@ -358,7 +358,7 @@ class PersistentPromptCache:
     def prefetch(self, model_key, tokens: List[int], salt) -> Optional[Prefetched]:
         """On a prefetch thread: restore what the store holds of ``tokens`` past
         the RAM LRU's copy, for the request's lookup to take (see
-        :mod:`kvstore.serve_prefetch`). Only a store already open is read."""
+        :mod:`kvstore.serve.prefetch`). Only a store already open is read."""
         tic = time.perf_counter()
         salt = self._salt(salt, None)
         with self._lock:
@@ -563,7 +563,7 @@ def _prefetched_tail(pre: Optional[Prefetched], model, tokens, ram_n: int, salt)
 
 def _stored_tail(store, tokens: List[int], ram_n: int, salt):
     """What the store holds of ``tokens`` past a RAM copy of ``ram_n`` of them (a
-    :class:`kvstore.tail.Tail`: only the nodes past the copy are read), or None
+    :class:`kvstore.engine.tail.Tail`: only the nodes past the copy are read), or None
     when it holds no more or prefilling the difference is cheaper (by the
     measured rates)."""
     # The index alone tells whether the store holds more (a remote tier may).

@@ -140,7 +140,7 @@ def smollm2(tmp_path_factory):
 
     from mlx_lm import load
 
-    from kvstore.default_model import ensure_default_model
+    from kvstore.platform.default_model import ensure_default_model
 
     home = os.environ.get("KVSTORE_HOME")
     root = home if home else str(tmp_path_factory.mktemp("kvstore-home"))

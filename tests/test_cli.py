@@ -314,7 +314,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 import mlx.core as mx
 from kvstore import KVStore
-from kvstore.default_model import ensure_default_model
+from kvstore.platform.default_model import ensure_default_model
 model, tok = load(ensure_default_model())
 msgs = [{{"role": "system", "content": {system!r}}}, {{"role": "user", "content": "Capital of Italy?"}}]
 tokens = tok.apply_chat_template(msgs, add_generation_prompt=True)

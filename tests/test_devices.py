@@ -1,4 +1,4 @@
-"""The CUDA branches of kvstore.devices, namespace and saving, run on the CPU.
+"""The CUDA branches of kvstore.platform.devices, namespace and saving, run on the CPU.
 
 On CUDA, kvstore never reads the model's weights or the caller's live cache on the
 host: it reads device copies. Whether MLX moved a buffer cannot be seen on the CPU
@@ -12,7 +12,8 @@ import pytest
 from conftest import compute_cache, next_logits, random_tokens, tiny_llama
 
 import kvstore
-from kvstore import devices, namespace
+from kvstore.disk import namespace
+from kvstore.platform import devices
 
 C = 16
 

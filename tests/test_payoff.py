@@ -1,4 +1,4 @@
-"""Restore only when it pays (kvstore.payoff): the choice, its counters, its rates."""
+"""Restore only when it pays (kvstore.engine.payoff): the choice, its counters, its rates."""
 
 import mlx.core as mx
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from conftest import compute_cache, random_tokens, tiny_llama
 
 import kvstore
-from kvstore import payoff
-from kvstore.payoff import EXPLORE_EVERY, Rates, RestorePolicy
+from kvstore.engine import payoff
+from kvstore.engine.payoff import EXPLORE_EVERY, Rates, RestorePolicy
 
 C = 16
 
@@ -114,16 +114,20 @@ def test_a_store_restores_its_ram_tier_and_recomputes_the_rest(tmp_path, model):
         short = tokens[: 2 * C] + [1]
         assert s.fetch(short)[1] == 2 * C  # puts nothing in RAM by itself
         arr = np.array(tokens, np.int32)
-        path = s.index.read(lambda txn: s._walk(txn, arr, limit=len(arr)))
+        path = s.index.read(
+            lambda txn: s.parts.reads.trie.walk(txn, arr, limit=len(arr))
+        )
         for step in path[:2]:  # as a pinned prefix preloaded at open would be
             data = s.blobs.read_all(
                 s.namespace,
                 step.h,
                 nbytes=step.rec.nbytes,
                 checksum=step.rec.checksum,
-                expected=s._expected(step.rec.ntokens),
+                expected=s.parts.shapes.expected(step.rec.ntokens),
             )
-            s.ram.put(step.h, kvstore.ram.RamEntry(data[0], data[1], "user", False))
+            s.ram.put(
+                step.h, kvstore.engine.ram.RamEntry(data[0], data[1], "user", False)
+            )
         # 96 tokens: 9.6 ms to prefill; the RAM part costs the fixed 2 ms and the rest
         # 6.4 ms of prefill; a node file takes seconds to read.
         s.policy.rates.prefill = 1e4
@@ -159,7 +163,7 @@ def test_the_rates_are_kept_for_the_next_process_on_this_host(tmp_path, model):
         s.note_prefill(5000, 2.0)
         assert s.fetch(tokens + [1])[1] == len(tokens)
         s.flush()
-        s._rates_kept = None  # as if PERSIST_EVERY_S had passed
+        s.parts.accesses.rates_kept = None  # as if PERSIST_EVERY_S had passed
         for _ in range(40):  # now faster than any read (one sample moves it 1.9x)
             s.note_prefill(1e9, 1.0)
     with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:

@@ -34,8 +34,8 @@ from conftest import (
 )
 
 from kvstore import KVStore, maintenance, server
-from kvstore.blobs import node_metadata, serialize_node
-from kvstore.chunking import chain_hash
+from kvstore.disk.blobs import node_metadata, serialize_node
+from kvstore.disk.chunking import chain_hash
 from kvstore.remote import RemoteTier, decode_manifest, encode_manifest, parse_url
 
 C = 64  # chunk tokens
@@ -615,7 +615,7 @@ def test_a_stray_manifest_copy_hides_nothing_from_a_pull(
 
 def test_manifest_decoder_is_strict(tmp_path, model):
     """Round trip, then a fuzz of single-byte changes: a record or RemoteCorrupt."""
-    from kvstore.index import NodeRecord
+    from kvstore.disk.index import NodeRecord
     from kvstore.remote import RemoteCorrupt
 
     ns, parent = b"\x05" * 16, b"\x06" * 16

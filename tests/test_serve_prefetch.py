@@ -1,4 +1,4 @@
-"""Restores started when a request arrives (``kvstore.serve_prefetch``): taken by
+"""Restores started when a request arrives (``kvstore.serve.prefetch``): taken by
 the lookup of that very request only, and the lookup restores as before whenever
 a prefetch cannot tell (none, failed, not started, another salt, RAM changed)."""
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import compute_cache, next_logits, random_tokens
 from serving import KEY, provider
 
-from kvstore.serve_prefetch import Prefetcher
+from kvstore.serve.prefetch import Prefetcher
 from kvstore.server import PersistentPromptCache
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Saves of ``kvstore serve`` off the generation thread (``kvstore.serve_saves``):
+"""Saves of ``kvstore serve`` off the generation thread (``kvstore.serve.saves``):
 queued at once, merged into a later save that covers them, deferred while the
 writer is full rather than dropped, lost only once their prefix left RAM."""
 
@@ -9,8 +9,8 @@ from conftest import compute_cache, random_tokens
 from serving import KEY, provider
 
 from kvstore import KVStore
-from kvstore.serve_prefetch import Prefetcher
-from kvstore.serve_saves import SaveJob, SaveQueue
+from kvstore.serve.prefetch import Prefetcher
+from kvstore.serve.saves import SaveJob, SaveQueue
 from kvstore.server import PersistentPromptCache
 
 pytestmark = pytest.mark.slow

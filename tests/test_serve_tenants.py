@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import SYSTEM, Server, chat_body, settled_stats
 
 from kvstore import maintenance
-from kvstore.chunking import root_hash
-from kvstore.index import Index, NodeRecord
-from kvstore.salts import tree_roots
+from kvstore.disk.chunking import root_hash
+from kvstore.disk.index import Index, NodeRecord
+from kvstore.disk.salts import tree_roots
 
 pytestmark = pytest.mark.slow
 

@@ -341,7 +341,7 @@ def test_batch_steps_report_their_prompt_tokens():
     import contextlib
     from types import SimpleNamespace
 
-    from kvstore.serve_timing import timed_batch_generator_class
+    from kvstore.serve.timing import timed_batch_generator_class
 
     class Base:
         def __init__(self):
@@ -374,7 +374,7 @@ def test_batch_steps_report_their_prompt_tokens():
 def test_sequential_request_timed_from_lookup_to_first_token():
     import queue
 
-    from kvstore.serve_timing import PrefillClock, timed_response_generator_class
+    from kvstore.serve.timing import PrefillClock, timed_response_generator_class
 
     class Response:
         pass

@@ -7,7 +7,7 @@ from conftest import compute_cache, greedy, next_logits, random_tokens, tiny_lla
 from families import build
 
 from kvstore import KVStore
-from kvstore.adapters import LayoutMismatch
+from kvstore.disk.adapters import LayoutMismatch
 
 C = 32  # tokens per node
 
@@ -52,13 +52,13 @@ def test_tail_reads_only_the_nodes_past_the_copy(tmp_path, model, io_path):
         store.save(stored, compute_cache(model, stored))
         store.flush()
         read = []
-        real = store._read_costs
+        real = store.parts.reads.read_costs
 
         def costs(path):
             read.append(len(path))
             return real(path)
 
-        store._read_costs = costs
+        store.parts.reads.read_costs = costs
         tail = store.fetch_beyond(stored + [1], 290)
         assert read == [1] and (tail.start, tail.end) == (288, 320)
         assert store.stats()["tokens_reused"] == 30
@@ -80,9 +80,9 @@ def test_tail_weighed_against_prefilling_the_difference(tmp_path, model, monkeyp
         store.save(stored, compute_cache(model, stored))
         store.flush()
         path = store.index.read(
-            lambda txn: store._walk(txn, store_arr(stored), limit=319)
+            lambda txn: store.parts.reads.trie.walk(txn, store_arr(stored), limit=319)
         )
-        node_bytes = store._read_costs(path)[0]
+        node_bytes = store.parts.reads.read_costs(path)[0]
         # Reading a node takes 1 s, prefilling 20 tokens 1 s: the 10 tokens past a
         # copy of 310 are cheaper to prefill than their node is to read; the whole
         # prompt (10 nodes to read, 16 s to prefill) is not.
@@ -105,7 +105,7 @@ def test_broken_tail_node_is_a_miss_and_reported(tmp_path, model, io_path):
         store.save(stored, compute_cache(model, stored))
         store.flush()
         path = store.index.read(
-            lambda txn: store._walk(txn, store_arr(stored), limit=320)
+            lambda txn: store.parts.reads.trie.walk(txn, store_arr(stored), limit=320)
         )
         victim = path[-2].h  # tokens [256, 288)
         f = store.blobs.path(store.namespace, victim)

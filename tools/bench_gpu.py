@@ -184,7 +184,7 @@ def child(spec: dict) -> dict:
         cache = load_prompt_cache(spec["lpc"])
         n = len(tokens) - 1
     else:
-        from kvstore import loadpath
+        from kvstore.engine import loadpath
 
         cache, n = store.fetch(tokens)
         out["fetch_s"] = time.perf_counter() - t0

@@ -24,15 +24,15 @@ import numpy as np
 
 _CHILD = r"""
 import json, os, sys, time
-from kvstore import storecheck
-from kvstore.index import Index
+from kvstore.disk import storecheck
+from kvstore.disk.index import Index
 path, mode = sys.argv[1], sys.argv[2]
 if mode == "skip":
     storecheck._check_pages = lambda env, data, store, full=True: 0
 tic = time.perf_counter()
 if mode == "check":
     import lmdb
-    from kvstore import mdbcheck
+    from kvstore.disk import mdbcheck
     fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
     metas = mdbcheck.read_meta_pages(fd)
     meta = max(metas, key=lambda m: m.txnid)
@@ -47,8 +47,8 @@ print(json.dumps([time.perf_counter() - tic, pages]))
 
 def build(path: str, nodes: int, chunk_tokens: int) -> int:
     """An index of ``nodes`` records in chains of 16; returns data.mdb's size."""
-    from kvstore.chunking import chain_hash, root_hash
-    from kvstore.index import Index, NodeRecord
+    from kvstore.disk.chunking import chain_hash, root_hash
+    from kvstore.disk.index import Index, NodeRecord
 
     ns = bytes(range(16))
     index = Index(path, create=True)

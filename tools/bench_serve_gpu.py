@@ -4,7 +4,7 @@ restarted, and restarted on a cold page cache.
 The model is a directory of a real model's shape (Llama-3.1-8B's by default): mlx-lm's
 own model class with random bf16 weights (fixed seed; speed does not depend on weight
 values), the vocabulary of the tokenizer, and the default model's tokenizer and chat
-template (SmolLM2's, ``kvstore.default_model``). It is built and saved once, in a
+template (SmolLM2's, ``kvstore.platform.default_model``). It is built and saved once, in a
 child process, before any server starts.
 
 The load: ``--users`` concurrent users hold chats of ``--rounds`` rounds each. Every
@@ -171,7 +171,7 @@ def ensure_model_dir(path: str, spec: dict) -> dict:
 
 
 def default_tokenizer_dir() -> str:
-    from kvstore.default_model import ensure_default_model
+    from kvstore.platform.default_model import ensure_default_model
 
     return ensure_default_model()
 

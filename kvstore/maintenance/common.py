@@ -10,15 +10,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
-from .. import reservations
-from ..adapters import Layout
-from ..blobs import DTYPES, Blobs
-from ..chunking import HASH_BYTES
-from ..index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
-from ..policy import DiskNode, disk_victims
-from ..publish import temp_writer
-from ..salts import GROUP_PREFIX
-from ..storecheck import check_store_dirs
+from ..disk import reservations
+from ..disk.adapters import Layout
+from ..disk.blobs import DTYPES, Blobs
+from ..disk.chunking import HASH_BYTES
+from ..disk.index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
+from ..disk.policy import DiskNode, disk_victims
+from ..disk.publish import temp_writer
+from ..disk.salts import GROUP_PREFIX
+from ..disk.storecheck import check_store_dirs
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 

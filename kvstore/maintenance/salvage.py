@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import xxhash
 
-from .. import mdbcheck, storecheck
-from ..blobs import Blobs
-from ..chunking import HASH_BYTES, chain_hash, root_hash
-from ..fsutil import fsync_dir, open_regular
-from ..index import CorruptRecord, Index, NodeRecord
+from ..disk import mdbcheck, storecheck
+from ..disk.blobs import Blobs
+from ..disk.chunking import HASH_BYTES, chain_hash, root_hash
+from ..disk.index import CorruptRecord, Index, NodeRecord
+from ..platform.fsutil import fsync_dir, open_regular
 from .common import Key, description_layout
 
 # verify's check of a node's files: (blobs, ns, h, record, layout, *, check_data)
@@ -41,7 +41,7 @@ CheckFile = Callable[..., Optional[Tuple[str, str]]]
 SALVAGE_DIR = "index.salvage"  # the new index while it is built
 DAMAGED_PREFIX = "index.damaged-"  # where the damaged index goes
 _SKIP = {"reservations"}  # saves in flight when the index broke: none now
-_NAMED = set(Index._DBS)
+_NAMED = set(Index.DATABASES)
 _MAX_LISTED = 50  # lost nodes named in the report
 
 

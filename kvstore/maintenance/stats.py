@@ -3,11 +3,11 @@
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..adapters import Layout
-from ..blobs import DTYPES, Blobs
-from ..chunking import root_hash
-from ..index import CorruptRecord, Index, NodeRecord
-from ..salts import tree_roots
+from ..disk.adapters import Layout
+from ..disk.blobs import DTYPES, Blobs
+from ..disk.chunking import root_hash
+from ..disk.index import CorruptRecord, Index, NodeRecord
+from ..disk.salts import tree_roots
 from .common import (
     check_int,
     description_layout,

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from ..adapters import Layout
-from ..blobs import (
+from ..disk.adapters import Layout
+from ..disk.blobs import (
     DELTA_PART,
     STATE_PART,
     Blobs,
@@ -17,9 +17,9 @@ from ..blobs import (
     metadata_matches,
     parse_header,
 )
-from ..chunking import HASH_BYTES, chain_hash, root_hash
-from ..fsutil import NotRegularFile
-from ..index import CorruptRecord, Index, NodeRecord, child_key
+from ..disk.chunking import HASH_BYTES, chain_hash, root_hash
+from ..disk.index import CorruptRecord, Index, NodeRecord, child_key
+from ..platform.fsutil import NotRegularFile
 from .common import (
     Key,
     delete_namespace,

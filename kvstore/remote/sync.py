@@ -5,12 +5,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
-from ..blobs import Blobs, CorruptBlob
-from ..chunking import root_hash
-from ..index import CorruptRecord, Index, NodeRecord
+from ..disk.blobs import Blobs, CorruptBlob
+from ..disk.chunking import root_hash
+from ..disk.index import CorruptRecord, Index, NodeRecord
+from ..disk.salts import tree_roots
+from ..disk.storecheck import check_store_dirs
 from ..maintenance.common import description_layout, namespace_descriptions
-from ..salts import tree_roots
-from ..storecheck import check_store_dirs
 from .client import S3Client
 from .manifest import CHILD_KEY, HEX32
 

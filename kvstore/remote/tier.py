@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from ..blobs import CorruptBlob
-from ..chunking import chain_hash, chain_hashes, common_prefix
-from ..index import CorruptRecord, NodeRecord
-from ..saving import NewNode
+from ..disk.blobs import CorruptBlob
+from ..disk.chunking import chain_hash, chain_hashes, common_prefix
+from ..disk.index import CorruptRecord, NodeRecord
+from ..engine.saving import NewNode
 from .client import (
     LIST_MAX_KEYS,
     LIST_TIMEOUT,
@@ -202,8 +202,16 @@ class RemoteTier:
 
     # -- binding to a store ----------------------------------------------------
 
+    @property
+    def bound(self) -> bool:
+        """Whether a ``KVStore`` uses this tier already."""
+        return self._store is not None
+
     def bind(self, store) -> None:
-        """Attach to ``store`` (done by ``KVStore``): start the uploader."""
+        """Attach to ``store`` (done by ``KVStore``): start the uploader. The tier
+        walks the store's trie (``store.parts.reads``), checks records
+        (``store.parts.shapes``) and commits what it downloads
+        (``store.parts.writes``)."""
         if self._store is not None:
             raise ValueError(f"{self!r} already serves another KVStore")
         self._store = store
@@ -247,9 +255,7 @@ class RemoteTier:
         if store is None or self._closing.is_set() or len(arr) < 2:
             return
         try:
-            path = store.index.read(
-                lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True)
-            )
+            path = store.parts.reads.find(arr, limit=len(arr), full_only=True)
         except Exception:  # the fetch itself reports a broken index
             return
         pos = sum(step.take for step in path)
@@ -414,7 +420,8 @@ class RemoteTier:
         store = self._store
         ns = store.namespace
         try:
-            store._check_sizes(rec)  # before downloading: a manifest cannot cost RAM
+            # Before downloading: a manifest cannot cost RAM.
+            store.parts.shapes.check_sizes(rec)
         except CorruptRecord as e:
             raise RemoteCorrupt(f"{self._s3.manifest_key(ns, rec.parent, h)}: {e}")
         if rec.has_state and not store.layout.has_state:
@@ -525,7 +532,7 @@ class RemoteTier:
         with self._downloading() as added:
             for kind, group in itertools.groupby(nodes, key=lambda item: item[0]):
                 # Like a second writer process: LMDB serializes the commits.
-                store._write_nodes(
+                store.parts.writes.write_nodes(
                     [node for _, node in group], kind=kind, pin=False, existing=[]
                 )
         return len(added)
@@ -666,5 +673,5 @@ def _cancel(jobs) -> None:
 
 
 def _new_node(h: bytes, rec: NodeRecord, raw: Dict[str, bytes]):
-    """A node for ``KVStore._write_nodes`` whose files are the downloaded bytes."""
+    """A node for ``WritePath.write_nodes`` whose files are the downloaded bytes."""
     return NewNode(h, rec.parent, rec.start, rec.tokens, None, raw=raw)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, List, Optional
 
-from .policy import stronger_kind
+from ..disk.policy import stronger_kind
 
 log = logging.getLogger("kvstore.server")
 
@@ -183,13 +183,12 @@ def _room_for(job: SaveJob) -> bool:
     if not pending:
         return True
     stored = job.store.lookup(job.tokens[: job.held + 1], salt=job.salt)
-    need = max(0, job.held - stored) * job.store._token_bytes
+    need = max(0, job.held - stored) * job.store.parts.shapes.token_bytes
     return pending + need <= writer.max_pending_bytes
 
 
 def _writes_dropped(store) -> int:
-    with store._lock:
-        return store._counters.writes_dropped
+    return store.parts.counters.snapshot().writes_dropped
 
 
 def evaluate(cache: List[Any]) -> Optional[BaseException]:

@@ -1,11 +1,11 @@
 """Restoring only what a caller's own copy lacks: the stored tokens past it.
 
 A server holding a prompt's first tokens in RAM (mlx-lm's prompt cache) needs from
-the store only the stored tokens beyond them. ``TailRead`` is a mixin of
+the store only the stored tokens beyond them. ``TailRead``, a part of
 :class:`kvstore.store.KVStore`: :meth:`TailRead.fetch_beyond` restores the nodes
 from the one holding the caller's first missing token, or nothing when prefilling
-those tokens is cheaper by the measured rates (:mod:`kvstore.payoff`), and
-:meth:`TailRead.join_tail` appends such a restore to the caller's cache.
+those tokens is cheaper by the measured rates (:mod:`kvstore.engine.payoff`), and
+:meth:`TailRead.join` appends such a restore to the caller's cache.
 
 A layout with state layers (sliding windows, recurrent state) cannot be cut, so
 there the choice is the whole stored prefix or nothing, weighed against prefilling
@@ -15,18 +15,19 @@ the tokens past the caller's copy.
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from . import salts
-from .adapters import CODECS, cache_leaves
-from .chunking import as_token_array
-from .loadpath import Failures
-from .payoff import Decision
-from .restore import MLX_LOCK, ROOM_MIN_BYTES, Step
+from ..disk.adapters import CODECS, Layout, cache_leaves
+from .accesses import Accesses
+from .counters import Counters
+from .payoff import Decision, RestorePolicy
+from .restore import MLX_LOCK, ROOM_MIN_BYTES, ReadPath
+from .shapes import NodeShapes
+from .walk import Step
 
 log = logging.getLogger("kvstore")
 
@@ -53,57 +54,56 @@ def _first_missing(path: List[Step], held: int) -> int:
 
 
 class TailRead:
-    """:meth:`fetch_beyond` and :meth:`join_tail` of :class:`kvstore.store.KVStore`."""
+    """Restores of the stored tokens past a caller's own copy of a prompt's first
+    tokens, and joining them to that copy.
+
+    Args:
+        reads: The read path (its walk, read costs and node reads).
+        layout: The namespace's cache layout.
+        shapes: The node files' sizes (KV bytes per token).
+        policy: Whether a restore pays; it records each restore's rate.
+        broken: Where a failed read is reported.
+        accesses: Where restored nodes' accesses and the rates are noted.
+        counters: Where fetches are counted.
+    """
+
+    def __init__(
+        self,
+        *,
+        reads: ReadPath,
+        layout: Layout,
+        shapes: NodeShapes,
+        policy: RestorePolicy,
+        broken,
+        accesses: Accesses,
+        counters: Counters,
+    ):
+        self.reads = reads
+        self.layout = layout
+        self.shapes = shapes
+        self.policy = policy
+        self.broken = broken
+        self.accesses = accesses
+        self.counters = counters
 
     def fetch_beyond(
-        self, tokens, held: int, *, salt: salts.Salt = None
+        self, arr: np.ndarray, held: int, *, root: Callable[[], bytes], started: float
     ) -> Optional[Tail]:
-        """Restore the stored KV of ``tokens`` past the first ``held``, which the
-        caller has in a cache of its own.
-
-        Only the nodes from the one holding token ``held`` on are read, and only
-        when reading them is faster than prefilling ``stored - held`` tokens
-        (``restore="auto"``, by the measured rates). With state layers the whole
-        stored prefix is restored or nothing.
-
-        Args:
-            tokens: The prompt's token ids.
-            held: Tokens of ``tokens`` the caller holds (0: none).
-            salt: The tree to read (see :meth:`fetch`).
-
-        Returns:
-            A :class:`Tail` (``start <= held < end <= len(tokens) - 1``), or None
-            when the store holds nothing past ``held`` or the tokens are cheaper
-            to prefill. Never raises for a broken store (a miss, logged).
-        """
-        self._check_open()
-        arr = as_token_array(tokens)
-        if not isinstance(held, int) or held < 0:
-            raise ValueError(f"held must be a token count >= 0, got {held!r}")
-        parts = salts.parse_salt(salt)
-        tic = time.perf_counter()
-        if self.remote is not None and parts is None:
-            self.remote.before_fetch(arr)  # bounded wait; never raises
+        """``KVStore.fetch_beyond`` once its arguments are checked: the tree's root
+        is ``root()``, the fetch began at ``started`` (a ``perf_counter``). Never
+        raises for a broken store (a miss, logged and counted)."""
         try:
-            tail = self._fetch_beyond(arr, held, root=self._tree_of(parts)[0])
+            tail = self._fetch_beyond(arr, held, root=root())
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
-            with self._lock:
-                self._counters.errors += 1
+            self.counters.add(errors=1)
             tail = None
-        with self._lock:
-            c = self._counters
-            c.tokens_requested += len(arr)
-            c.hits += tail is not None
-            c.misses += tail is None
-            c.tokens_reused += 0 if tail is None else tail.end - max(held, tail.start)
-            c.restore_seconds += time.perf_counter() - tic
+        reused = 0 if tail is None else tail.end - max(held, tail.start)
+        self.counters.fetched(len(arr), reused, time.perf_counter() - started)
         return tail
 
     def _fetch_beyond(self, arr: np.ndarray, held: int, *, root) -> Optional[Tail]:
-        path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
-        )
+        path = self.reads.find(arr, limit=len(arr) - 1, root=root)
         end = sum(step.take for step in path)
         if end <= held:
             return None
@@ -116,7 +116,7 @@ class TailRead:
             takes = [0] * (len(takes) - 1) + [end - held]
         else:
             takes[0] -= held - start
-        costs = self._read_costs(steps)
+        costs = self.reads.read_costs(steps)
         decision = self.policy.decide(takes, costs, cuttable=not self.layout.has_state)
         if not decision.restore:
             self.policy.record(decision, nbytes=0, seconds=0.0)
@@ -132,7 +132,7 @@ class TailRead:
                 )
             return None
         if start == 0:
-            cache, n = self._fetch(arr, root=root, decision=decision)
+            cache, n = self.reads.restore(arr, root=root, decision=decision)
             if n <= held:
                 return None
             _evaluate(cache)
@@ -152,29 +152,28 @@ class TailRead:
         """Read ``steps`` (delta layers only), which begin at token ``start``: the
         tokens up to the first broken node, or None when that is the first."""
         tic = time.perf_counter()
-        read = self._load_path if self.restore_io == "load" else self._read_path
         n = sum(step.take for step in steps)
-        failures, _, delta = read(steps, n)
+        failures, _, delta = self.reads.read(steps, n)
         failed = failures.first
         complete = failed >= len(steps)
         if not complete:
             step = steps[failed]
-            self._read_failed(step.h, failures.errors[failed], step.rec)
+            self.broken.read_failed(step.h, failures.errors[failed], step.rec)
         steps = steps[:failed]
         n = sum(step.take for step in steps)
         if n == 0:
             return None
-        self._touch(step.h for step in steps)
+        self.accesses.touch(step.h for step in steps)
         with MLX_LOCK:
             cache = self.layout.build(delta, {}, n)
         _evaluate(cache)
         seconds = time.perf_counter() - tic
         self.policy.record(decision, nbytes=nbytes if complete else 0, seconds=seconds)
         if complete:
-            self._keep_rates()
+            self.accesses.keep_rates()
         return Tail(cache, start, start + n)
 
-    def join_tail(self, head: Sequence[Any], tail: Tail, *, query: int) -> List[Any]:
+    def join(self, head: Sequence[Any], tail: Tail, *, query: int) -> List[Any]:
         """``head`` (a cache holding at least ``tail.start`` tokens) with ``tail``
         appended: fresh cache objects holding ``tail.end`` tokens, with room past
         them for the rest of a ``query``-token prompt (``restore_room``).
@@ -187,7 +186,7 @@ class TailRead:
             raise ValueError("a layout with state layers cannot be joined")
         self.layout.check_cache(list(head), tail.start, exact=False)
         n = tail.end - tail.start
-        total = _rows(tail.end, query, self.restore_room, self._token_bytes)
+        total = _rows(tail.end, query, self.reads.restore_room, self.shapes.token_bytes)
         joined = {}
         for leaf, (_, h), (_, t) in zip(
             self.layout.leaves, cache_leaves(head), cache_leaves(tail.cache)

@@ -243,8 +243,8 @@ class Index:
     """
 
     # A store made by an older kvstore may lack "reservations" (bytes of saves in
-    # flight, :mod:`kvstore.reservations`): opening it creates the database.
-    _DBS = (
+    # flight, :mod:`kvstore.disk.reservations`): opening it creates the database.
+    DATABASES = (
         "meta",
         "nodes",
         "children",
@@ -277,7 +277,7 @@ class Index:
             if shared is None:
                 opened = storecheck.open_env(
                     path,
-                    dbs=self._DBS,
+                    dbs=self.DATABASES,
                     create=create,
                     readonly=readonly,
                     map_size=map_size or initial_map_size(),

@@ -5,7 +5,7 @@ import queue
 import threading
 from typing import Callable, Optional
 
-from .storecheck import IndexDamaged, StoreError
+from ..disk.storecheck import IndexDamaged, StoreError
 
 log = logging.getLogger("kvstore")
 

@@ -28,7 +28,8 @@ from typing import Callable, Dict, Iterator, NamedTuple, Optional, Sequence, Typ
 
 import lmdb
 
-from . import fsutil, mdbcheck, mdbfile
+from ..platform import fsutil
+from . import mdbcheck, mdbfile
 
 
 class StoreError(Exception):
