@@ -17,7 +17,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import lmdb
 import numpy as np
 
-from . import spare, storecheck
+from . import memutil, spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
 from .mapgate import MapGate
 from .storecheck import StoreError
@@ -283,6 +283,12 @@ class Index:
         self.env = shared.env
         self.db = shared.dbs
         self._closed = False
+
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the index file: a scan of every
+        record calls it now and then, so it does not hold the whole index in memory
+        (:func:`kvstore.memutil.release_file_pages`; safe during transactions)."""
+        memutil.release_file_pages(os.path.join(self.path, "data.mdb"))
 
     @property
     def problem(self) -> Optional[str]:

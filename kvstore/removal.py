@@ -144,9 +144,12 @@ class Removal:
         if self.disk_bytes is None:
             return
         self._flush_touches()  # eviction order must see the latest accesses
-        evicted = maintenance.evict_to_budget(self.index, self.blobs, self.disk_bytes)
-        for (_, h), _ in evicted.gone:
-            self._forget(h)
+        evicted = maintenance.evict_to_budget(
+            self.index,
+            self.blobs,
+            self.disk_bytes,
+            on_evict=lambda keys: [self._forget(h) for _, h in keys],
+        )
         with self._lock:
             self._counters.nodes_evicted += evicted.nodes
         if evicted.excess:
