@@ -14,17 +14,21 @@ layers, 1 KV head of 32 dims, 256 bytes per token; 8-token chunks, files of ~2.4
 The shape is a server's: 50 system prompts (5-25 nodes each, picked Zipf-like), each
 with many conversations under it, each conversation growing by one user turn per save
 (deep chains, up to ~400 nodes), some branching off another one's earlier turn. The
-writer's saves/s is sampled about 50 times over the whole build.
+writer's saves/s is sampled about 50 times over the whole build. The build does not
+fsync chunk files (``--durable-build`` does): it runs at the speed of kvstore's own
+work per save, the part that could grow with the store; LMDB's commits still sync.
 
-**Measure**, at each size, every case in fresh processes (``python -m kvstore ...``
-for the commands; time and peak RSS of each from ``os.wait4``): open (a fresh process
-opening the store, median of ``--repeats``), fetch hit / branch / miss and lookup (one
-warm process, median of 200 alternating calls each), save + flush of a new
-conversation (fresh processes, median), ``kvstore stats`` (kept totals) and
-``stats --full``, ``kvstore ls --no-decode``, ``kvstore verify`` and last (it shrinks
-the store) ``kvstore gc --max-bytes`` half the indexed bytes (``stats --full`` and
-``verify`` once on stores of 200,000 nodes or more, gc once); and the index bytes per
-node.
+**Measure**, every case in fresh processes (``python -m kvstore ...`` for the
+commands; time, and peak RSS from GNU ``time -v``), the cheap ones alternating
+between the sizes round by round (so the shared machine's load falls on every size
+alike): open (a fresh process opening the store), save + flush of a new conversation
+(a fresh process), ``kvstore stats`` (kept totals), ``kvstore ls --no-decode`` and the
+start-up floor (a process importing what the commands import), each ``--repeats``
+times; fetch hit / branch / miss and lookup (one warm process per size, median of 200
+alternating calls each) and the stats call's own time in that process. Then per size
+``stats --full``, ``kvstore verify`` and last (it shrinks the store) ``kvstore gc
+--max-bytes`` half the indexed bytes (the two scans once on stores of 200,000 nodes or
+more, gc once); and the index bytes per node.
 
 ``--reuse`` measures a store a previous run built (its ``build.json`` says so)
 instead of building it again; ``--build-only`` builds and stops; ``--append`` keeps the
@@ -215,6 +219,10 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
         if len(queries) < QUERIES and rng.random() < 0.01 and len(ends) > 2:
             queries.append(toks)
     store.flush()
+    # A short build samples few prompts: the conversations in progress are stored too.
+    for c in conv.active:
+        if len(queries) < QUERIES and c["turns"]:
+            queries.append(conv.tokens(c))
     stats = store.stats()
     store.close()
     record = {
@@ -238,24 +246,31 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
 # -- measuring ----------------------------------------------------------------------
 
 
+TIME = "/usr/bin/time"  # GNU time: the peak RSS of the command alone
+
+
 def timed_command(argv) -> dict:
-    """A kvstore command in a fresh process: wall seconds and peak RSS from wait4.
+    """A kvstore command in a fresh process: wall seconds, and peak RSS from GNU
+    ``time -v``. (A child's own ``ru_maxrss`` would start at this process's size:
+    Linux counts the memory a child shares with its parent before ``exec``.)
     ``argv`` None: the floor, a process that imports what the commands import."""
-    t0 = time.perf_counter()
     cmd = ["-m", "kvstore", *argv] if argv is not None else ["-c", FLOOR]
-    proc = subprocess.Popen(
-        [sys.executable, *cmd],
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [TIME, "-v", sys.executable, *cmd],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        text=True,
     )
-    _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
-    err = proc.stderr.read().decode()[-2000:]
-    proc.stderr.close()
-    code = os.waitstatus_to_exitcode(status)
-    if code not in (0, 1):  # verify exits 1 when it finds problems
-        raise RuntimeError(f"kvstore {' '.join(argv)} exited {code}: {err}")
-    return {"seconds": seconds, "max_rss_mb": usage.ru_maxrss / 1024, "exit": code}
+    if proc.returncode not in (0, 1):  # verify exits 1 when it finds problems
+        raise RuntimeError(f"kvstore {argv} exited {proc.returncode}: {proc.stderr}")
+    kb = next(
+        int(line.rsplit(":", 1)[1])
+        for line in proc.stderr.splitlines()
+        if "Maximum resident set size" in line
+    )
+    return {"seconds": seconds, "max_rss_mb": kb / 1024, "exit": proc.returncode}
 
 
 FLOOR = "import kvstore.cli, kvstore.maintenance"
@@ -340,58 +355,82 @@ def med(xs):
     return statistics.median(xs)
 
 
-def measure(path: str, record: dict, *, repeats: int, gc: bool) -> dict:
-    queries_file = os.path.join(path, "queries.json")
-    with open(queries_file, "w") as f:
-        json.dump(
-            {"queries": record["queries"][:QUERIES], "systems": record["systems"]}, f
-        )
-    data = os.path.join(path, "index", "data.mdb")
-    out = {"nodes": record["nodes"], "index_bytes": os.path.getsize(data)}
-    out["index_bytes_per_node"] = out["index_bytes"] / record["nodes"]
-    print(f"  measuring {record['nodes']:,} nodes", flush=True)
-    opens = [in_child("open", path, queries_file)["open_s"] for _ in range(repeats)]
-    out["open_s"] = {"median": med(opens), "samples": opens}
-    fetch = in_child("fetch", path, queries_file)
-    out["fetch_ms"] = {
-        k: {"median": med(v) * 1e3, "samples": [x * 1e3 for x in v]}
-        for k, v in fetch["times"].items()
-    }
-    out["fetch_reused_tokens"] = fetch["reused"]
-    inproc = fetch["stats_in_process"]
-    out["stats_in_process_ms"] = {
-        "median": med(inproc) * 1e3,
-        "samples": [x * 1e3 for x in inproc],
-    }
-    saves = [
-        in_child("save", path, queries_file, 1000 + i)["save_flush_s"]
-        for i in range(repeats)
-    ]
-    out["save_flush_ms"] = {
-        "median": med(saves) * 1e3,
-        "samples": [s * 1e3 for s in saves],
-    }
-    # Commands that read every record run fewer times on a large store.
-    heavy = repeats if record["nodes"] < 200_000 else 1
-    cmds = {
-        "stats": (["stats", "--json"], repeats),
-        "stats_full": (["stats", "--json", "--full"], heavy),
-        "ls": (["ls", "--no-decode"], repeats),
-        "verify": (["verify"], heavy),
-    }
-    if gc:  # last: it evicts half the indexed bytes
-        half = str(record["bytes_on_disk"] // 2)
-        cmds["gc"] = (["gc", "--max-bytes", half], 1)
-    floor = [timed_command(None) for _ in range(repeats)]
-    out["startup_floor"] = _runs(floor)  # a process importing kvstore, doing nothing
-    for name, (argv, times) in cmds.items():
-        runs = [timed_command([*argv, "--store", path]) for _ in range(times)]
-        out[name] = _runs(runs)
-        print(
-            f"    {name}: {out[name]['seconds']:.2f} s, "
-            f"{out[name]['max_rss_mb']:.0f} MB",
-            flush=True,
-        )
+def _rotated(items: list, r: int) -> list:
+    return items[r % len(items) :] + items[: r % len(items)]
+
+
+def measure(stores: dict, *, repeats: int, gc: bool) -> dict:
+    """Every case at every size (``stores``: size -> (path, build record)).
+
+    The cheap cases alternate between the sizes, one sample of each size per round
+    in a rotated order, so the machine's load falls on every size alike; the scans
+    (``stats --full``, ``verify``, ``gc``) follow, size after size.
+    """
+    out, queries = {}, {}
+    for size, (path, record) in stores.items():
+        queries[size] = os.path.join(path, "queries.json")
+        with open(queries[size], "w") as f:
+            json.dump(
+                {"queries": record["queries"][:QUERIES], "systems": record["systems"]},
+                f,
+            )
+        index_bytes = os.path.getsize(os.path.join(path, "index", "data.mdb"))
+        out[size] = {
+            "nodes": record["nodes"],
+            "index_bytes": index_bytes,
+            "index_bytes_per_node": index_bytes / record["nodes"],
+        }
+        for key in ("open", "save", "startup_floor", "stats", "ls"):
+            out[size][key] = []
+    sizes = list(stores)
+    for r in range(repeats):
+        print(f"  round {r + 1} of {repeats}", flush=True)
+        for size in _rotated(sizes, r):
+            path, q, m = stores[size][0], queries[size], out[size]
+            m["open"].append(in_child("open", path, q)["open_s"])
+            m["save"].append(in_child("save", path, q, 1000 + r)["save_flush_s"])
+            m["startup_floor"].append(timed_command(None))
+            m["stats"].append(timed_command(["stats", "--json", "--store", path]))
+            m["ls"].append(timed_command(["ls", "--no-decode", "--store", path]))
+    for r, size in enumerate(_rotated(sizes, 0)):
+        fetch = in_child("fetch", stores[size][0], queries[size])
+        m = out[size]
+        m["fetch_ms"] = {
+            k: {"median": med(v) * 1e3, "samples": [x * 1e3 for x in v]}
+            for k, v in fetch["times"].items()
+        }
+        m["fetch_reused_tokens"] = fetch["reused"]
+        inproc = fetch["stats_in_process"]
+        m["stats_in_process_ms"] = {
+            "median": med(inproc) * 1e3,
+            "samples": [x * 1e3 for x in inproc],
+        }
+    for size in sizes:
+        m = out[size]
+        m["open_s"] = {"median": med(m["open"]), "samples": m.pop("open")}
+        saves = [x * 1e3 for x in m.pop("save")]
+        m["save_flush_ms"] = {"median": med(saves), "samples": saves}
+        for key in ("startup_floor", "stats", "ls"):
+            m[key] = _runs(m[key])
+    for size, (path, record) in stores.items():
+        print(f"  scans of {record['nodes']:,} nodes", flush=True)
+        # Commands that read every record run fewer times on a large store.
+        heavy = repeats if record["nodes"] < 200_000 else 1
+        cmds = {
+            "stats_full": (["stats", "--json", "--full"], heavy),
+            "verify": (["verify"], heavy),
+        }
+        if gc:  # last: it evicts half the indexed bytes
+            half = str(record["bytes_on_disk"] // 2)
+            cmds["gc"] = (["gc", "--max-bytes", half], 1)
+        for name, (argv, times) in cmds.items():
+            runs = [timed_command([*argv, "--store", path]) for _ in range(times)]
+            out[size][name] = _runs(runs)
+            print(
+                f"    {name}: {out[size][name]['seconds']:.2f} s, "
+                f"{out[size][name]['max_rss_mb']:.0f} MB",
+                flush=True,
+            )
     return out
 
 
@@ -514,7 +553,7 @@ def machine() -> str:
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
-    results = []
+    stores = {}
     for size in args.sizes:
         path = os.path.join(args.dir, f"store-{size}")
         record_file = os.path.join(path, "build.json")
@@ -526,9 +565,13 @@ def main(argv=None):
             print(f"building {path} ({size:,} nodes)", flush=True)
             record = build(path, size, durable=args.durable_build)
             print(f"  built in {record['build_seconds']:.0f} s", flush=True)
-        if args.build_only:
-            continue
-        m = measure(path, record, repeats=args.repeats, gc=not args.no_gc)
+        stores[size] = (path, record)
+    if args.build_only:
+        return 0
+    measured = measure(stores, repeats=args.repeats, gc=not args.no_gc)
+    results = []
+    for size, (path, record) in stores.items():
+        m = measured[size]
         m.update(
             target_nodes=size,
             build_seconds=record["build_seconds"],
@@ -536,9 +579,10 @@ def main(argv=None):
             writer=writer_rates(record),
             writer_samples=record["saves_per_s"],
             writes_dropped=record["writes_dropped"],
+            writes_failed=record["writes_failed"],
         )
         results.append(m)
-        print(table(results), flush=True)
+    print(table(results), flush=True)
     if not results:
         return 0
     doc = {
