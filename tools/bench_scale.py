@@ -31,8 +31,8 @@ alternating calls each) and the stats call's own time in that process. Then per 
 more, gc once); and the index bytes per node.
 
 ``--reuse`` measures a store a previous run built (its ``build.json`` says so)
-instead of building it again; ``--build-only`` builds and stops; ``--append`` keeps the
-other sizes already in ``--json``. Every sample goes
+instead of building it again; ``--build-only`` builds and stops; ``--cases`` measures
+some cases only, and ``--append`` merges them into what ``--json`` already holds. Every sample goes
 into the JSON; the table is printed. A tool, not a test: pytest never collects tools/.
 Nothing here asserts a time.
 """
@@ -73,7 +73,14 @@ def parse_args(argv=None):
         action="store_true",
         help="keep the other sizes already in --json (a size measured in a later run)",
     )
-    p.add_argument("--no-gc", action="store_true", help="keep the stores whole")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASES,
+        default=list(CASES),
+        help="what to measure (cheap: open, fetch, lookup, save, stats, ls); gc "
+        "evicts half of each store, so it comes last",
+    )
     p.add_argument(
         "--durable-build", action="store_true", help="fsync every file while building"
     )
@@ -359,8 +366,11 @@ def _rotated(items: list, r: int) -> list:
     return items[r % len(items) :] + items[: r % len(items)]
 
 
-def measure(stores: dict, *, repeats: int, gc: bool) -> dict:
-    """Every case at every size (``stores``: size -> (path, build record)).
+CASES = ("cheap", "stats_full", "verify", "gc")
+
+
+def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
+    """The ``cases`` at every size (``stores``: size -> (path, build record)).
 
     The cheap cases alternate between the sizes, one sample of each size per round
     in a rotated order, so the machine's load falls on every size alike; the scans
@@ -380,10 +390,11 @@ def measure(stores: dict, *, repeats: int, gc: bool) -> dict:
             "index_bytes": index_bytes,
             "index_bytes_per_node": index_bytes / record["nodes"],
         }
-        for key in ("open", "save", "startup_floor", "stats", "ls"):
-            out[size][key] = []
-    sizes = list(stores)
-    for r in range(repeats):
+        if "cheap" in cases:
+            for key in ("open", "save", "startup_floor", "stats", "ls"):
+                out[size][key] = []
+    sizes = list(stores) if "cheap" in cases else []
+    for r in range(repeats if sizes else 0):
         print(f"  round {r + 1} of {repeats}", flush=True)
         for size in _rotated(sizes, r):
             path, q, m = stores[size][0], queries[size], out[size]
@@ -392,7 +403,7 @@ def measure(stores: dict, *, repeats: int, gc: bool) -> dict:
             m["startup_floor"].append(timed_command(None))
             m["stats"].append(timed_command(["stats", "--json", "--store", path]))
             m["ls"].append(timed_command(["ls", "--no-decode", "--store", path]))
-    for r, size in enumerate(_rotated(sizes, 0)):
+    for size in sizes:
         fetch = in_child("fetch", stores[size][0], queries[size])
         m = out[size]
         m["fetch_ms"] = {
@@ -416,14 +427,15 @@ def measure(stores: dict, *, repeats: int, gc: bool) -> dict:
         print(f"  scans of {record['nodes']:,} nodes", flush=True)
         # Commands that read every record run fewer times on a large store.
         heavy = repeats if record["nodes"] < 200_000 else 1
+        half = str(record["bytes_on_disk"] // 2)
         cmds = {
             "stats_full": (["stats", "--json", "--full"], heavy),
             "verify": (["verify"], heavy),
+            "gc": (["gc", "--max-bytes", half], 1),  # last: it evicts half the bytes
         }
-        if gc:  # last: it evicts half the indexed bytes
-            half = str(record["bytes_on_disk"] // 2)
-            cmds["gc"] = (["gc", "--max-bytes", half], 1)
         for name, (argv, times) in cmds.items():
+            if name not in cases:
+                continue
             runs = [timed_command([*argv, "--store", path]) for _ in range(times)]
             out[size][name] = _runs(runs)
             print(
@@ -492,6 +504,13 @@ ROWS = [
 ]
 
 
+def _value(get, m):
+    try:
+        return get(m)
+    except KeyError:  # not measured (``--cases``)
+        return None
+
+
 def _cell(v) -> str:
     if v is None:
         return "-"
@@ -506,7 +525,9 @@ def table(results: list) -> str:
     )
     lines = [head, "|---" * (len(results) + 1) + "|"]
     for name, get in ROWS:
-        lines.append(f"| {name} | " + " | ".join(_cell(get(r)) for r in results) + " |")
+        lines.append(
+            f"| {name} | " + " | ".join(_cell(_value(get, r)) for r in results) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -528,7 +549,10 @@ def plot(results: list, out: str) -> None:
         ("verify", lambda m: m["verify"]["seconds"] * 1e3),
         ("gc", lambda m: m["gc"]["seconds"] * 1e3 if "gc" in m else float("nan")),
     ]:
-        a.plot(n, [get(r) for r in results], marker="o", label=name)
+        ys = [_value(get, r) for r in results]
+        a.plot(
+            n, [float("nan") if y is None else y for y in ys], marker="o", label=name
+        )
     a.set(xscale="log", yscale="log", xlabel="nodes in the store", ylabel="ms")
     a.set_title("time")
     a.legend(fontsize=7)
@@ -568,7 +592,7 @@ def main(argv=None):
         stores[size] = (path, record)
     if args.build_only:
         return 0
-    measured = measure(stores, repeats=args.repeats, gc=not args.no_gc)
+    measured = measure(stores, repeats=args.repeats, cases=args.cases)
     results = []
     for size, (path, record) in stores.items():
         m = measured[size]
@@ -594,13 +618,14 @@ def main(argv=None):
     }
     if args.append and args.json and os.path.exists(args.json):
         with open(args.json) as f:
-            old = json.load(f)  # other sizes of an earlier run stay
-        sizes = {r["target_nodes"] for r in results}
-        kept = [r for r in old["results"] if r["target_nodes"] not in sizes]
-        doc["results"] = sorted(kept + results, key=lambda r: r["nodes"])
+            old = json.load(f)  # what an earlier run measured stays, unless measured
+        merged = {r["target_nodes"]: r for r in old["results"]}
+        for r in results:
+            merged[r["target_nodes"]] = {**merged.get(r["target_nodes"], {}), **r}
+        doc["results"] = sorted(merged.values(), key=lambda r: r["nodes"])
         doc["argv"] = old["argv"] + doc["argv"]
-        print(table(doc["results"]), flush=True)
         results = doc["results"]
+        print(table(results), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
