@@ -287,8 +287,15 @@ class Index:
     def release_pages(self) -> None:
         """Drop this process's resident pages of the index file: a scan of every
         record calls it now and then, so it does not hold the whole index in memory
-        (:func:`kvstore.memutil.release_file_pages`; safe during transactions)."""
-        memutil.release_file_pages(os.path.join(self.path, "data.mdb"))
+        (:func:`kvstore.memutil.release_file_pages`; safe during transactions).
+        Inside the gate: no other thread moves the map between the lookup of its
+        address and the release."""
+        gate = self._shared.gate
+        gate.enter()
+        try:
+            memutil.release_file_pages(os.path.join(self.path, "data.mdb"))
+        finally:
+            gate.exit()
 
     @property
     def problem(self) -> Optional[str]:

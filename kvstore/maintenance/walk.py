@@ -13,7 +13,10 @@ from typing import Iterator, List, Optional, Tuple
 from ..chunking import HASH_BYTES
 from ..index import Index
 
-SHED_EVERY = 8192  # records a scan reads between two releases of the index's pages
+# Records a scan reads between two releases of the index's pages: each record's
+# lookups (parent, edge, access time) touch a few random 4 KiB pages (measured at
+# 100,000 nodes: 8,192 held up to 73 MB at once, 512 about 12 MB).
+SHED_EVERY = 512
 
 
 class PageShedder:
