@@ -194,8 +194,13 @@ def test_scans_release_the_index_pages(tmp_path):
 
     try:
         if not memutil.release_file_pages(os.path.join(index.path, "data.mdb")):
+            # macOS's path: nothing is released, and a scan reads every record.
             assert os.environ.get("KVSTORE_TEST_PLATFORM") == "macos"
-            assert index.read(lambda txn: scan(txn, True)) >= 0  # the no-op fallback
+            index.release_pages()
+            count = index.read(
+                lambda txn: sum(1 for _ in txn.cursor(db=index.db["meta"]))
+            )
+            assert count >= 40000
             return
         index.release_pages()
         kept = index.read(lambda txn: scan(txn, True))
