@@ -17,7 +17,7 @@ import ctypes
 import mmap
 import os
 import sys
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -71,30 +71,46 @@ def disable_release() -> None:
     _LIBC.release = False
 
 
-def release_file_pages(path: str) -> bool:
-    """Drop this process's resident pages of every shared mapping of file ``path``.
-
-    Touching them again reads them back from the page cache (the data of a shared
-    file mapping lives there, never only in the process), so this is safe while the
-    mapping is in use, by LMDB say. Returns whether anything was released; False
-    where the platform cannot (no ``/proc/self/maps``) or the file is not mapped.
-    """
-    lib = _LIBC.get()
-    if lib is None or not _LIBC.release:
-        return False
+def file_mappings(path: str) -> List[Tuple[int, int]]:
+    """``(start, end)`` of this process's mappings of file ``path`` (empty where the
+    platform cannot tell: no ``/proc/self/maps``, or release is off)."""
+    if _LIBC.get() is None or not _LIBC.release:
+        return []
     target = os.path.realpath(path)
-    done = False
+    out = []
     try:
         with open(_MAPS) as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].rstrip("\n") == target:
                     start, end = (int(x, 16) for x in fields[0].split("-"))
-                    done |= lib.madvise(start, end - start, _MADV_DONTNEED) == 0
+                    out.append((start, end))
     except OSError:  # no /proc here after all
         _LIBC.release = False
+        return []
+    return out
+
+
+def release_ranges(ranges: Iterable[Tuple[int, int]]) -> bool:
+    """Drop this process's resident pages of shared file mappings (``(start, end)``,
+    from :func:`file_mappings`, which must still be those mappings).
+
+    Touching them again reads them back from the page cache (the data of a shared
+    file mapping lives there, never only in the process), so this is safe while the
+    mapping is in use, by LMDB say. Returns whether anything was released.
+    """
+    lib = _LIBC.get()
+    if lib is None or not _LIBC.release:
         return False
+    done = False
+    for start, end in ranges:
+        done |= lib.madvise(start, end - start, _MADV_DONTNEED) == 0
     return done
+
+
+def release_file_pages(path: str) -> bool:
+    """:func:`release_ranges` of every mapping of file ``path`` (looked up now)."""
+    return release_ranges(file_mappings(path))
 
 
 def prefault(ranges: Iterable[Tuple[int, int]]) -> bool:

@@ -14,9 +14,10 @@ from ..chunking import HASH_BYTES
 from ..index import Index
 
 # Records a scan reads between two releases of the index's pages: each record's
-# lookups (parent, edge, access time) touch a few random 4 KiB pages (measured at
-# 100,000 nodes: 8,192 held up to 73 MB at once, 512 about 12 MB).
-SHED_EVERY = 512
+# lookups (parent, edge, access time) touch a few random pages, and the kernel maps
+# up to 64 KiB of cached file around each page a fault touches (fault-around): 64
+# records hold ~15 MB at most (512 held ~70 MB at 100,000 nodes)
+SHED_EVERY = 64
 
 
 class PageShedder:
