@@ -318,7 +318,7 @@ def _guard_store(path: str) -> None:
 
 def cmd_stats(args) -> int:
     _guard_store(args.store)
-    stats = _maintenance().store_stats(args.store)
+    stats = _maintenance().store_stats(args.store, full=args.full)
     if args.json:
         print(json.dumps(stats, sort_keys=True, default=str))
         return EXIT_OK
@@ -328,9 +328,10 @@ def cmd_stats(args) -> int:
     budget = stats.get("disk_budget")
     print(f", budget {_human(budget)}" if budget is not None else ", no disk budget")
     for ns in stats.get("namespaces", []):
+        prompts = f"prompts {ns['prompts']:>5}  " if ns["prompts"] is not None else ""
         print(
             f"  {ns['id'][:12]} {ns.get('model_type') or '?':<12} nodes {ns['nodes']:>6}  "
-            f"prompts {ns['prompts']:>5}  tokens {ns['tokens']:>8}  {_human(ns['bytes']):>10}  "
+            f"{prompts}tokens {ns['tokens']:>8}  {_human(ns['bytes']):>10}  "
             f"pinned {_human(ns['pinned_bytes'])}"
         )
         trees = ns.get("salted_trees") or []
@@ -715,6 +716,13 @@ def _add_stats(sub) -> None:
     """``kvstore stats``."""
     p = sub.add_parser("stats", help="what the store holds, per model")
     _common_options(p)
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="also read every record and walk the files (prompts, times, salted "
+        "trees, files on disk): time grows with the store; without it, the totals "
+        "the index keeps",
+    )
     p.set_defaults(func=cmd_stats)
 
 

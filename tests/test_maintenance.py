@@ -58,7 +58,8 @@ def pinned_ids(path, ns: bytes) -> set:
 
 
 def ns_stats(path, ns: bytes) -> dict:
-    return next(n for n in m.store_stats(path)["namespaces"] if n["id"] == ns.hex())
+    stats = m.store_stats(path, full=True)
+    return next(n for n in stats["namespaces"] if n["id"] == ns.hex())
 
 
 def assert_restores(model, path, tokens, expect_n):
@@ -104,7 +105,7 @@ def store(tmp_path, model, other_model):
 
 def test_stats_match_what_was_saved(store):
     t0 = time.time()
-    st = m.store_stats(store.path)
+    st = m.store_stats(store.path, full=True)
     assert st["format_version"] == FORMAT_VERSION
     assert st["disk_budget"] is None
     assert [n["id"] for n in st["namespaces"]] == sorted(
@@ -138,6 +139,15 @@ def test_stats_match_what_was_saved(store):
         and totals["temp_files"] == totals["quarantine_files"] == 0
     )
     assert totals["index_bytes"] > 0
+    # Without ``full``: the same counters and descriptions, no scan's fields.
+    kept = m.store_stats(store.path)
+    assert kept["full"] is False and st["full"] is True
+    for a, b in zip(kept["namespaces"], st["namespaces"]):
+        for key in ("id", "nodes", "tokens", "bytes", "pinned_bytes", "layers"):
+            assert a[key] == b[key]
+        assert a["prompts"] is a["files"] is a["salted_trees"] is a["oldest"] is None
+    assert kept["totals"]["bytes"] == totals["bytes"]
+    assert kept["totals"]["file_bytes"] is kept["totals"]["prompts"] is None
 
 
 def test_list_tree_shape(store):
@@ -218,7 +228,7 @@ def test_every_call_closes_the_index(store):
 def test_empty_store(tmp_path, model):
     path = tmp_path / "s"
     KVStore(path, model, chunk_tokens=C).close()
-    st = m.store_stats(path)
+    st = m.store_stats(path, full=True)
     (ns,) = st["namespaces"]
     assert (ns["nodes"], ns["prompts"], ns["oldest"], ns["last_access"]) == (
         0,
@@ -516,7 +526,7 @@ def test_gc_drops_a_namespace_and_nothing_else(store, model, other_model):
     assert report["namespaces_dropped"] == [store.other.hex()]
     assert report["dropped_nodes"] == 3
     assert report["dropped_bytes"] == store.other_stats["bytes_on_disk"]
-    st = m.store_stats(store.path)
+    st = m.store_stats(store.path, full=True)
     assert [n["id"] for n in st["namespaces"]] == [store.ns.hex()]
     assert st["bytes_on_disk"] == st["file_bytes"] == mine_before["bytes"]
     assert not (store.path / "blobs" / store.other.hex()).exists()

@@ -105,7 +105,7 @@ def test_secret_is_random_per_store_and_kept(tmp_path, model, tokenizer):
     for name in ("a", "b"):
         with kvstore.KVStore(tmp_path / name, model, tokenizer) as store:
             store.save(tokens, cache, salt="same")
-        stats = maintenance.store_stats(tmp_path / name)
+        stats = maintenance.store_stats(tmp_path / name, full=True)
         trees.append(stats["namespaces"][0]["salted_trees"][0]["root"])
     assert trees[0] != trees[1]  # another store, another secret: another root
     with kvstore.KVStore(tmp_path / "a", model, tokenizer) as store:
@@ -202,7 +202,7 @@ def test_maintenance_sees_salted_trees(tmp_path, model, tokenizer):
         store.save(b, compute_cache(model, b))
         store.flush()
         ns = store.namespace
-    stats = maintenance.store_stats(tmp_path / "s")
+    stats = maintenance.store_stats(tmp_path / "s", full=True)
     (space,) = stats["namespaces"]
     trees = space["salted_trees"]
     assert [(t["nodes"], t["tokens"]) for t in trees] == [(3, 520), (1, 90)]
@@ -286,11 +286,11 @@ def test_cli_prefill_salt_and_stats(tmp_path, tiny_model_dir, capsys):
     summary = json.loads(out.strip().splitlines()[-1])
     assert (summary["prefilled"], summary["failed"]) == (2, 1)
 
-    assert main(["stats", "--store", store, "--json"]) == 0
+    assert main(["stats", "--store", store, "--json", "--full"]) == 0
     (space,) = json.loads(capsys.readouterr().out)["namespaces"]
     assert len(space["salted_trees"]) == 2
     assert space["nodes"] == sum(t["nodes"] for t in space["salted_trees"])
-    assert main(["stats", "--store", store]) == 0
+    assert main(["stats", "--store", store, "--full"]) == 0
     text = capsys.readouterr().out
     assert text.count("salted tree ") == 2
     assert "flag-salt" not in text and "line-salt" not in text
@@ -332,7 +332,7 @@ def test_salt_quota_evicts_only_that_tenants_tree(tmp_path, model, tokenizer):
         for i in (2, 3, 4):  # the noisy tenant goes on saving
             store.save(prompts[i], caches[i], salt="noisy")
             store.flush()
-            trees = maintenance.store_stats(store.path)["namespaces"][0]
+            trees = maintenance.store_stats(store.path, full=True)["namespaces"][0]
             noisy = [t for t in trees["salted_trees"] if t["nodes"] > 1]
             assert all(t["bytes"] <= quota for t in trees["salted_trees"])
         assert store.fetch(prompts[0] + [1])[1] == 100  # others untouched
@@ -408,7 +408,7 @@ def _quota_case(tmp_path, model, tokenizer, noisy_salts):
             store.flush()
         kept = store.fetch(prompts[0] + [1], salt=kvstore.Tenant("B"))[1]
         newest = store.fetch(prompts[5] + [1], salt=noisy_salts(5))[1]
-        stats = maintenance.store_stats(path)["namespaces"][0]
+        stats = maintenance.store_stats(path, full=True)["namespaces"][0]
     assert maintenance.verify(path)["clean"]
     a_bytes = sum(t["bytes"] for t in stats["salted_trees"]) - node_bytes
     return kept, newest, a_bytes, node_bytes

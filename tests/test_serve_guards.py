@@ -177,7 +177,7 @@ def test_prefill_tenant_and_plain_salts_meet_serve(tmp_path, tiny_model_dir):
 
 
 def _salted_bytes(store):
-    (ns,) = maintenance.store_stats(store)["namespaces"]
+    (ns,) = maintenance.store_stats(store, full=True)["namespaces"]
     return sum(t["bytes"] for t in ns["salted_trees"])
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import lmdb
 import numpy as np
 
+from ..platform import memutil
 from . import spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
 from .mapgate import MapGate
@@ -205,6 +206,9 @@ class _Env:
         self.problem: Optional[str] = None  # set when lock.mdb was deleted under us
         self.damage: Optional[IndexDamaged] = None  # damage met since the open
         self.gate = MapGate()  # every transaction passes it; a map resize waits alone
+        # Where the index file is mapped (Index.release_pages); None: not looked up
+        # since the last resize, which may move the map.
+        self.mapped: Optional[List[Tuple[int, int]]] = None
 
     def close(self) -> None:
         self.env.close()
@@ -320,6 +324,23 @@ class Index:
             self._adopt_map_size()
         raise StoreError(f"{self.path}: the LMDB map keeps being resized")
 
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the index file: a scan of every
+        record calls it now and then, so it does not hold the whole index in memory
+        (:func:`kvstore.memutil.release_file_pages`; safe during transactions).
+        Inside the gate: no other thread moves the map between the lookup of its
+        address and the release."""
+        shared = self._shared
+        shared.gate.enter()
+        try:
+            if shared.mapped is None:  # looked up once per map (a resize forgets it)
+                shared.mapped = memutil.file_mappings(
+                    os.path.join(self.path, "data.mdb")
+                )
+            memutil.release_ranges(shared.mapped)
+        finally:
+            shared.gate.exit()
+
     @property
     def problem(self) -> Optional[str]:
         """Why this process stopped writing to the index, or None."""
@@ -387,7 +408,12 @@ class Index:
     def _adopt_map_size(self) -> None:
         """Take the map size another process grew the map to, once no transaction of
         this process is active (LMDB's rule for ``mdb_env_set_mapsize``)."""
-        self._shared.gate.alone(lambda: self.env.set_mapsize(0))
+        self._shared.gate.alone(lambda: self._set_mapsize(0))
+
+    def _set_mapsize(self, size: int) -> None:
+        """Resize (or with 0, adopt) the map, alone in the gate; the map may move."""
+        self._shared.mapped = None
+        self.env.set_mapsize(size)
 
     def _grow(self, full: int) -> None:
         """Double the map that was ``full`` bytes when a write found it full, unless
@@ -399,7 +425,7 @@ class Index:
 
         def grow():
             if self.env.info()["map_size"] <= full:
-                self.env.set_mapsize(min(full * 2, _MAX_MAP))
+                self._set_mapsize(min(full * 2, _MAX_MAP))
 
         self._shared.gate.alone(grow)
 

@@ -36,6 +36,9 @@ class RamTier:
         self.max_bytes = max_bytes
         self._buckets = {b: OrderedDict() for b in RAM_ORDER}
         self._where: Dict[Hashable, tuple] = {}
+        # Bytes per bucket, kept as entries come and go: an insert asks how much the
+        # buckets below it hold without summing their entries (O(1) per operation).
+        self._bucket_bytes = dict.fromkeys(RAM_ORDER, 0)
         self._nbytes = 0
         self._lock = threading.Lock()
 
@@ -66,11 +69,7 @@ class RamTier:
             rank = RAM_ORDER.index(bucket)
             # Never evict a more important bucket to make room for a less important
             # entry, and evict nothing at all when the entry would not fit anyway.
-            evictable = sum(
-                e.nbytes
-                for b in RAM_ORDER[: rank + 1]
-                for e in self._buckets[b].values()
-            )
+            evictable = sum(self._bucket_bytes[b] for b in RAM_ORDER[: rank + 1])
             if self._nbytes - evictable + entry.nbytes > self.max_bytes:
                 return False
             self._discard(key)
@@ -78,6 +77,7 @@ class RamTier:
                 self._evict_one(below=rank)
             self._buckets[bucket][key] = entry
             self._where[key] = bucket
+            self._bucket_bytes[bucket] += entry.nbytes
             self._nbytes += entry.nbytes
             return True
 
@@ -90,12 +90,15 @@ class RamTier:
             for bucket in self._buckets.values():
                 bucket.clear()
             self._where.clear()
+            self._bucket_bytes = dict.fromkeys(RAM_ORDER, 0)
             self._nbytes = 0
 
     def _discard(self, key):
         bucket = self._where.pop(key, None)
         if bucket is not None:
-            self._nbytes -= self._buckets[bucket].pop(key).nbytes
+            nbytes = self._buckets[bucket].pop(key).nbytes
+            self._bucket_bytes[bucket] -= nbytes
+            self._nbytes -= nbytes
 
     def _evict_one(self, *, below: int) -> bool:
         for bucket in RAM_ORDER[: below + 1]:
@@ -103,6 +106,7 @@ class RamTier:
             if entries:
                 key, entry = entries.popitem(last=False)
                 del self._where[key]
+                self._bucket_bytes[bucket] -= entry.nbytes
                 self._nbytes -= entry.nbytes
                 return True
         return False

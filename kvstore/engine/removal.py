@@ -202,10 +202,11 @@ class Removal:
             return
         self.accesses.flush()  # eviction order must see the latest accesses
         evicted = maintenance.evict_to_budget(
-            self.index, self.blobs, self.budgets.disk_bytes
+            self.index,
+            self.blobs,
+            self.budgets.disk_bytes,
+            on_evict=lambda keys: [self.forget(h) for _, h in keys],
         )
-        for (_, h), _ in evicted.gone:
-            self.forget(h)
         self.counters.add(nodes_evicted=evicted.nodes)
         if evicted.excess:
             log.warning(

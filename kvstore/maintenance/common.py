@@ -8,7 +8,18 @@ import os
 from collections.abc import Iterable as _IterableABC
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+)
 
 from ..disk import reservations
 from ..disk.adapters import Layout
@@ -19,6 +30,7 @@ from ..disk.policy import DiskNode, disk_victims
 from ..disk.publish import temp_writer
 from ..disk.salts import GROUP_PREFIX
 from ..disk.storecheck import check_store_dirs
+from . import lru
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 
@@ -232,23 +244,35 @@ def cannot_remove(path: str, error: OSError) -> str:
     return text
 
 
-def delete_namespace(
-    index: Index, txn, ns: bytes
-) -> List[Tuple[bytes, Optional[NodeRecord]]]:
+@dataclass
+class Dropped:
+    """What :func:`delete_namespace` removed from the index."""
+
+    nodes: int = 0
+    bytes: int = 0  # the records' file bytes (delta and state files)
+    delta_bytes: int = 0  # of the delta files only
+
+
+def delete_namespace(index: Index, txn, ns: bytes) -> Dropped:
     """Remove everything of namespace ``ns`` from the index, in a write transaction.
 
-    Returns ``(hash, record)`` of its nodes (record None where it did not decode).
+    Streams (nothing is kept per node): the files go afterwards with
+    :func:`release_namespace_files`, which finds them under the namespace's directory.
     """
-    gone = []
-    for key, raw in prefixed_items(txn, index.db["nodes"], ns):
-        try:
-            rec = NodeRecord.decode(raw)
-        except CorruptRecord:
-            rec = None
-        gone.append((key[len(ns) :], rec))
+    dropped = Dropped()
     for name in ("nodes", "children", "atime", "pins"):
-        for key, _ in prefixed_items(txn, index.db[name], ns):
-            txn.delete(key, db=index.db[name])
+        cur = txn.cursor(db=index.db[name])
+        found = cur.set_range(ns)
+        while found and bytes(cur.key()).startswith(ns):
+            if name == "nodes":
+                dropped.nodes += 1
+                try:
+                    rec = NodeRecord.decode(bytes(cur.value()))
+                    dropped.bytes += rec.total_bytes
+                    dropped.delta_bytes += rec.nbytes
+                except CorruptRecord:
+                    pass
+            found = cur.delete()  # and on to the next key
     txn.delete(ns, db=index.db["counters"])
     txn.delete(ns, db=index.db["namespaces"])
     # Model keys naming it (kvstore.namespace.model_key): few, one per model setup.
@@ -258,7 +282,32 @@ def delete_namespace(
     # Which narrowed trees count against which tenant (kvstore.salts.join_group).
     for key, _ in prefixed_items(txn, index.db["meta"], GROUP_PREFIX + ns):
         txn.delete(key, db=index.db["meta"])
-    return gone
+    return dropped
+
+
+def release_namespace_files(index: Index, blobs: Blobs, ns: bytes) -> Released:
+    """After :func:`delete_namespace`'s commit: release the files under the
+    namespace's directory whose nodes are not in the index (a batch at a time, as
+    the directory is walked; :func:`release_files`)."""
+    out, batch = Released(), []
+
+    def release():
+        done = release_files(index, blobs, batch)
+        out.unlinked += done.unlinked
+        out.bytes += done.bytes
+        out.failed += done.failed
+        batch.clear()
+
+    for dirpath, _, names in os.walk(os.path.join(blobs.root, ns.hex())):
+        for name in names:
+            key = blobs.parse_path(os.path.join(dirpath, name))
+            if key is not None and key[0] == ns:
+                batch.append(key)
+                if len(batch) >= _RELEASE_BATCH:
+                    release()
+    if batch:
+        release()
+    return out
 
 
 def prefixed_items(txn, db, prefix: bytes) -> List[Tuple[bytes, bytes]]:
@@ -278,25 +327,14 @@ def prefixed_items(txn, db, prefix: bytes) -> List[Tuple[bytes, bytes]]:
 
 @dataclass
 class Eviction:
-    """What :func:`evict_to_budget` did."""
+    """What :func:`evict_to_budget` did (counts: a store's eviction may be millions of
+    nodes, which are not listed)."""
 
-    gone: List[Tuple[Key, NodeRecord]] = field(
-        default_factory=list
-    )  # in eviction order
+    nodes: int = 0
+    bytes: int = 0
+    pinned: int = 0  # pinned nodes among them
     excess: int = 0  # bytes still above the budget (what could not be evicted)
     unremovable: List[str] = field(default_factory=list)  # "path: why", left there
-
-    @property
-    def nodes(self) -> int:
-        return len(self.gone)
-
-    @property
-    def bytes(self) -> int:
-        return sum(rec.total_bytes for _, rec in self.gone)
-
-    @property
-    def pinned(self) -> int:
-        return sum(rec.pinned for _, rec in self.gone)
 
 
 def disk_nodes(index: Index, txn) -> Dict[Key, DiskNode]:
@@ -313,33 +351,22 @@ def disk_nodes(index: Index, txn) -> Dict[Key, DiskNode]:
     return nodes
 
 
-def _pinned_last(nodes: Mapping[Key, DiskNode]) -> Dict[Key, DiskNode]:
-    """The same nodes, all evictable, with every pinned node ranked after every other.
-
-    Pinned access times are lifted above the newest unpinned one, so leaf-first LRU
-    order takes unpinned leaves (and parents freed by them) first and pinned leaves only
-    when nothing else is left, least recently used first among them.
-    """
-    pinned = [n.atime for n in nodes.values() if n.pinned]
-    if not pinned:
-        return dict(nodes)
-    lift = max(n.atime for n in nodes.values()) - min(pinned) + 1.0
-    return {
-        k: n._replace(atime=n.atime + lift, pinned=False) if n.pinned else n
-        for k, n in nodes.items()
-    }
-
-
 def evict_to_budget(
-    index: Index, blobs: Blobs, max_bytes: int, *, pinned_last: bool = False
+    index: Index,
+    blobs: Blobs,
+    max_bytes: int,
+    *,
+    pinned_last: bool = False,
+    on_evict: Optional[Callable[[List[Key]], None]] = None,
 ) -> Eviction:
     """Evict least recently used leaves until the indexed bytes fit ``max_bytes``.
 
-    Each round deletes its victims from the index in write transactions of growing
-    size (re-checking that each is still a leaf, and unpinned unless
-    ``pinned_last``), each followed by the release of their files
+    The victims come from walks of the trie in bounded memory (:mod:`.lru`), in
+    write transactions of growing size (re-checking that each is still a leaf, and
+    unpinned unless ``pinned_last``), each followed by the release of their files
     (:func:`release_files`): on a full disk the first, small commit fits the spare
-    room (:mod:`kvstore.spare`) and its files make room for the next.
+    room (:mod:`kvstore.spare`) and its files make room for the next. Another round
+    follows only if the store changed meanwhile and is still over the budget.
 
     Args:
         index: The store's index (all namespaces count against the budget).
@@ -347,23 +374,22 @@ def evict_to_budget(
         max_bytes: The budget.
         pinned_last: Evict pinned nodes too, after every unpinned one. Without it
             pinned nodes never go.
+        on_evict: Called with the keys of each commit's evicted nodes.
 
     Returns:
-        The evicted nodes and how many bytes remain above the budget.
+        How many nodes and bytes went and how many bytes remain above the budget.
     """
     result = Eviction()
     while True:
         result.excess = max(0, index.total_bytes() - max_bytes)
         if result.excess == 0:
             return result
-        nodes = index.read(lambda txn: disk_nodes(index, txn))
-        victims = disk_victims(
-            _pinned_last(nodes) if pinned_last else nodes, result.excess
+        lift = (
+            index.read(lambda txn: lru.pinned_lift(index, txn)) if pinned_last else None
         )
-        if not victims:
-            return result
+        cut = lru.threshold(index, result.excess, lift=lift)
         evicted = 0
-        for batch in _batches(victims):
+        for batch in lru.victims(index, cut, lift=lift, sizes=_batch_sizes()):
 
             def evict(txn, batch=batch):
                 gone = []
@@ -382,21 +408,26 @@ def evict_to_budget(
                 return gone
 
             gone = index.write(evict, frees=True)
-            released = release_files(index, blobs, [key for key, _ in gone])
+            keys = [key for key, _ in gone]
+            released = release_files(index, blobs, keys)
             result.unremovable += released.failed
-            result.gone += gone
+            result.nodes += len(gone)
+            result.bytes += sum(rec.total_bytes for _, rec in gone)
+            result.pinned += sum(rec.pinned for _, rec in gone)
             evicted += len(gone)
+            if on_evict is not None and keys:
+                on_evict(keys)
         if not evicted:  # another process changed the tree under us: stop here
+            result.excess = max(0, index.total_bytes() - max_bytes)
             return result
 
 
-def _batches(victims: List[Key]) -> Iterator[List[Key]]:
-    """``victims`` in commits of growing size: the first needs little room on a full
+def _batch_sizes() -> Iterator[int]:
+    """Evictions in commits of growing size: the first needs little room on a full
     disk (:mod:`kvstore.spare`), and the files it unlinks make room for the next."""
-    at, size = 0, _FIRST_EVICT_BATCH
-    while at < len(victims):
-        yield victims[at : at + size]
-        at += size
+    size = _FIRST_EVICT_BATCH
+    while True:
+        yield size
         size = min(2 * size, _RELEASE_BATCH)
 
 

@@ -18,6 +18,7 @@ from .common import (
     prefixed_items,
     read_disk_budget,
     release_files,
+    release_namespace_files,
     resolve_namespace,
     resolve_node,
     spec_list,
@@ -150,10 +151,9 @@ def _drop_namespaces(index: Index, blobs, drop: Set[bytes]) -> Dict[str, Any]:
         gone = index.write(
             lambda txn, ns=ns: delete_namespace(index, txn, ns), frees=True
         )
-        dropped_nodes += len(gone)
-        dropped_bytes += sum(rec.total_bytes for _, rec in gone if rec is not None)
-        keys = [(ns, h) for h, _ in gone if len(h) == HASH_BYTES]
-        unremovable += release_files(index, blobs, keys).failed
+        dropped_nodes += gone.nodes
+        dropped_bytes += gone.bytes
+        unremovable += release_namespace_files(index, blobs, ns).failed
     return dict(
         namespaces_dropped=sorted(ns.hex() for ns in drop),
         dropped_nodes=dropped_nodes,

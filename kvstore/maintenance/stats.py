@@ -6,8 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..disk.adapters import Layout
 from ..disk.blobs import DTYPES, Blobs
 from ..disk.chunking import root_hash
-from ..disk.index import CorruptRecord, Index, NodeRecord
-from ..disk.salts import tree_roots
+from ..disk.index import CHILD_KEY_TOKENS, CorruptRecord, Index, NodeRecord
 from .common import (
     check_int,
     description_layout,
@@ -17,6 +16,7 @@ from .common import (
     read_disk_budget,
     resolve_namespace,
 )
+from .walk import PageShedder, TreeWalk, tree_roots
 
 # -- stats -----------------------------------------------------------------------------
 
@@ -64,61 +64,72 @@ def _bytes_per_token(layout: Layout) -> int:
     )
 
 
-def store_stats(path) -> Dict[str, Any]:
+def store_stats(path, *, full: bool = False) -> Dict[str, Any]:
     """Counts for a store directory, per namespace and in total, without loading a model.
+
+    By default everything comes from totals the index keeps (its per-namespace
+    counters, the namespace descriptions, the index file's size): the same time and
+    memory at a thousand nodes as at millions. ``full`` also reads every record and
+    walks ``blobs/`` and ``quarantine/`` (time linear in the store, memory bounded).
 
     Args:
         path: The store directory.
+        full: Also count what only a scan knows (prompts, pinned nodes, corrupt
+            records, times, salted trees, the files on disk).
 
     Returns:
-        ``{"path", "format_version", "created", "disk_budget", "bytes_on_disk",
-        "file_bytes", "namespaces": [...], "totals": {...}}``: ``bytes_on_disk`` is
-        the chunk files' bytes by the index's counters, ``file_bytes`` as found by
-        walking ``blobs/``. Each namespace entry holds ``id`` (hex), ``model_type``,
-        ``chunk_tokens``, ``layers``, ``dtype``, ``bytes_per_token``, ``tokenizer``
-        (whether a vocabulary is part of the namespace), ``nodes``, ``tokens``,
-        ``bytes``, ``pinned_bytes`` (from the index's counters), ``prompts`` (leaf
-        nodes), ``pinned_nodes``, ``corrupt_records``, ``oldest`` / ``newest``
-        (creation times), ``last_access``, ``files`` / ``file_bytes`` (found on disk),
-        ``salted_trees`` (``[{"root", "nodes", "tokens", "bytes"}]``: each salted
-        tree by its root hash, largest first; the unsalted tree is the rest).
-        Totals add ``bytes`` (counters) next to ``file_bytes`` (walked), temp and other
-        files, the index file and the quarantine directory. Times are Unix seconds.
+        ``{"path", "format_version", "created", "disk_budget", "full",
+        "bytes_on_disk", "file_bytes", "namespaces": [...], "totals": {...}}``:
+        ``bytes_on_disk`` is the chunk files' bytes by the index's counters,
+        ``file_bytes`` as found by walking ``blobs/``. Each namespace entry holds
+        ``id`` (hex), ``model_type``, ``chunk_tokens``, ``layers``, ``dtype``,
+        ``bytes_per_token``, ``tokenizer`` (whether a vocabulary is part of the
+        namespace), ``nodes``, ``tokens``, ``bytes``, ``pinned_bytes`` (from the
+        index's counters), and from the scan (None without ``full``): ``prompts``
+        (leaf nodes), ``pinned_nodes``, ``corrupt_records``, ``oldest`` / ``newest``
+        (creation times), ``last_access``, ``files`` / ``file_bytes`` (found on
+        disk), ``salted_trees`` (``[{"root", "nodes", "tokens", "bytes"}]``: each
+        salted tree by its root hash, largest first; the unsalted tree is the rest).
+        Totals add ``bytes`` (counters), ``index_bytes`` and, from the scan,
+        ``file_bytes`` (walked), temp and other files and the quarantine
+        directory. Times are Unix seconds.
 
     Raises:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
     with opened(path, readonly=True) as (index, blobs):
-        head, descs, per, counters = index.read(
-            lambda txn: _scan_index(index, txn, path)
-        )
-        files = _file_sizes(blobs)
+        head, descs, counters = index.read(lambda txn: _kept(index, txn, path))
         index_bytes = os.lstat(os.path.join(path, "index", "data.mdb")).st_size
-        quarantine = _dir_size(blobs.quarantine_dir)
+        per, files, quarantine = {}, None, None
+        if full:
+            per = index.read(lambda txn: _scan_records(index, txn))
+            files = _file_sizes(blobs)
+            quarantine = _dir_size(blobs.quarantine_dir)
     namespaces = [
         _namespace_entry(
             ns,
             descs.get(ns),
-            per.get(ns, _new_acc()),
+            per.get(ns, _new_acc()) if full else None,
             counters.get(ns, (0, 0, 0, 0)),
-            files["per_namespace"].get(ns, (0, 0)),
+            files["per_namespace"].get(ns, (0, 0)) if full else None,
         )
         for ns in sorted(set(counters) | set(descs))
     ]
     totals = _totals(namespaces, files, index_bytes, quarantine)
     return {
         **head,
+        "full": full,
         "bytes_on_disk": totals["bytes"],  # chunk files, by the index's counters
-        "file_bytes": totals["file_bytes"],  # chunk files found on disk
+        "file_bytes": totals["file_bytes"],  # chunk files found on disk (full)
         "namespaces": namespaces,
         "totals": totals,
     }
 
 
-def _scan_index(index: Index, txn, path: str) -> tuple:
-    """The store's header fields, namespace descriptions, per-namespace tallies of
-    the node records, and the index's counters, in one read transaction."""
+def _kept(index: Index, txn, path: str) -> tuple:
+    """The store's header fields, namespace descriptions and the index's counters:
+    what the index keeps, read without a scan."""
     meta = index.db["meta"]
     created = txn.get(b"created", db=meta)
     head = {
@@ -128,40 +139,71 @@ def _scan_index(index: Index, txn, path: str) -> tuple:
         "disk_budget": read_disk_budget(index, txn),
     }
     descs = namespace_descriptions(index, txn)
+    counters = {ns: index.counters(ns, txn) for ns in known_namespaces(index, txn)}
+    return head, descs, counters
+
+
+def _scan_records(index: Index, txn) -> Dict[bytes, Dict[str, Any]]:
+    """Per-namespace tallies of every node record, in one pass (memory: one
+    accumulator per namespace; salted trees are walked from their roots)."""
     per: Dict[bytes, Dict[str, Any]] = {}
-    keys, parents = [], set()
+    shed = PageShedder(index)
     for ns, h, raw in index.iter_nodes(txn):
+        shed.tick()
         acc = per.setdefault(ns, _new_acc())
         try:
             rec = NodeRecord.decode(raw)
         except CorruptRecord:
             acc["corrupt_records"] += 1
             continue
-        keys.append((ns, h))
-        parents.add((ns, rec.parent))
-        acc["records"][h] = (rec.parent, rec.start, rec.ntokens, rec.total_bytes)
+        acc["prompts"] += not index.has_children(txn, ns, h)
         acc["pinned_nodes"] += rec.pinned
-        acc["created"].append(rec.created)
+        acc["oldest"] = min(acc["oldest"] or rec.created, rec.created)
+        acc["newest"] = max(acc["newest"] or rec.created, rec.created)
         atime = index.atime(txn, ns, h)
         acc["last_access"] = max(acc["last_access"] or atime, atime)
-    for key in keys:
-        per[key[0]]["prompts"] += key not in parents
-    counters = {ns: index.counters(ns, txn) for ns in known_namespaces(index, txn)}
-    return head, descs, per, counters
+    for ns, root in tree_roots(index, txn):
+        if root != root_hash(ns):
+            tree = _tree_totals(index, txn, ns, root, shed)
+            per.setdefault(ns, _new_acc())["salted_trees"].append(tree)
+    return per
+
+
+def _tree_totals(index: Index, txn, ns: bytes, root: bytes, shed) -> Dict[str, Any]:
+    """Nodes, tokens and bytes of the tree below ``root`` (corrupt records skipped)."""
+    tree = {"root": root.hex(), "nodes": 0, "tokens": 0, "bytes": 0}
+    for h, _ in TreeWalk(index, ns, root).nodes(txn):
+        shed.tick()
+        try:
+            rec = index.get_node(ns, h, txn)
+        except CorruptRecord:
+            continue
+        if rec is not None:
+            tree["nodes"] += 1
+            tree["tokens"] += rec.ntokens
+            tree["bytes"] += rec.total_bytes
+    return tree
 
 
 def _namespace_entry(
-    ns: bytes, desc: Any, acc: Dict[str, Any], counts: tuple, file_counts: tuple
+    ns: bytes,
+    desc: Any,
+    acc: Optional[Dict[str, Any]],
+    counts: tuple,
+    file_counts: Optional[tuple],
 ) -> Dict[str, Any]:
-    """One namespace of :func:`store_stats`: its description, the tallies of its node
-    records, its index counters and the files found on disk."""
+    """One namespace of :func:`store_stats`: its description, its index counters and
+    (from a full scan; None: not scanned) the tallies of its node records and the
+    files found on disk."""
     desc = desc if isinstance(desc, dict) else {}
     try:
         layout = description_layout(desc)
     except ValueError:
         layout = None
     nodes, tokens, nbytes, pinned = counts
-    nfiles, fbytes = file_counts
+    nfiles, fbytes = file_counts if file_counts is not None else (None, None)
+    scanned = acc if acc is not None else dict.fromkeys(_new_acc())
+    trees = acc["salted_trees"] if acc is not None else None
     return {
         "id": ns.hex(),
         "model_type": desc.get("model_type"),
@@ -178,31 +220,40 @@ def _namespace_entry(
         "bytes_per_token": _bytes_per_token(layout) if layout else None,
         "tokenizer": desc.get("vocab") is not None,
         "nodes": nodes,
-        "prompts": acc["prompts"],
+        "prompts": scanned["prompts"],
         "tokens": tokens,
         "bytes": nbytes,
         "pinned_bytes": pinned,
-        "pinned_nodes": acc["pinned_nodes"],
-        "corrupt_records": acc["corrupt_records"],
-        "oldest": min(acc["created"]) if acc["created"] else None,
-        "newest": max(acc["created"]) if acc["created"] else None,
-        "last_access": acc["last_access"],
+        "pinned_nodes": scanned["pinned_nodes"],
+        "corrupt_records": scanned["corrupt_records"],
+        "oldest": scanned["oldest"],
+        "newest": scanned["newest"],
+        "last_access": scanned["last_access"],
         "files": nfiles,
         "file_bytes": fbytes,
-        "salted_trees": _salted_trees(ns, acc["records"]),
+        "salted_trees": (
+            sorted(trees, key=lambda t: (-t["bytes"], t["root"]))
+            if trees is not None
+            else None
+        ),
     }
 
 
 def _totals(
     namespaces: List[Dict[str, Any]],
-    files: Dict[str, Any],
+    files: Optional[Dict[str, Any]],
     index_bytes: int,
-    quarantine: Tuple[int, int],
+    quarantine: Optional[Tuple[int, int]],
 ) -> Dict[str, Any]:
-    """The totals of :func:`store_stats`: the namespaces' sums and the files found."""
-    q_files, q_bytes = quarantine
+    """The totals of :func:`store_stats`: the namespaces' sums and, from a full scan
+    (None: not scanned), the files found."""
+
+    def total(key):
+        values = [n[key] for n in namespaces]
+        return None if None in values else sum(values)
+
     totals = {
-        key: sum(n[key] for n in namespaces)
+        key: total(key)
         for key in (
             "nodes",
             "prompts",
@@ -212,14 +263,16 @@ def _totals(
             "corrupt_records",
         )
     }
+    files = files or {}
+    q_files, q_bytes = quarantine if quarantine is not None else (None, None)
     totals.update(
         namespaces=len(namespaces),
-        files=files["files"],
-        file_bytes=files["file_bytes"],
-        temp_files=files["temp_files"],
-        temp_bytes=files["temp_bytes"],
-        other_files=files["other_files"],
-        other_bytes=files["other_bytes"],
+        files=files.get("files"),
+        file_bytes=files.get("file_bytes"),
+        temp_files=files.get("temp_files"),
+        temp_bytes=files.get("temp_bytes"),
+        other_files=files.get("other_files"),
+        other_bytes=files.get("other_bytes"),
         index_bytes=index_bytes,
         quarantine_files=q_files,
         quarantine_bytes=q_bytes,
@@ -227,31 +280,15 @@ def _totals(
     return totals
 
 
-def _salted_trees(ns: bytes, records: Dict[bytes, tuple]) -> List[Dict[str, Any]]:
-    """Nodes, tokens and bytes of each salted tree of a namespace, by its root hash
-    (the salt itself is not in the store), largest first."""
-    unsalted = root_hash(ns)
-    roots = tree_roots({h: r[:2] for h, r in records.items()})
-    trees: Dict[bytes, Dict[str, Any]] = {}
-    for h, root in roots.items():
-        if root == unsalted:
-            continue
-        tree = trees.setdefault(root, {"root": root.hex(), "nodes": 0})
-        _, _, ntokens, nbytes = records[h]
-        tree["nodes"] += 1
-        tree["tokens"] = tree.get("tokens", 0) + ntokens
-        tree["bytes"] = tree.get("bytes", 0) + nbytes
-    return sorted(trees.values(), key=lambda t: (-t["bytes"], t["root"]))
-
-
 def _new_acc() -> Dict[str, Any]:
     return {
-        "records": {},  # hash -> (parent, start, tokens, bytes)
         "prompts": 0,
         "pinned_nodes": 0,
         "corrupt_records": 0,
-        "created": [],
+        "oldest": None,
+        "newest": None,
         "last_access": None,
+        "salted_trees": [],
     }
 
 
@@ -288,16 +325,15 @@ def list_tree(
     with opened(path, readonly=True) as (index, _):
 
         def kids(txn, ns: bytes, parent: bytes, depth: int) -> Tuple[List[dict], int]:
-            hashes = index.children(ns, parent, txn)
-            if depth > max_depth:
-                return [], len(hashes)
+            keep = max_children if depth <= max_depth else 0
+            hashes, count = _first_children(index, txn, ns, parent, keep)
             shown = []
-            for h in hashes[:max_children]:
+            for h in hashes:
                 node = _tree_node(index, txn, ns, h)
                 if node is not None:
                     node["children"], node["more"] = kids(txn, ns, h, depth + 1)
                     shown.append(node)
-            return shown, len(hashes) - len(hashes[:max_children])
+            return shown, count - len(hashes)
 
         def build(txn):
             known = known_namespaces(index, txn)
@@ -325,6 +361,25 @@ def list_tree(
             return out
 
         return index.read(build)
+
+
+def _first_children(
+    index: Index, txn, ns: bytes, parent: bytes, keep: int
+) -> Tuple[List[bytes], int]:
+    """The first ``keep`` children of ``parent`` (in token order) and how many it
+    has: a node with a million children costs a count, not a list."""
+    prefix = ns + parent
+    tail = len(prefix) + 4 * CHILD_KEY_TOKENS
+    cur = txn.cursor(db=index.db["children"])
+    out, count = [], 0
+    if cur.set_range(prefix):
+        for key in cur.iternext(values=False):
+            if not key.startswith(prefix):
+                break
+            if count < keep:
+                out.append(bytes(key[tail:]))
+            count += 1
+    return out, count
 
 
 def _tree_node(index: Index, txn, ns: bytes, h: bytes) -> Optional[dict]:

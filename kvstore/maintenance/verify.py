@@ -1,10 +1,17 @@
-"""Verification and repair of a store's index records and chunk files (:func:`verify`)."""
+"""Verification and repair of a store's index records and chunk files (:func:`verify`).
+
+Every pass streams: the index in one read transaction with lookups by key (nothing is
+kept per node), the files in batches of records read in short read transactions, the
+``blobs/`` directory as it is walked. Memory holds the findings and one entry per
+namespace, whatever the store's size (:mod:`.walk` keeps the index's pages from
+piling up in the process).
+"""
 
 import os
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from ..disk.adapters import Layout
 from ..disk.blobs import (
@@ -28,13 +35,17 @@ from .common import (
     namespace_descriptions,
     opened,
     release_files,
+    release_namespace_files,
     writer_alive,
 )
 from .salvage import salvage_if_damaged, with_salvage
+from .walk import PageShedder
 
 # Findings that are reported but do not make a store unclean: leftovers of crashes and
 # of writes in progress, which gc removes (orphans, old temp files) or leaves (strays).
 INFO_KINDS = frozenset({"orphan", "temp", "stray"})
+_FILE_BATCH = 512  # records read per read transaction while their files are checked
+_ORPHAN_BATCH = 512  # files found in blobs/ looked up per read transaction
 
 
 # -- verify ----------------------------------------------------------------------------
@@ -69,16 +80,44 @@ def _problem(kind: str, ns=None, h=None, file=None, detail: str = "") -> Dict[st
 
 @dataclass
 class _IndexScan:
+    """What one pass over the index found; no record is kept (memory: the findings,
+    one entry per namespace)."""
+
     descriptions: Dict[bytes, Any]
     layouts: Dict[bytes, Layout]
-    nodes: Dict[
-        Key, Tuple[bytes, Optional[NodeRecord]]
-    ]  # raw record, decoded (None: corrupt)
-    findings: List[_Finding]
+    findings: List[_Finding]  # records, reachability, descriptions
+    diffs: List[_Finding]  # edges, access times, pins, counters (index repairs)
+    nodes: int = 0  # node keys, well-formed or not
+    namespaces: Set[bytes] = field(default_factory=set)  # of the node keys
+
+
+class _Diffs:
+    """Index repairs found while streaming, with their namespace: those of namespaces
+    left out of the comparison (corrupt records, unusable description) are dropped
+    at the end, once that is known."""
+
+    ORDER = ("edge-", "edge+", "atime-", "atime+", "pin-", "pin+")
+
+    def __init__(self):
+        self.found: Dict[str, List[Tuple[bytes, _Finding]]] = {
+            k: [] for k in self.ORDER
+        }
+
+    def add(self, what: str, ns: bytes, finding: _Finding) -> None:
+        self.found[what].append((ns, finding))
+
+    def kept(self, skip: Set[bytes]) -> List[_Finding]:
+        return [f for k in self.ORDER for ns, f in self.found[k] if ns not in skip]
 
 
 def _scan_index(index: Index, txn) -> _IndexScan:
-    """Check every record and description; no file is read."""
+    """Check every record, description, trie edge, access time, pin and counter in
+    one streaming pass (lookups by key, nothing held per node); no file is read.
+
+    Trie edges, access times, pins and counters are compared with the records
+    except in namespaces with corrupt records or unusable descriptions (their own
+    findings cover them; fixing those comes first).
+    """
     descs = namespace_descriptions(index, txn)
     layouts, findings = {}, []
     for ns, desc in descs.items():
@@ -92,10 +131,18 @@ def _scan_index(index: Index, txn) -> _IndexScan:
                     action="drop",
                 )
             )
-    nodes: Dict[Key, Tuple[bytes, Optional[NodeRecord]]] = {}
+    scan = _IndexScan(descs, layouts, findings, [])
+    counts: Dict[bytes, int] = {}
+    sums: Dict[bytes, List[int]] = {}
+    skip: Set[bytes] = set()  # namespaces whose records cannot all be compared
+    diffs = _Diffs()
+    shed = PageShedder(index)
     for ns, h, raw in index.iter_nodes(txn):
+        shed.tick()
+        scan.nodes += 1
+        scan.namespaces.add(ns)
         if len(ns) + len(h) != 2 * HASH_BYTES:
-            nodes[ns, h] = (raw, None)
+            skip.add(ns)
             detail = f"index key of {len(ns) + len(h)} bytes"
             findings.append(
                 _Finding(
@@ -103,54 +150,26 @@ def _scan_index(index: Index, txn) -> _IndexScan:
                 )
             )
             continue
+        counts[ns] = counts.get(ns, 0) + 1
         try:
-            nodes[ns, h] = (raw, NodeRecord.decode(raw))
+            rec = NodeRecord.decode(raw)
         except CorruptRecord as e:
-            nodes[ns, h] = (raw, None)
+            skip.add(ns)
             findings.append(
                 _Finding(
                     _problem("record", ns, h, detail=str(e)), (ns, h), raw, "quarantine"
                 )
             )
-    counts: Dict[bytes, int] = {}
-    for (ns, h), (raw, rec) in nodes.items():
-        if len(ns) + len(h) == 2 * HASH_BYTES:  # a malformed key is no namespace's
-            counts[ns] = counts.get(ns, 0) + 1
-        if rec is None:
             continue
-        parent = nodes.get((ns, rec.parent))
-        if rec.parent == root_hash(ns):
-            bad = (
-                rec.start != 0
-                and f"starts at token {rec.start} but hangs from the root"
-            )
-        elif rec.start == 0 and parent is None:
-            bad = False  # the first node of a salted tree (kvstore.salts)
-        elif parent is None:
-            detail = f"parent {rec.parent.hex()[:12]} is not in the index"
-            findings.append(
-                _Finding(
-                    _problem("unreachable", ns, h, detail=detail),
-                    (ns, h),
-                    raw,
-                    "remove",
-                )
-            )
-            continue
-        else:
-            end = parent[1].end if parent[1] is not None else rec.start
-            bad = (
-                end != rec.start
-                and f"starts at token {rec.start}, its parent ends at {end}"
-            )
-        if not bad and chain_hash(rec.parent, rec.tokens) != h:
-            bad = "node id does not match its parent and tokens"
-        if bad:
-            findings.append(
-                _Finding(
-                    _problem("record", ns, h, detail=bad), (ns, h), raw, "quarantine"
-                )
-            )
+        finding = _check_record(index, txn, ns, h, rec, raw)
+        if finding is not None:
+            findings.append(finding)
+        _node_diffs(index, txn, ns, h, rec, diffs)
+        s = sums.setdefault(ns, [0, 0, 0, 0])
+        s[0] += 1
+        s[1] += rec.ntokens
+        s[2] += rec.total_bytes
+        s[3] += rec.total_bytes * rec.pinned
     for ns in sorted(set(counts) - set(descs)):
         detail = f"{counts[ns]} nodes but no namespace description"
         findings.append(
@@ -158,128 +177,107 @@ def _scan_index(index: Index, txn) -> _IndexScan:
                 _problem("description", ns, detail=detail), (ns, b""), action="drop"
             )
         )
-    return _IndexScan(descs, layouts, nodes, findings)
+    skip |= {ns for ns in descs if ns not in layouts}
+    skip |= {ns for ns in scan.namespaces if ns not in descs}
+    _stale_entries(index, txn, diffs, shed)
+    scan.diffs = diffs.kept(skip) + _counter_diffs(index, txn, sums, skip)
+    return scan
 
 
-def _index_diffs(index: Index, txn, scan: _IndexScan) -> List[_Finding]:
-    """Where trie edges, access times, pins and counters disagree with the node records.
-
-    Namespaces with corrupt records or unusable descriptions are left out of the
-    comparison (their own findings cover them; fixing those comes first).
-    """
-    skip = {ns for (ns, _), (_, rec) in scan.nodes.items() if rec is None}
-    skip |= {ns for ns in scan.descriptions if ns not in scan.layouts}
-    skip |= {ns for ns, _ in scan.nodes if ns not in scan.descriptions}
-    good = {
-        k: rec
-        for k, (_, rec) in scan.nodes.items()
-        if rec is not None and k[0] not in skip
-    }
-    raw_keys = {ns + h for ns, h in scan.nodes}
-    return (
-        _edge_diffs(index, txn, good, skip)
-        + _atime_diffs(index, txn, good, skip, raw_keys)
-        + _pin_diffs(index, txn, good, skip)
-        + _counter_diffs(index, txn, good, skip)
-    )
-
-
-def _repair(
-    index: Index,
-    db: str,
-    key: bytes,
-    value: Optional[bytes],
-    ns: bytes,
-    h: Optional[bytes],
-    detail,
-) -> _Finding:
-    """An index finding whose fix sets ``key`` of ``db`` to ``value`` (None: deletes)."""
-
-    def apply(t, db=db, key=key, value=value):
-        if value is None:
-            t.delete(key, db=index.db[db])
+def _check_record(
+    index: Index, txn, ns: bytes, h: bytes, rec: NodeRecord, raw: bytes
+) -> Optional[_Finding]:
+    """A record that hangs from nothing, starts where its parent does not end, or
+    does not carry the id its parent and tokens hash to."""
+    if rec.parent == root_hash(ns):
+        bad = rec.start != 0 and f"starts at token {rec.start} but hangs from the root"
+    else:
+        parent_raw = txn.get(ns + rec.parent, db=index.db["nodes"])
+        if parent_raw is None and rec.start != 0:
+            detail = f"parent {rec.parent.hex()[:12]} is not in the index"
+            return _Finding(
+                _problem("unreachable", ns, h, detail=detail), (ns, h), raw, "remove"
+            )
+        if parent_raw is None:
+            bad = False  # the first node of a salted tree (kvstore.salts)
         else:
-            t.put(key, value, db=index.db[db])
+            try:
+                end = NodeRecord.decode(bytes(parent_raw)).end
+            except CorruptRecord:  # the parent's own finding covers it
+                end = rec.start
+            bad = (
+                end != rec.start
+                and f"starts at token {rec.start}, its parent ends at {end}"
+            )
+    if not bad and chain_hash(rec.parent, rec.tokens) != h:
+        bad = "node id does not match its parent and tokens"
+    if not bad:
+        return None
+    return _Finding(_problem("record", ns, h, detail=bad), (ns, h), raw, "quarantine")
 
-    return _Finding(
-        _problem("index", ns, h, detail=detail), action="repair", apply=apply
-    )
+
+def _node_diffs(
+    index: Index, txn, ns: bytes, h: bytes, rec: NodeRecord, diffs: _Diffs
+) -> None:
+    """A node's trie edge, readable access time and pin, where it lacks one."""
+    key = ns + h
+    edge = child_key(ns, rec.parent, rec.tokens, h)
+    if txn.get(edge, db=index.db["children"]) is None:
+        detail = "node has no trie edge"
+        diffs.add("edge+", ns, _repair(index, "children", edge, b"", ns, h, detail))
+    atime = txn.get(key, db=index.db["atime"])
+    if atime is None or len(atime) != 8:
+        when = struct.pack("<d", rec.created)  # as Index.put_node writes it
+        detail = "node has no (readable) access time"
+        diffs.add("atime+", ns, _repair(index, "atime", key, when, ns, h, detail))
+    if rec.pinned and txn.get(key, db=index.db["pins"]) is None:
+        detail = "pinned node missing from the pins table"
+        diffs.add("pin+", ns, _repair(index, "pins", key, b"", ns, h, detail))
 
 
-def _edge_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
-    """Trie edges without their node, and nodes without their edge."""
-    out = []
-    edges = {
-        child_key(ns, rec.parent, rec.tokens, h): (ns, h)
-        for (ns, h), rec in good.items()
-    }
-    seen = set()
-    for k, _ in txn.cursor(db=index.db["children"]):
+def _stale_entries(index: Index, txn, diffs: _Diffs, shed: PageShedder) -> None:
+    """Trie edges, access times and pins of no node (or not of the node named)."""
+    nodes = index.db["nodes"]
+
+    def record(key: bytes) -> Optional[NodeRecord]:
+        raw = txn.get(key, db=nodes)
+        try:
+            return None if raw is None else NodeRecord.decode(bytes(raw))
+        except CorruptRecord:
+            return None
+
+    for k in txn.cursor(db=index.db["children"]).iternext(values=False):
+        shed.tick()
         k = bytes(k)
-        ns = k[:HASH_BYTES]
-        if k in edges:
-            seen.add(k)
-        elif ns not in skip:
-            detail = "trie edge without its node"
-            out.append(_repair(index, "children", k, None, ns, k[-HASH_BYTES:], detail))
-    for k in edges.keys() - seen:
-        ns, h = edges[k]
-        out.append(_repair(index, "children", k, b"", ns, h, "node has no trie edge"))
-    return out
-
-
-def _atime_diffs(
-    index: Index, txn, good: dict, skip: set, raw_keys: set
-) -> List[_Finding]:
-    """Access times of no node, and nodes without a (readable) access time."""
-    out = []
-    with_atime = set()
-    for k, v in txn.cursor(db=index.db["atime"]):
+        ns, h = k[:HASH_BYTES], k[-HASH_BYTES:]
+        if txn.get(ns + h, db=nodes) is not None:
+            rec = record(ns + h)
+            if rec is None or child_key(ns, rec.parent, rec.tokens, h) == k:
+                continue  # a corrupt record's edge: its namespace is skipped
+        detail = "trie edge without its node"
+        diffs.add("edge-", ns, _repair(index, "children", k, None, ns, h, detail))
+    for k in txn.cursor(db=index.db["atime"]).iternext(values=False):
+        shed.tick()
         k = bytes(k)
-        ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
-        if k not in raw_keys and ns not in skip:
+        if txn.get(k, db=nodes) is None:
+            ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
             detail = "access time of a node not in the index"
-            out.append(_repair(index, "atime", k, None, ns, h, detail))
-        elif len(v) == 8:
-            with_atime.add(k)
-    for (ns, h), rec in good.items():
-        if ns + h not in with_atime:
-            when = struct.pack("<d", rec.created)  # as Index.put_node writes it
-            detail = "node has no (readable) access time"
-            out.append(_repair(index, "atime", ns + h, when, ns, h, detail))
-    return out
-
-
-def _pin_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
-    """Pins of unpinned (or no) nodes, and pinned nodes missing from the pins table."""
-    out = []
-    pinned = set()
-    for k, _ in txn.cursor(db=index.db["pins"]):
+            diffs.add("atime-", ns, _repair(index, "atime", k, None, ns, h, detail))
+    for k in txn.cursor(db=index.db["pins"]).iternext(values=False):
+        shed.tick()
         k = bytes(k)
-        ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
-        rec = good.get((ns, h))
-        if rec is not None and rec.pinned:
-            pinned.add(k)
-        elif ns not in skip:
+        rec = record(k)
+        if rec is None or not rec.pinned:
+            ns, h = k[:HASH_BYTES], k[HASH_BYTES:]
             detail = "pin of an unpinned node or of no node"
-            out.append(_repair(index, "pins", k, None, ns, h, detail))
-    for (ns, h), rec in good.items():
-        if rec.pinned and ns + h not in pinned:
-            detail = "pinned node missing from the pins table"
-            out.append(_repair(index, "pins", ns + h, b"", ns, h, detail))
-    return out
+            diffs.add("pin-", ns, _repair(index, "pins", k, None, ns, h, detail))
 
 
-def _counter_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
+def _counter_diffs(
+    index: Index, txn, sums: Dict[bytes, List[int]], skip: Set[bytes]
+) -> List[_Finding]:
     """Namespaces whose counters differ from the sums of their records."""
     out = []
-    sums: Dict[bytes, List[int]] = {}
-    for (ns, _), rec in good.items():
-        s = sums.setdefault(ns, [0, 0, 0, 0])
-        s[0] += 1
-        s[1] += rec.ntokens
-        s[2] += rec.total_bytes
-        s[3] += rec.total_bytes * rec.pinned
     packer = Index.COUNTERS  # the counters' record format, owned by the index
     stored = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.db["counters"])}
     for ns in sorted((set(sums) | set(stored)) - skip):
@@ -303,6 +301,28 @@ def _counter_diffs(index: Index, txn, good: dict, skip: set) -> List[_Finding]:
                 )
             )
     return out
+
+
+def _repair(
+    index: Index,
+    db: str,
+    key: bytes,
+    value: Optional[bytes],
+    ns: bytes,
+    h: Optional[bytes],
+    detail,
+) -> _Finding:
+    """An index finding whose fix sets ``key`` of ``db`` to ``value`` (None: deletes)."""
+
+    def apply(t, db=db, key=key, value=value):
+        if value is None:
+            t.delete(key, db=index.db[db])
+        else:
+            t.put(key, value, db=index.db[db])
+
+    return _Finding(
+        _problem("index", ns, h, detail=detail), action="repair", apply=apply
+    )
 
 
 def _check_file(
@@ -358,34 +378,69 @@ def _check_file(
     return None
 
 
+def _record_batches(index: Index, *, size: int) -> Iterator[List[Tuple[bytes, bytes]]]:
+    """``(key, raw record)`` of every node, ``size`` at a time, each batch read in its
+    own short read transaction (a long one would keep writers from reusing pages
+    while every file is read)."""
+    after = b""
+
+    def read(txn):
+        cur = txn.cursor(db=index.db["nodes"])
+        out = []
+        if cur.set_range(after):
+            for k, v in cur:
+                out.append((bytes(k), bytes(v)))
+                if len(out) >= size:
+                    break
+        return out
+
+    while True:
+        batch = index.read(read)
+        index.release_pages()
+        if not batch:
+            return
+        yield batch
+        after = batch[-1][0] + b"\0"  # the smallest key after the last one read
+
+
 def _check_files(
-    index: Index, blobs: Blobs, scan: _IndexScan, *, check_data: bool
+    index: Index, blobs: Blobs, layouts: Mapping[bytes, Layout], *, check_data: bool
 ) -> Tuple[List[_Finding], int, int]:
-    """Check every node file against its record and namespace layout.
+    """Check every node file against its record and namespace layout, a batch of
+    records at a time.
 
     Returns the findings still true after a re-read of the index (a node evicted while
     its file was checked is not a problem), the files checked and their bytes.
     """
     findings, checked, nbytes = [], 0, 0
-    for (ns, h), (raw, rec) in scan.nodes.items():
-        if rec is None or ns not in scan.layouts:
-            continue
-        bad = _check_file(blobs, ns, h, rec, scan.layouts[ns], check_data=check_data)
-        checked += 1
-        nbytes += rec.total_bytes
-        if bad:
-            problem = _problem(bad[0], ns, h, blobs.path(ns, h), bad[1])
-            action = None if bad[0] == "unreadable" else "quarantine"
-            findings.append(_Finding(problem, (ns, h), raw, action))
+    for batch in _record_batches(index, size=_FILE_BATCH):
+        found = []
+        for key, raw in batch:
+            ns, h = key[:HASH_BYTES], key[HASH_BYTES:]
+            if len(h) != HASH_BYTES or ns not in layouts:
+                continue
+            try:
+                rec = NodeRecord.decode(raw)
+            except CorruptRecord:
+                continue
+            bad = _check_file(blobs, ns, h, rec, layouts[ns], check_data=check_data)
+            checked += 1
+            nbytes += rec.total_bytes
+            if bad:
+                problem = _problem(bad[0], ns, h, blobs.path(ns, h), bad[1])
+                action = None if bad[0] == "unreadable" else "quarantine"
+                found.append(_Finding(problem, (ns, h), raw, action))
+        if found:
 
-    def still(txn):
-        return [
-            f
-            for f in findings
-            if txn.get(f.key[0] + f.key[1], db=index.db["nodes"]) == f.raw
-        ]
+            def still(txn, found=found):
+                return [
+                    f
+                    for f in found
+                    if txn.get(f.key[0] + f.key[1], db=index.db["nodes"]) == f.raw
+                ]
 
-    return (index.read(still) if findings else []), checked, nbytes
+            findings += index.read(still)
+    return findings, checked, nbytes
 
 
 def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
@@ -393,9 +448,21 @@ def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
 
     An orphan is a ``.safetensors`` file no index record names: at a node's path but
     without the node (its finding has the node's key), or at a path no node can have
-    (misnamed or misplaced: no key).
+    (misnamed or misplaced: no key). Files at nodes' paths are looked up a batch at a
+    time, as the directory is walked.
     """
     out, candidates = [], []
+
+    def orphans(txn):
+        return [
+            _Finding(
+                _problem("orphan", ns, h, p, f"{size} bytes, no index entry"), (ns, h)
+            )
+            for (ns, h), p, size in candidates
+            if txn.get(ns + h, db=index.db["nodes"]) is None
+        ]
+
+    found = []
     for kind, p in blobs.iter_files():
         try:
             st = os.lstat(p)
@@ -404,6 +471,10 @@ def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
         key = blobs.parse_path(p) if kind == "blob" else None
         if key is not None:
             candidates.append((key, p, st.st_size))
+            if len(candidates) >= _ORPHAN_BATCH:
+                found += index.read(orphans)
+                index.release_pages()
+                candidates = []
         elif kind == "blob":
             detail = f"{st.st_size} bytes, not at the path of any node"
             out.append(_Finding(_problem("orphan", file=p, detail=detail)))
@@ -416,17 +487,9 @@ def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
         else:
             detail = f"not a kvstore file ({st.st_size} bytes)"
             out.append(_Finding(_problem("stray", file=p, detail=detail)))
-
-    def orphans(txn):
-        return [
-            _Finding(
-                _problem("orphan", ns, h, p, f"{size} bytes, no index entry"), (ns, h)
-            )
-            for (ns, h), p, size in candidates
-            if txn.get(ns + h, db=index.db["nodes"]) is None
-        ]
-
-    return index.read(orphans) + out
+    if candidates:
+        found += index.read(orphans)
+    return found + out
 
 
 @dataclass
@@ -454,7 +517,7 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
     """
 
     def fix(txn):
-        done, gone, quarantine = Fixed(), {}, {}
+        done, gone, quarantine, dropped = Fixed(), {}, {}, set()
 
         def remove(f: _Finding) -> bool:
             """Act on one finding; False when nothing changed."""
@@ -462,14 +525,18 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
             if f.action == "drop":
                 existed = txn.get(ns, db=index.db["namespaces"]) is not None
                 removed = delete_namespace(index, txn, ns)
-                if not (existed or removed):
+                if not (existed or removed.nodes):
                     return False
-            elif f.action == "delete_key":
+                dropped.add(ns)
+                done.nodes_removed += removed.nodes
+                done.bytes_removed += removed.delta_bytes
+                return True
+            if f.action == "delete_key":
                 if not txn.delete(ns + h, db=index.db["nodes"]):
                     return False
                 done.nodes_removed += 1
                 return True
-            elif (ns, h) in gone:  # already removed with a broken ancestor
+            if (ns, h) in gone:  # already removed with a broken ancestor
                 removed = []
             elif txn.get(ns + h, db=index.db["nodes"]) != f.raw:
                 done.skipped += 1
@@ -491,13 +558,18 @@ def _fix(index: Index, blobs: Blobs, file_findings: List[_Finding]) -> Fixed:
             scan = _scan_index(index, txn)
             if not any([remove(f) for f in scan.findings]):
                 break
-        for f in _index_diffs(index, txn, scan):
+        for f in scan.diffs:
             f.apply(txn)
             done.index_repairs += 1
-        return done, [k for k in gone if len(k[1]) == HASH_BYTES], quarantine
+        gone_keys = [k for k in gone if len(k[1]) == HASH_BYTES]
+        return done, gone_keys, quarantine, dropped
 
-    done, gone, quarantine = index.write(fix, frees=True)
+    done, gone, quarantine, dropped = index.write(fix, frees=True)
     released = release_files(index, blobs, gone, quarantine=quarantine)
+    for ns in sorted(dropped):
+        more = release_namespace_files(index, blobs, ns)
+        released.unlinked += more.unlinked
+        released.failed += more.failed
     done.quarantined = released.quarantined
     done.files_unlinked = released.unlinked
     done.unremovable = released.failed
@@ -516,14 +588,10 @@ def verify_open_store(
     """:func:`verify` of an opened store (also run by :func:`~.gc.gc`):
     ``check_data`` reads every file's data, ``walk_files`` lists ``blobs/`` for
     orphan, temp and stray files. Returns :func:`verify`'s report without ``path``."""
-
-    def index_scan(txn):
-        scan = _scan_index(index, txn)
-        return scan, scan.findings + _index_diffs(index, txn, scan)
-
-    scan, findings = index.read(index_scan)
+    scan = index.read(lambda txn: _scan_index(index, txn))
+    findings = scan.findings + scan.diffs
     file_findings, checked, nbytes = _check_files(
-        index, blobs, scan, check_data=check_data
+        index, blobs, scan.layouts, check_data=check_data
     )
     findings += file_findings
     if walk_files:
@@ -541,8 +609,8 @@ def verify_open_store(
             for p in problems
         ),
         "stray_files": kinds.count("stray"),
-        "namespaces": len(set(scan.descriptions) | {ns for ns, _ in scan.nodes}),
-        "nodes": len(scan.nodes),
+        "namespaces": len(set(scan.descriptions) | scan.namespaces),
+        "nodes": scan.nodes,
         "files_checked": checked,
         "bytes_checked": nbytes,
         "problems": problems,

@@ -6,15 +6,23 @@ inside the kernel's copy from the page cache; Linux (5.14 and later) can do that
 in one loop per range (``madvise(MADV_POPULATE_WRITE)``), for less CPU. Elsewhere it
 does nothing and the copy takes the faults as before: only speed differs, never what
 is restored.
+
+:func:`release_file_pages` drops a process's resident pages of a memory-mapped file
+(LMDB's index): a scan of the whole index then holds a bounded number of its pages,
+not all of them. Linux only (``/proc/self/maps`` and ``madvise(MADV_DONTNEED)``);
+elsewhere it does nothing, and only the scan's memory differs, never its results.
 """
 
 import ctypes
 import mmap
+import os
 import sys
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_MADV_DONTNEED = 4
+_MAPS = "/proc/self/maps"
 
 
 class _Libc:
@@ -23,9 +31,10 @@ class _Libc:
     def __init__(self):
         self.lib = None
         self.populate = sys.platform.startswith("linux")
+        self.release = sys.platform.startswith("linux")
 
     def get(self):
-        if self.lib is None and self.populate:
+        if self.lib is None and (self.populate or self.release):
             try:
                 lib = ctypes.CDLL(None, use_errno=True)
                 lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -38,7 +47,7 @@ class _Libc:
                 lib.mincore.restype = ctypes.c_int
                 self.lib = lib
             except (OSError, AttributeError):
-                self.populate = False
+                self.populate = self.release = False
         return self.lib
 
 
@@ -55,6 +64,53 @@ def disable_prefault() -> None:
     """Make :func:`prefault` a no-op in this process (the bench measures restores
     without it)."""
     _LIBC.populate = False
+
+
+def disable_release() -> None:
+    """Make :func:`release_file_pages` a no-op in this process (macOS's path)."""
+    _LIBC.release = False
+
+
+def file_mappings(path: str) -> List[Tuple[int, int]]:
+    """``(start, end)`` of this process's mappings of file ``path`` (empty where the
+    platform cannot tell: no ``/proc/self/maps``, or release is off)."""
+    if _LIBC.get() is None or not _LIBC.release:
+        return []
+    target = os.path.realpath(path)
+    out = []
+    try:
+        with open(_MAPS) as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    out.append((start, end))
+    except OSError:  # no /proc here after all
+        _LIBC.release = False
+        return []
+    return out
+
+
+def release_ranges(ranges: Iterable[Tuple[int, int]]) -> bool:
+    """Drop this process's resident pages of shared file mappings (``(start, end)``,
+    from :func:`file_mappings`, which must still be those mappings).
+
+    Touching them again reads them back from the page cache (the data of a shared
+    file mapping lives there, never only in the process), so this is safe while the
+    mapping is in use, by LMDB say. Returns whether anything was released.
+    """
+    lib = _LIBC.get()
+    if lib is None or not _LIBC.release:
+        return False
+    done = False
+    for start, end in ranges:
+        done |= lib.madvise(start, end - start, _MADV_DONTNEED) == 0
+    return done
+
+
+def release_file_pages(path: str) -> bool:
+    """:func:`release_ranges` of every mapping of file ``path`` (looked up now)."""
+    return release_ranges(file_mappings(path))
 
 
 def prefault(ranges: Iterable[Tuple[int, int]]) -> bool:

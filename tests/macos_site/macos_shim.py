@@ -11,7 +11,7 @@ takes where Linux-only calls are missing (see docs/macos.md):
   ``FileNotFoundError``, as on macOS;
 * libc calls kvstore binds through ctypes on Linux only are unbound as soon as their
   module is imported (``fsutil.sync_file_range``; ``memutil``'s ``madvise``
-  prefaulting);
+  prefaulting and page release);
 * ``fcntl.F_FULLFSYNC`` exists (macOS's value, 51) and is carried out as an
   ``fsync``; :data:`FULLFSYNC_CALLS` counts the calls.
 
@@ -86,6 +86,7 @@ def _unbind_sync_file_range(fsutil) -> None:
 
 def _no_madvise(memutil) -> None:
     memutil.disable_prefault()
+    memutil.disable_release()
 
 
 # Modules binding Linux-only libc calls through ctypes, and how each is made to take

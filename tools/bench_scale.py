@@ -1,0 +1,638 @@
+#!/usr/bin/env python
+"""How cost grows with the store: one store per size, built fast, then measured.
+
+Usage::
+
+    python tools/bench_scale.py --sizes 10000 100000 1000000 --dir bench-out/scale \\
+        [--json docs/bench-scale.json] [--plot docs/bench-scale.png] [--reuse]
+        [--build-only] [--repeats 5]
+
+**Build.** One process (one long-running writer, the default 512 MiB RAM tier) saves
+conversations through ``KVStore.save`` until the store holds N nodes: real chunk files
+and index records, no model run (random float16 KV in a tiny llama's layout: 2
+layers, 1 KV head of 32 dims, 256 bytes per token; 8-token chunks, files of ~2.4 KB).
+The shape is a server's: 50 system prompts (5-25 nodes each, picked Zipf-like), each
+with many conversations under it, each conversation growing by one user turn per save
+(deep chains, up to ~400 nodes), some branching off another one's earlier turn. The
+writer's saves/s is sampled about 50 times over the whole build. The build does not
+fsync chunk files (``--durable-build`` does): it runs at the speed of kvstore's own
+work per save, the part that could grow with the store; LMDB's commits still sync.
+
+**Measure**, every case in fresh processes (``python -m kvstore ...`` for the
+commands; time, and peak RSS from GNU ``time -v``), the cheap ones alternating
+between the sizes round by round (so the shared machine's load falls on every size
+alike): open (a fresh process opening the store), save + flush of a new conversation
+(a fresh process), ``kvstore stats`` (kept totals), ``kvstore ls --no-decode`` and the
+start-up floor (a process importing what the commands import), each ``--repeats``
+times; fetch hit / branch / miss and lookup (one warm process per size, median of 200
+alternating calls each) and the stats call's own time in that process. Then per size
+``stats --full``, ``kvstore verify`` and last (it shrinks the store) ``kvstore gc
+--max-bytes`` half the indexed bytes (the two scans once on stores of 200,000 nodes or
+more, gc once); and the index bytes per node.
+
+``--reuse`` measures a store a previous run built (its ``build.json`` says so)
+instead of building it again; ``--build-only`` builds and stops; ``--cases`` measures
+some cases only, and ``--append`` merges them into what ``--json`` already holds. Every sample goes
+into the JSON; the table is printed. A tool, not a test: pytest never collects tools/.
+Nothing here asserts a time.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+CHUNK = 8
+LAYOUT = dict(layers=2, heads=1, head_dim=32)  # 256 bytes of float16 KV per token
+SYSTEMS = 50
+ACTIVE = 200  # conversations in progress at once
+MAX_TOKENS = 3200  # a conversation stops growing here
+SAMPLES = 50  # saves/s samples over a build
+FLUSH_EVERY = 20  # saves between flushes: the writer's queue stays short
+QUERIES = 200
+BUILD_SEED = 1234
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[10000, 100000])
+    p.add_argument("--dir", default="bench-out/scale", help="where the stores go")
+    p.add_argument("--json", metavar="OUT")
+    p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--reuse", action="store_true", help="measure stores built before")
+    p.add_argument("--build-only", action="store_true")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the other sizes already in --json (a size measured in a later run)",
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASES,
+        default=list(CASES),
+        help="what to measure (cheap: open, fetch, lookup, save, stats, ls); gc "
+        "evicts half of each store, so it comes last",
+    )
+    p.add_argument(
+        "--durable-build", action="store_true", help="fsync every file while building"
+    )
+    args = p.parse_args(argv)
+    if args.repeats < 1 or min(args.sizes) < 1000:
+        p.error("--repeats must be >= 1 and every size >= 1000")
+    return args
+
+
+# -- building -----------------------------------------------------------------------
+
+
+def _model():
+    import mlx.core as mx
+
+    from kvstore.bench.models import tiny_model
+
+    return tiny_model(**LAYOUT, vocab=32000, dtype=mx.float16)
+
+
+class Conversations:
+    """The saves of a server's traffic: system prompts, then conversations growing by
+    one user turn per save under them, some branching off another's earlier turn."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.next_token = 1  # every prompt starts apart: new tokens are fresh ids
+        self.systems = [self._fresh(int(rng.integers(40, 200))) for _ in range(SYSTEMS)]
+        weights = 1.0 / (1 + self.rng.permutation(SYSTEMS))
+        self.weights = weights / weights.sum()
+        self.active = []
+        for _ in range(ACTIVE):
+            self.active.append(self._start())
+
+    def _fresh(self, n: int) -> list:
+        out = self.rng.integers(100, 32000, size=n).tolist()
+        out[0] = self.next_token % 100  # a shared first token: many roots' children
+        self.next_token += 1
+        return out
+
+    def _start(self) -> dict:
+        if self.active and self.rng.random() < 0.2:
+            other = self.active[int(self.rng.integers(len(self.active)))]
+            cut = int(self.rng.integers(len(other["turns"]) + 1))
+            return {"sys": other["sys"], "turns": list(other["turns"][:cut])}
+        s = int(self.rng.choice(SYSTEMS, p=self.weights))
+        return {"sys": s, "turns": []}
+
+    def tokens(self, conv: dict) -> list:
+        out = list(self.systems[conv["sys"]])
+        for turn in conv["turns"]:
+            out += turn
+        return out
+
+    def step(self):
+        """``(tokens, boundaries)`` of the next save."""
+        i = int(self.rng.integers(len(self.active)))
+        conv = self.active[i]
+        conv["turns"].append(self._fresh(int(self.rng.integers(40, 160))))
+        toks = self.tokens(conv)
+        ends, at = [len(self.systems[conv["sys"]])], len(self.systems[conv["sys"]])
+        for turn in conv["turns"]:
+            at += len(turn)
+            ends.append(at)
+        if len(toks) > MAX_TOKENS or self.rng.random() < 0.05:
+            self.active[i] = self._start()
+        return toks, ends[:-1]
+
+
+def _cache(kv, n: int):
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for _ in range(LAYOUT["layers"]):
+        c = KVCache()
+        c.state = (kv[:, :, :n, :], kv[:, :, :n, :], n)
+        out.append(c)
+    return out
+
+
+def _skip_fsync() -> None:
+    """In this (building) process only: no fsync of chunk files and directories. The
+    build then runs at the speed of kvstore's own work per save, which is what may
+    grow with the store (and 1M nodes take minutes, not hours); the index's LMDB
+    commits still sync, and save + flush is measured durable in fresh processes."""
+    from kvstore.platform import fsutil
+
+    fsutil.fsync = lambda fd, *, device=True: None
+    fsutil.fsync_dir = lambda path, *, device=True: None
+    fsutil.start_writeback = lambda fd: None
+
+
+def build(path: str, nodes: int, *, durable: bool = False) -> dict:
+    """Fill a new store at ``path`` until it holds ``nodes`` nodes; the build record."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvstore import KVStore
+
+    if not durable:
+        _skip_fsync()
+
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    rng = np.random.default_rng(BUILD_SEED)
+    kv = mx.array(rng.standard_normal((1, 1, MAX_TOKENS + 256, LAYOUT["head_dim"])))
+    kv = kv.astype(mx.float16)
+    mx.eval(kv)
+    conv = Conversations(rng)
+    t0 = time.perf_counter()
+    store = KVStore(path, _model(), chunk_tokens=CHUNK)
+    for toks in conv.systems:
+        store.save(toks, _cache(kv, len(toks)), kind="system")
+    store.flush()
+    samples, saves, queries = [], 0, []
+    last_t, last_saves = time.perf_counter(), 0
+    have = store.stats()["nodes"]
+    # About SAMPLES samples over the build (~13 nodes a save), at flushes.
+    every = max(1, round(nodes / 13 / SAMPLES / FLUSH_EVERY)) * FLUSH_EVERY
+    while have < nodes:
+        toks, ends = conv.step()
+        store.save(toks, _cache(kv, len(toks)), boundaries=ends)
+        saves += 1
+        if saves % FLUSH_EVERY == 0:
+            store.flush()
+            have = store.stats()["nodes"]  # the index's counters: no scan
+        if saves % every == 0:
+            now = time.perf_counter()
+            samples.append(
+                {
+                    "saves": saves,
+                    "nodes": have,
+                    "seconds": now - t0,
+                    "saves_per_s": (saves - last_saves) / (now - last_t),
+                }
+            )
+            last_t, last_saves = now, saves
+            print(
+                f"  {have:>9,} nodes  {saves:>8,} saves  "
+                f"{samples[-1]['saves_per_s']:6.0f} saves/s  {now - t0:7.0f} s",
+                flush=True,
+            )
+        if len(queries) < QUERIES and rng.random() < 0.01 and len(ends) > 2:
+            queries.append(toks)
+    store.flush()
+    # A short build samples few prompts: the conversations in progress are stored too.
+    for c in conv.active:
+        if len(queries) < QUERIES and c["turns"]:
+            queries.append(conv.tokens(c))
+    stats = store.stats()
+    store.close()
+    record = {
+        "nodes": stats["nodes"],
+        "target_nodes": nodes,
+        "saves": saves,
+        "build_seconds": time.perf_counter() - t0,
+        "writes_dropped": stats["writes_dropped"],
+        "writes_failed": stats["writes_failed"],
+        "bytes_on_disk": stats["bytes_on_disk"],
+        "durable": durable,
+        "saves_per_s": samples,
+        "queries": queries,
+        "systems": conv.systems[:10],
+    }
+    with open(os.path.join(path, "build.json"), "w") as f:
+        json.dump(record, f)
+    return record
+
+
+# -- measuring ----------------------------------------------------------------------
+
+
+TIME = "/usr/bin/time"  # GNU time: the peak RSS of the command alone
+
+
+def timed_command(argv) -> dict:
+    """A kvstore command in a fresh process: wall seconds, and peak RSS from GNU
+    ``time -v``. (A child's own ``ru_maxrss`` would start at this process's size:
+    Linux counts the memory a child shares with its parent before ``exec``.)
+    ``argv`` None: the floor, a process that imports what the commands import."""
+    cmd = ["-m", "kvstore", *argv] if argv is not None else ["-c", FLOOR]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [TIME, "-v", sys.executable, *cmd],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seconds = time.perf_counter() - t0
+    if proc.returncode not in (0, 1):  # verify exits 1 when it finds problems
+        raise RuntimeError(f"kvstore {argv} exited {proc.returncode}: {proc.stderr}")
+    kb = next(
+        int(line.rsplit(":", 1)[1])
+        for line in proc.stderr.splitlines()
+        if "Maximum resident set size" in line
+    )
+    return {"seconds": seconds, "max_rss_mb": kb / 1024, "exit": proc.returncode}
+
+
+FLOOR = "import kvstore.cli, kvstore.maintenance"
+
+CHILD = textwrap.dedent("""
+    import json, statistics, sys, time
+    sys.path.insert(0, {tools!r})
+    from bench_scale import _model, _cache, CHUNK, LAYOUT
+    import mlx.core as mx
+    import numpy as np
+    from kvstore import KVStore
+    case, path, given = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+    queries, systems = given["queries"], given["systems"]
+    model = _model()
+    t0 = time.perf_counter()
+    store = KVStore(path, model, chunk_tokens=CHUNK)
+    out = {{"open_s": time.perf_counter() - t0}}
+    if case == "fetch":
+        rng = np.random.default_rng(7)
+        hits = [q + [5] for q in queries]
+        # A branch: a stored prompt cut inside a node, then other tokens.
+        branches = [q[: len(q) - 3] + [7, 7, 7, 7] for q in queries]
+        misses = [[31999] + q[1:] for q in queries]  # no stored prompt starts so
+        cases = {{"hit": ("fetch", hits), "branch": ("fetch", branches),
+                 "miss": ("fetch", misses), "lookup": ("lookup", hits)}}
+        times = {{k: [] for k in cases}}
+        reused = {{k: [] for k in cases}}
+        names = list(cases)
+        for r in range(len(queries)):
+            for name in names[r % 4:] + names[: r % 4]:
+                how, qs = cases[name]
+                q = qs[r]
+                t = time.perf_counter()
+                if how == "fetch":
+                    cache, n = store.fetch(q)
+                    mx.eval([c.state for c in cache if c.keys is not None])
+                else:
+                    n = store.lookup(q)
+                times[name].append(time.perf_counter() - t)
+                reused[name].append(n)
+        out["times"] = times
+        out["reused"] = {{k: statistics.median(v) for k, v in reused.items()}}
+        from kvstore import maintenance
+        stats = []
+        for _ in range(20):  # the stats command's own work, without start-up
+            t = time.perf_counter()
+            maintenance.store_stats(path)
+            stats.append(time.perf_counter() - t)
+        out["stats_in_process"] = stats
+    elif case == "save":
+        rng = np.random.default_rng(int(sys.argv[4]))
+        kv = mx.array(rng.standard_normal((1, 1, 512, LAYOUT["head_dim"])))
+        kv = kv.astype(mx.float16)
+        mx.eval(kv)
+        # A new conversation under a stored system prompt: its first user turn.
+        system = systems[int(rng.integers(len(systems)))]
+        toks = system + rng.integers(100, 32000, size=40).tolist()
+        t = time.perf_counter()
+        n = store.save(toks, _cache(kv, len(toks)), boundaries=[len(system)])
+        store.flush()
+        out["save_flush_s"] = time.perf_counter() - t
+        out["new_nodes"] = n
+    store.close()
+    print(json.dumps(out))
+    """)
+
+
+def in_child(case: str, path: str, queries_file: str, *extra) -> dict:
+    tools = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD.format(tools=tools), case, path, queries_file]
+        + [str(x) for x in extra],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case} child failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def _rotated(items: list, r: int) -> list:
+    return items[r % len(items) :] + items[: r % len(items)]
+
+
+CASES = ("cheap", "stats_full", "verify", "gc")
+
+
+def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
+    """The ``cases`` at every size (``stores``: size -> (path, build record)).
+
+    The cheap cases alternate between the sizes, one sample of each size per round
+    in a rotated order, so the machine's load falls on every size alike; the scans
+    (``stats --full``, ``verify``, ``gc``) follow, size after size.
+    """
+    out, queries = {}, {}
+    for size, (path, record) in stores.items():
+        queries[size] = os.path.join(path, "queries.json")
+        with open(queries[size], "w") as f:
+            json.dump(
+                {"queries": record["queries"][:QUERIES], "systems": record["systems"]},
+                f,
+            )
+        index_bytes = os.path.getsize(os.path.join(path, "index", "data.mdb"))
+        out[size] = {
+            "nodes": record["nodes"],
+            "index_bytes": index_bytes,
+            "index_bytes_per_node": index_bytes / record["nodes"],
+        }
+        if "cheap" in cases:
+            for key in ("open", "save", "startup_floor", "stats", "ls"):
+                out[size][key] = []
+    sizes = list(stores) if "cheap" in cases else []
+    for r in range(repeats if sizes else 0):
+        print(f"  round {r + 1} of {repeats}", flush=True)
+        for size in _rotated(sizes, r):
+            path, q, m = stores[size][0], queries[size], out[size]
+            m["open"].append(in_child("open", path, q)["open_s"])
+            m["save"].append(in_child("save", path, q, 1000 + r)["save_flush_s"])
+            m["startup_floor"].append(timed_command(None))
+            m["stats"].append(timed_command(["stats", "--json", "--store", path]))
+            m["ls"].append(timed_command(["ls", "--no-decode", "--store", path]))
+    for size in sizes:
+        fetch = in_child("fetch", stores[size][0], queries[size])
+        m = out[size]
+        m["fetch_ms"] = {
+            k: {"median": med(v) * 1e3, "samples": [x * 1e3 for x in v]}
+            for k, v in fetch["times"].items()
+        }
+        m["fetch_reused_tokens"] = fetch["reused"]
+        inproc = fetch["stats_in_process"]
+        m["stats_in_process_ms"] = {
+            "median": med(inproc) * 1e3,
+            "samples": [x * 1e3 for x in inproc],
+        }
+    for size in sizes:
+        m = out[size]
+        m["open_s"] = {"median": med(m["open"]), "samples": m.pop("open")}
+        saves = [x * 1e3 for x in m.pop("save")]
+        m["save_flush_ms"] = {"median": med(saves), "samples": saves}
+        for key in ("startup_floor", "stats", "ls"):
+            m[key] = _runs(m[key])
+    for size, (path, record) in stores.items():
+        print(f"  scans of {record['nodes']:,} nodes", flush=True)
+        # Commands that read every record run fewer times on a large store.
+        heavy = repeats if record["nodes"] < 200_000 else 1
+        half = str(record["bytes_on_disk"] // 2)
+        cmds = {
+            "stats_full": (["stats", "--json", "--full"], heavy),
+            "verify": (["verify"], heavy),
+            "gc": (["gc", "--max-bytes", half], 1),  # last: it evicts half the bytes
+        }
+        for name, (argv, times) in cmds.items():
+            if name not in cases:
+                continue
+            runs = [timed_command([*argv, "--store", path]) for _ in range(times)]
+            out[size][name] = _runs(runs)
+            print(
+                f"    {name}: {out[size][name]['seconds']:.2f} s, "
+                f"{out[size][name]['max_rss_mb']:.0f} MB",
+                flush=True,
+            )
+    return out
+
+
+def _runs(runs) -> dict:
+    return {
+        "seconds": med([r["seconds"] for r in runs]),
+        "max_rss_mb": max(r["max_rss_mb"] for r in runs),
+        "samples": runs,
+    }
+
+
+def writer_rates(record: dict) -> dict:
+    """Saves/s of the writer over the first and the last 10% of its saves."""
+    samples = record["saves_per_s"]
+    k = max(1, len(samples) // 10)
+    first = med([s["saves_per_s"] for s in samples[:k]])
+    last = med([s["saves_per_s"] for s in samples[-k:]])
+    return {"first_10pct": first, "last_10pct": last, "ratio": first / last}
+
+
+# -- report -------------------------------------------------------------------------
+
+ROWS = [
+    ("open, fresh process (ms)", lambda m: m["open_s"]["median"] * 1e3),
+    ("fetch hit (ms)", lambda m: m["fetch_ms"]["hit"]["median"]),
+    ("fetch branch (ms)", lambda m: m["fetch_ms"]["branch"]["median"]),
+    ("fetch miss (ms)", lambda m: m["fetch_ms"]["miss"]["median"]),
+    ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
+    ("save + flush, fresh process (ms)", lambda m: m["save_flush_ms"]["median"]),
+    ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),
+    ("writer saves/s, last 10% of build", lambda m: m["writer"]["last_10pct"]),
+    (
+        "start-up floor: import only (s / MB)",
+        lambda m: (m["startup_floor"]["seconds"], m["startup_floor"]["max_rss_mb"]),
+    ),
+    ("`stats` (s / MB)", lambda m: (m["stats"]["seconds"], m["stats"]["max_rss_mb"])),
+    (
+        "`stats`' own work, in process (ms)",
+        lambda m: m["stats_in_process_ms"]["median"],
+    ),
+    (
+        "`stats --full` (s / MB)",
+        lambda m: (m["stats_full"]["seconds"], m["stats_full"]["max_rss_mb"]),
+    ),
+    (
+        "`ls --no-decode` (s / MB)",
+        lambda m: (m["ls"]["seconds"], m["ls"]["max_rss_mb"]),
+    ),
+    (
+        "`verify` (s / MB)",
+        lambda m: (m["verify"]["seconds"], m["verify"]["max_rss_mb"]),
+    ),
+    (
+        "`gc --max-bytes` half (s / MB)",
+        lambda m: (m["gc"]["seconds"], m["gc"]["max_rss_mb"]) if "gc" in m else None,
+    ),
+    ("index bytes per node", lambda m: m["index_bytes_per_node"]),
+    ("build (s)", lambda m: m["build_seconds"]),
+]
+
+
+def _value(get, m):
+    try:
+        return get(m)
+    except KeyError:  # not measured (``--cases``)
+        return None
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, tuple):
+        return f"{v[0]:.2f} s / {v[1]:.0f} MB"
+    return f"{v:.3g}" if v < 100 else f"{v:,.0f}"
+
+
+def table(results: list) -> str:
+    head = (
+        "| operation | " + " | ".join(f"{r['nodes']:,} nodes" for r in results) + " |"
+    )
+    lines = [head, "|---" * (len(results) + 1) + "|"]
+    for name, get in ROWS:
+        lines.append(
+            f"| {name} | " + " | ".join(_cell(_value(get, r)) for r in results) + " |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["nodes"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, get in [
+        ("open", lambda m: m["open_s"]["median"] * 1e3),
+        ("fetch hit", lambda m: m["fetch_ms"]["hit"]["median"]),
+        ("lookup", lambda m: m["fetch_ms"]["lookup"]["median"]),
+        ("save + flush", lambda m: m["save_flush_ms"]["median"]),
+        ("stats", lambda m: m["stats"]["seconds"] * 1e3),
+        ("ls", lambda m: m["ls"]["seconds"] * 1e3),
+        ("verify", lambda m: m["verify"]["seconds"] * 1e3),
+        ("gc", lambda m: m["gc"]["seconds"] * 1e3 if "gc" in m else float("nan")),
+    ]:
+        ys = [_value(get, r) for r in results]
+        a.plot(
+            n, [float("nan") if y is None else y for y in ys], marker="o", label=name
+        )
+    a.set(xscale="log", yscale="log", xlabel="nodes in the store", ylabel="ms")
+    a.set_title("time")
+    a.legend(fontsize=7)
+    for name in ("stats", "stats_full", "ls", "verify", "gc"):
+        b.plot(
+            n,
+            [r[name]["max_rss_mb"] if name in r else float("nan") for r in results],
+            marker="o",
+            label=name,
+        )
+    b.set(xscale="log", xlabel="nodes in the store", ylabel="peak RSS (MB)")
+    b.set_title("peak memory of each command (own process)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def machine() -> str:
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    stores = {}
+    for size in args.sizes:
+        path = os.path.join(args.dir, f"store-{size}")
+        record_file = os.path.join(path, "build.json")
+        if args.reuse and os.path.exists(record_file):
+            with open(record_file) as f:
+                record = json.load(f)
+            print(f"reusing {path}: {record['nodes']:,} nodes", flush=True)
+        else:
+            print(f"building {path} ({size:,} nodes)", flush=True)
+            record = build(path, size, durable=args.durable_build)
+            print(f"  built in {record['build_seconds']:.0f} s", flush=True)
+        stores[size] = (path, record)
+    if args.build_only:
+        return 0
+    measured = measure(stores, repeats=args.repeats, cases=args.cases)
+    results = []
+    for size, (path, record) in stores.items():
+        m = measured[size]
+        m.update(
+            target_nodes=size,
+            build_seconds=record["build_seconds"],
+            saves=record["saves"],
+            writer=writer_rates(record),
+            writer_samples=record["saves_per_s"],
+            writes_dropped=record["writes_dropped"],
+            writes_failed=record["writes_failed"],
+        )
+        results.append(m)
+    print(table(results), flush=True)
+    if not results:
+        return 0
+    doc = {
+        "argv": [sys.argv],
+        "machine": machine(),
+        "chunk_tokens": CHUNK,
+        "layout": LAYOUT,
+        "results": results,
+    }
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            old = json.load(f)  # what an earlier run measured stays, unless measured
+        merged = {r["target_nodes"]: r for r in old["results"]}
+        for r in results:
+            merged[r["target_nodes"]] = {**merged.get(r["target_nodes"], {}), **r}
+        doc["results"] = sorted(merged.values(), key=lambda r: r["nodes"])
+        doc["argv"] = old["argv"] + doc["argv"]
+        results = doc["results"]
+        print(table(results), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
