@@ -25,7 +25,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from . import maintenance
 from .disk import reservations, salts, spare
 from .disk.blobs import Blobs
-from .disk.chunking import as_token_array, root_hash
+from .disk.chunking import root_hash
 from .disk.index import KINDS, Index, StoreError
 from .disk.namespace import open_namespace
 from .disk.storecheck import check_store_dirs
@@ -131,9 +131,12 @@ def _open_namespace(
     return opened
 
 
-def _checked(tokens, kind: str, what: str, *, pin=False, boundaries=()) -> np.ndarray:
-    """Validate the arguments every write entry point shares."""
-    arr = as_token_array(tokens)
+def _checked(
+    parts: Parts, tokens, kind: str, what: str, *, pin=False, boundaries=()
+) -> np.ndarray:
+    """Validate the arguments every write entry point shares, the store being open
+    (``parts``); the tokens as an array."""
+    arr = parts.tokens(tokens)
     if len(arr) == 0:
         raise ValueError(f"tokens is empty: nothing to {what}")
     if not isinstance(kind, str) or kind not in KINDS:
@@ -344,8 +347,7 @@ class KVStore:
             TypeError, ValueError: ``tokens`` is not a list of token ids, or ``salt``
                 (or a part of a Tenant) not a non-empty string of at most 256 bytes.
         """
-        self.parts.check_open()
-        arr, tic = as_token_array(tokens), time.perf_counter()
+        arr, tic = self.parts.tokens(tokens), time.perf_counter()
         root = self.parts.before_fetch(arr, salts.parse_salt(salt))
         return self.parts.reads.fetch(arr, root=root, started=tic)
 
@@ -370,8 +372,7 @@ class KVStore:
             when the store holds nothing past ``held`` or the tokens are cheaper
             to prefill. Never raises for a broken store (a miss, logged).
         """
-        self.parts.check_open()
-        arr, tic = as_token_array(tokens), time.perf_counter()
+        arr, tic = self.parts.tokens(tokens), time.perf_counter()
         _check_held(held)
         root = self.parts.before_fetch(arr, salts.parse_salt(salt))
         return self.parts.tail.fetch_beyond(arr, held, root=root, started=tic)
@@ -419,8 +420,7 @@ class KVStore:
             TypeError, ValueError: bad arguments, or ``cache`` does not hold
                 ``len(tokens)`` tokens or has another number of layers.
         """
-        self.parts.check_open()
-        arr = _checked(tokens, kind, "save", pin=pin, boundaries=boundaries)
+        arr = _checked(self.parts, tokens, kind, "save", pin=pin, boundaries=boundaries)
         tree = self.parts.tree_of(salts.parse_salt(salt))
         return self.parts.writes.save(
             arr, cache, kind=kind, pin=pin, boundaries=boundaries, tree=tree, exact=True
@@ -440,8 +440,7 @@ class KVStore:
         A layout with state layers (sliding windows, recurrent state) cannot be cut
         back, so its cache must hold exactly ``tokens``.
         """
-        self.parts.check_open()
-        arr = _checked(tokens, kind, "save", pin=pin)
+        arr = _checked(self.parts, tokens, kind, "save", pin=pin)
         tree = self.parts.tree_of(salts.parse_salt(salt))
         return self.parts.writes.save(
             arr, cache, kind=kind, pin=pin, boundaries=(), tree=tree, exact=False
@@ -465,8 +464,9 @@ class KVStore:
         Returns:
             ``{"tokens": len, "computed": model tokens run, "reused": tokens restored}``.
         """
-        self.parts.check_open()
-        arr = _checked(tokens, kind, "prefill", pin=pin, boundaries=boundaries)
+        arr = _checked(
+            self.parts, tokens, kind, "prefill", pin=pin, boundaries=boundaries
+        )
         return self.parts.prefill.run(
             arr,
             self.fetch,
@@ -493,8 +493,7 @@ class KVStore:
         read): a caller holding a prefix elsewhere (a RAM cache) can skip a restore
         that would not be longer. A broken file found later makes the fetch shorter.
         """
-        self.parts.check_open()
-        arr = as_token_array(tokens)
+        arr = self.parts.tokens(tokens)
         root = self.parts.tree_of(salts.parse_salt(salt))[0]
         return self.parts.reads.stored_tokens(arr, root=root)
 
@@ -522,8 +521,7 @@ class KVStore:
         keeps ancestors that another pinned prompt still needs. Returns the number of
         nodes changed.
         """
-        self.parts.check_open()
-        arr = _checked(tokens, "user", "pin")
+        arr = _checked(self.parts, tokens, "user", "pin")
         _check_bool("pinned", pinned)
         return self.parts.pin(arr, pinned=pinned, path=self.path)
 

@@ -4,10 +4,13 @@ construction, what it shares with the others."""
 import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import numpy as np
+
 from .. import maintenance
 from ..disk import salts
 from ..disk.adapters import Layout
 from ..disk.blobs import Blobs
+from ..disk.chunking import as_token_array
 from ..disk.index import Index, IndexDamaged, StoreError
 from .accesses import Accesses
 from .counters import Counters
@@ -203,6 +206,12 @@ class Parts:
                 "this KVStore was opened before a fork(); LMDB environments cannot cross "
                 "fork(): open a new KVStore in the child process"
             )
+
+    def tokens(self, tokens) -> np.ndarray:
+        """``tokens`` as the array every call works on, once the store is known to
+        be open (:meth:`check_open`)."""
+        self.check_open()
+        return as_token_array(tokens)
 
     def flush(self) -> None:
         """Wait until every write submitted so far is on disk and indexed."""
