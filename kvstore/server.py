@@ -260,7 +260,9 @@ class PersistentPromptCache:
                 got = None
             seconds = time.perf_counter() - tic
             if got is not None:
-                source = "remote" if _remote_hits(store) > remote_hits else "disk"
+                # The remote tier may have supplied the nodes on the prefetch thread.
+                remote = _remote_hits(store) > remote_hits
+                source = "remote" if remote or (prefetched and pre.remote) else "disk"
                 cache, n, from_ram = got
                 rest = tokens[n:]
                 self.metrics.restore_seconds.observe(seconds)
@@ -366,12 +368,12 @@ class PersistentPromptCache:
         if store is None:
             return None
         held = self._ram_held(model_key, tokens, salt)
-        tail = None
+        tail, remote_hits = None, _remote_hits(store)
         if held < len(tokens) - 1:
             tail = _stored_tail(store, tokens, held, salt)
-        return Prefetched(
-            model_key, salt, list(tokens), held, tail, time.perf_counter() - tic
-        )
+        seconds = time.perf_counter() - tic
+        remote = _remote_hits(store) > remote_hits  # counted where it is used
+        return Prefetched(model_key, salt, list(tokens), held, tail, seconds, remote)
 
     def can_prefetch(self) -> bool:
         """Whether this mlx-lm's LRU can be searched without copying a cache."""

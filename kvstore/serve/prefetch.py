@@ -38,7 +38,8 @@ MAX_WAITING = 16
 class Prefetched:
     """What a prefetch found for one request: ``tail`` (a
     :class:`kvstore.tail.Tail`, or None: the store adds nothing worth reading past
-    the ``held`` tokens that RAM held then)."""
+    the ``held`` tokens that RAM held then); ``remote``: whether the remote tier
+    supplied nodes meanwhile."""
 
     model_key: Any
     salt: Any
@@ -46,6 +47,7 @@ class Prefetched:
     held: int
     tail: Any
     seconds: float
+    remote: bool = False
 
 
 class Prefetcher:
