@@ -24,8 +24,9 @@ between the sizes round by round (so the shared machine's load falls on every si
 alike): open (a fresh process opening the store), save + flush of a new conversation
 (a fresh process), ``kvstore stats`` (kept totals), ``kvstore ls --no-decode`` and the
 start-up floor (a process importing what the commands import), each ``--repeats``
-times; fetch hit / branch / miss and lookup (one warm process per size, median of 200
-alternating calls each) and the stats call's own time in that process. Then per size
+times; fetch hit / branch / miss and lookup (a warm process per size and round, 200
+alternating calls each; the median of every round's) and the stats call's own time in
+that process. Then per size
 ``stats --full``, ``kvstore verify`` and last (it shrinks the store) ``kvstore gc
 --max-bytes`` half the indexed bytes (the two scans once on stores of 200,000 nodes or
 more, gc once); and the index bytes per node.
@@ -391,8 +392,9 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
             "index_bytes_per_node": index_bytes / record["nodes"],
         }
         if "cheap" in cases:
-            for key in ("open", "save", "startup_floor", "stats", "ls"):
+            for key in ("open", "save", "startup_floor", "stats", "ls", "fetch"):
                 out[size][key] = []
+            out[size]["stats_fetch"] = []
     sizes = list(stores) if "cheap" in cases else []
     for r in range(repeats if sizes else 0):
         print(f"  round {r + 1} of {repeats}", flush=True)
@@ -403,15 +405,21 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
             m["startup_floor"].append(timed_command(None))
             m["stats"].append(timed_command(["stats", "--json", "--store", path]))
             m["ls"].append(timed_command(["ls", "--no-decode", "--store", path]))
+            fetch = in_child("fetch", path, q)
+            m["fetch"].append(fetch)
+            m["stats_fetch"].append(fetch.pop("stats_in_process"))
     for size in sizes:
-        fetch = in_child("fetch", stores[size][0], queries[size])
         m = out[size]
+        times = {}
+        for fetch in m.pop("fetch"):
+            for k, v in fetch["times"].items():
+                times.setdefault(k, []).extend(v)
         m["fetch_ms"] = {
             k: {"median": med(v) * 1e3, "samples": [x * 1e3 for x in v]}
-            for k, v in fetch["times"].items()
+            for k, v in times.items()
         }
-        m["fetch_reused_tokens"] = fetch["reused"]
-        inproc = fetch["stats_in_process"]
+        m["fetch_reused_tokens"] = fetch["reused"]  # the same queries every round
+        inproc = [x for f in m.pop("stats_fetch") for x in f]
         m["stats_in_process_ms"] = {
             "median": med(inproc) * 1e3,
             "samples": [x * 1e3 for x in inproc],
@@ -470,6 +478,7 @@ ROWS = [
     ("fetch hit (ms)", lambda m: m["fetch_ms"]["hit"]["median"]),
     ("fetch branch (ms)", lambda m: m["fetch_ms"]["branch"]["median"]),
     ("fetch miss (ms)", lambda m: m["fetch_ms"]["miss"]["median"]),
+    ("tokens a hit restores (median)", lambda m: m["fetch_reused_tokens"]["hit"]),
     ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
     ("save + flush, fresh process (ms)", lambda m: m["save_flush_ms"]["median"]),
     ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),

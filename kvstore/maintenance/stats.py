@@ -323,12 +323,16 @@ def list_tree(
     check_int("max_depth", max_depth, minimum=0)
     check_int("max_children", max_children, minimum=0)
     with opened(path, readonly=True) as (index, _):
+        # A few nodes' lookups touch pages all over the index, and a fault may map a
+        # large stretch of the cached file (measured: 46 MB for 200 nodes shown).
+        shed = PageShedder(index, every=4)
 
         def kids(txn, ns: bytes, parent: bytes, depth: int) -> Tuple[List[dict], int]:
             keep = max_children if depth <= max_depth else 0
-            hashes, count = _first_children(index, txn, ns, parent, keep)
+            hashes, count = _first_children(index, txn, ns, parent, keep, shed)
             shown = []
             for h in hashes:
+                shed.tick()
                 node = _tree_node(index, txn, ns, h)
                 if node is not None:
                     node["children"], node["more"] = kids(txn, ns, h, depth + 1)
@@ -364,7 +368,7 @@ def list_tree(
 
 
 def _first_children(
-    index: Index, txn, ns: bytes, parent: bytes, keep: int
+    index: Index, txn, ns: bytes, parent: bytes, keep: int, shed: PageShedder
 ) -> Tuple[List[bytes], int]:
     """The first ``keep`` children of ``parent`` (in token order) and how many it
     has: a node with a million children costs a count, not a list."""
@@ -379,6 +383,8 @@ def _first_children(
             if count < keep:
                 out.append(bytes(key[tail:]))
             count += 1
+            if count % 256 == 0:  # keys in order: a page holds a dozen
+                shed.tick()
     return out, count
 
 
