@@ -27,6 +27,8 @@ from conftest import compute_cache, random_tokens, run_cli
 from kvstore import KVStore, StoreError, server
 from kvstore.disk.index import IndexDamaged
 
+pytestmark = pytest.mark.stress
+
 C = 8  # tokens per chunk: ~400 nodes, trees of three levels
 PROMPTS = [random_tokens(200, 100 + i) for i in range(16)]
 

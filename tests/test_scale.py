@@ -25,6 +25,8 @@ from kvstore.engine.ram import RamEntry, RamTier
 from kvstore.maintenance import common, lru
 from kvstore.platform import fsutil, memutil
 
+pytestmark = pytest.mark.stress
+
 CHUNK = 4
 PER_PROMPT = 50  # nodes per saved prompt: chains 50 deep
 N = 600  # nodes of the small store; the large one has twice as many
