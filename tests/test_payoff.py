@@ -40,6 +40,31 @@ def test_small_prefills_do_not_move_the_rate():
     assert 1000 < rates.prefill < 2000
 
 
+def test_restores_count_by_their_seconds():
+    """A server's many small tails (fixed costs, a low rate) do not outvote the
+    whole prompts it restores: the rate is bytes over seconds, where an equal vote
+    per sample would stay near the tails' rate; one stalled read moves it little."""
+    rates = Rates()
+    for _ in range(10):
+        rates.note_restore(26_000_000, 0.036)  # 0.72 GB/s
+    rates.note_restore(850_000_000, 0.3)  # 2.8 GB/s
+    equal_vote = 0.7 * 0.72e9 + 0.3 * 2.83e9
+    assert rates.restore > 2.0e9 > equal_vote
+    steady = rates.restore
+    rates.note_restore(1_000_000, 30.0)  # a stall: weighs as 1 s, MAX_STEP away
+    assert rates.restore > steady / payoff.MAX_STEP
+    for _ in range(3):
+        rates.note_restore(850_000_000, 0.3)
+    assert rates.restore > steady / 1.5
+
+
+def test_a_kept_restore_rate_gives_way_to_a_measured_restore():
+    rates = Rates()
+    rates.restore = 0.5e9  # kept by an earlier process, no weight of its own here
+    rates.note_restore(900_000_000, 0.3)  # 3 GB/s, MAX_STEP bounds it at 2 GB/s
+    assert rates.restore > 1.5e9
+
+
 def test_nodes_in_memory_before_a_slow_disk_are_restored_alone():
     """Two nodes in the RAM tier (nothing to read), then nodes whose reading costs
     more than prefilling them: only the first two are restored. A layout that can

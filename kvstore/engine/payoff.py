@@ -22,6 +22,11 @@ prefills bring it within 1.5-fold of the truth, where a plain running mean needs
 A real change (another machine's kept rate, a model that got faster) is followed
 1.9-fold a sample. Kept rates that are not finite and positive are ignored.
 
+Restore samples count by the seconds they took (:meth:`Rates.note_restore`): a
+server restores many small tails past its RAM copies, whose fixed costs say little
+about how fast a whole system prompt reads, and an equal vote per sample let them
+put a 0.85 GB restore at 1.2 s where it took 0.3 s.
+
 Until a prefill rate is known, every stored prefix is restored (as before any
 measurement, the store cannot know better). A prefix chosen to be recomputed is
 still restored once in :data:`EXPLORE_EVERY` decisions, so the restore rate
@@ -38,8 +43,12 @@ from typing import Any, Dict, Optional, Sequence
 
 # How a store decides: "auto" by the measured rates, or always / never restore.
 MODES = ("auto", "always", "never")
-# Weight of the newest sample in the running rates.
+# Weight of the newest sample in the running rates (of an equally long restore).
 SMOOTHING = 0.3
+# The seconds of restoring that a rate known before any sample (kept) stands for,
+# and the most one sample counts for (a stalled read must not outvote the rest).
+PRIOR_RESTORE_S = 0.05
+MAX_RESTORE_WEIGHT_S = 1.0
 # Prefill samples of fewer tokens say more about per-call overhead than speed.
 MIN_PREFILL_TOKENS = 32
 # A restore's fixed cost beyond its bytes (opening files, building caches).
@@ -78,6 +87,7 @@ class Rates:
     def __init__(self, *, prefill: Optional[float] = None):
         self.prefill = prefill
         self.restore: Optional[float] = None
+        self._restore_weight = 0.0  # decayed seconds of restores behind ``restore``
         self._lock = threading.Lock()
 
     @staticmethod
@@ -109,10 +119,24 @@ class Rates:
         return True
 
     def note_restore(self, nbytes: int, seconds: float) -> None:
+        """Record a restore of ``nbytes`` in ``seconds``, weighed by its seconds
+        (bytes over seconds of the recent restores, older ones fading by
+        :data:`SMOOTHING` a sample); a rate far from the mean counts as
+        :data:`MAX_STEP` away."""
         if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes / seconds)):
             return  # a timer that did not move: no rate
         with self._lock:
-            self.restore = self._mix(self.restore, nbytes / seconds)
+            old, sample = self.restore, nbytes / seconds
+            weight = min(seconds, MAX_RESTORE_WEIGHT_S)
+            if old is None:
+                self.restore, self._restore_weight = sample, weight
+                return
+            sample = min(max(sample, old / MAX_STEP), old * MAX_STEP)
+            # A rate set from outside (kept by an earlier process) has no weight yet.
+            kept = self._restore_weight if self._restore_weight > 0 else PRIOR_RESTORE_S
+            kept *= 1 - SMOOTHING
+            self.restore = (old * kept + sample * weight) / (kept + weight)
+            self._restore_weight = kept + weight
 
 
 def _check_number(name: str, value, *, positive: bool) -> None:
