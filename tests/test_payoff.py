@@ -12,6 +12,12 @@ from kvstore.engine.payoff import EXPLORE_EVERY, Rates, RestorePolicy
 C = 16
 
 
+def rated(rates: Rates, bytes_per_s: float, *, fixed: float = 0.002) -> Rates:
+    """``rates`` with a known byte rate and fixed restore time."""
+    rates.restore, rates.restore_fixed = bytes_per_s, fixed
+    return rates
+
+
 def test_without_a_prefill_rate_every_prefix_is_restored():
     policy = RestorePolicy("auto")
     assert policy.decide([1000], [1 << 30]).restore
@@ -20,8 +26,7 @@ def test_without_a_prefill_rate_every_prefix_is_restored():
 
 
 def test_the_faster_way_is_chosen_and_recomputing_is_explored_now_and_then():
-    rates = Rates(prefill=10_000.0)  # tokens/s
-    rates.note_restore(1 << 30, 1.0)  # 1 GiB/s
+    rates = rated(Rates(prefill=10_000.0), 1 << 30)  # tokens/s; 1 GiB/s
     policy = RestorePolicy("auto", rates=rates)
     cheap = policy.decide([20_000], [100 << 20])  # 2 s of prefill, ~0.1 s to read
     assert cheap.restore and cheap.recompute_s == pytest.approx(2.0)
@@ -40,14 +45,33 @@ def test_small_prefills_do_not_move_the_rate():
     assert 1000 < rates.prefill < 2000
 
 
+def test_a_restore_mostly_of_fixed_time_gives_no_byte_rate():
+    """A server's warm-up request restores 61 tokens (8 MB in 15.7 ms on an H100):
+    rated by bytes over seconds, that put a returning user's 0.85 GB at 1.6 s, above
+    the 1.48 s its prefill takes, where the restore takes ~0.3 s. The shortest
+    restore is the fixed time instead, and with no byte rate yet only it counts."""
+    rates = Rates(prefill=4400.0)
+    rates.note_restore(8_000_000, 0.0157)
+    assert rates.restore is None and rates.restore_fixed == pytest.approx(0.0157)
+    policy = RestorePolicy("auto", rates=rates)
+    d = policy.decide([6510], [854_732_480])
+    assert d.restore and d.restore_s == pytest.approx(0.0157)
+    rates.note_restore(8_000_000, 0.02)  # under two fixed times: still no rate
+    assert rates.restore is None
+    rates.note_restore(854_732_480, 0.3157)  # 0.3 s past the fixed time
+    assert rates.restore == pytest.approx(854_732_480 / 0.3)
+    assert policy.decide([6510], [854_732_480]).restore_s == pytest.approx(0.3157)
+
+
 def test_restores_count_by_their_seconds():
-    """A server's many small tails (fixed costs, a low rate) do not outvote the
-    whole prompts it restores: the rate is bytes over seconds, where an equal vote
-    per sample would stay near the tails' rate; one stalled read moves it little."""
+    """A server's many small tails (a low rate) do not outvote the whole prompts it
+    restores: the rate is bytes over seconds, where an equal vote per sample would
+    stay near the tails' rate; one stalled read moves it little."""
     rates = Rates()
+    rates.note_restore(1_000_000, 0.001)  # the fixed time: 1 ms
     for _ in range(10):
-        rates.note_restore(26_000_000, 0.036)  # 0.72 GB/s
-    rates.note_restore(850_000_000, 0.3)  # 2.8 GB/s
+        rates.note_restore(26_000_000, 0.037)  # 0.72 GB/s past it
+    rates.note_restore(850_000_000, 0.301)  # 2.8 GB/s
     equal_vote = 0.7 * 0.72e9 + 0.3 * 2.83e9
     assert rates.restore > 2.0e9 > equal_vote
     steady = rates.restore
@@ -59,9 +83,8 @@ def test_restores_count_by_their_seconds():
 
 
 def test_a_kept_restore_rate_gives_way_to_a_measured_restore():
-    rates = Rates()
-    rates.restore = 0.5e9  # kept by an earlier process, no weight of its own here
-    rates.note_restore(900_000_000, 0.3)  # 3 GB/s, MAX_STEP bounds it at 2 GB/s
+    rates = rated(Rates(), 0.5e9)  # kept by an earlier process: no weight here
+    rates.note_restore(900_000_000, 0.302)  # 3 GB/s, MAX_STEP bounds it at 2 GB/s
     assert rates.restore > 1.5e9
 
 
@@ -69,8 +92,7 @@ def test_nodes_in_memory_before_a_slow_disk_are_restored_alone():
     """Two nodes in the RAM tier (nothing to read), then nodes whose reading costs
     more than prefilling them: only the first two are restored. A layout that can
     restore only whole paths (checkpoints) gets all or nothing."""
-    rates = Rates(prefill=10_000.0)
-    rates.note_restore(100 << 20, 1.0)  # 100 MiB/s: 1 s per 100 MiB
+    rates = rated(Rates(prefill=10_000.0), 100 << 20)  # 1 s per 100 MiB
     policy = RestorePolicy("auto", rates=rates)
     takes, costs = [256] * 6, [0, 0] + [50 << 20] * 4  # 0.5 s a node vs 25.6 ms
     d = policy.decide(takes, costs)
@@ -112,7 +134,8 @@ def test_a_store_recomputes_what_is_faster_to_prefill(tmp_path, model):
         tmp_path, model, chunk_tokens=C, ram_bytes=0, restore="auto"
     ) as s:
         assert s.fetch(tokens + [1])[1] == len(tokens)  # no prefill rate yet
-        assert s.stats()["restore_bytes_per_s"] > 0
+        # One small restore: its time is the fixed time, no byte rate yet.
+        assert s.stats()["restore_fixed_s"] > 0
         s.note_prefill(10_000, 1e-5)
         cache, n = s.fetch(tokens + [1])
         assert n == 0 and cache[0].offset == 0
@@ -156,7 +179,7 @@ def test_a_store_restores_its_ram_tier_and_recomputes_the_rest(tmp_path, model):
         # 96 tokens: 9.6 ms to prefill; the RAM part costs the fixed 2 ms and the rest
         # 6.4 ms of prefill; a node file takes seconds to read.
         s.policy.rates.prefill = 1e4
-        s.policy.rates.restore = 1e3
+        s.policy.rates.restore, s.policy.rates.restore_fixed = 1e3, 0.002
         cache, n = s.fetch(tokens + [1])
         assert n == 2 * C and cache[0].offset == 2 * C
         fresh = compute_cache(model, tokens[: 2 * C])
@@ -194,7 +217,7 @@ def test_the_rates_are_kept_for_the_next_process_on_this_host(tmp_path, model):
     with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
         stats = s.stats()
         assert stats["prefill_tokens_per_s"] > 1e8
-        assert stats["restore_bytes_per_s"] > 0
+        assert stats["restore_fixed_s"] > 0
         assert s.fetch(tokens + [1])[1] == 0  # the first fetch: recomputed
     with kvstore.KVStore(tmp_path, tiny_llama(1), chunk_tokens=C) as s:
         assert s.stats()["prefill_tokens_per_s"] is None  # another model's

@@ -1,7 +1,8 @@
 """Restore only when it pays: reading a prefix back against computing it again.
 
-A restore costs its bytes over the rate fetches read at; recomputing costs the
-prefix's tokens over the rate the model prefills at. On a 2-core CPU the model
+A restore costs a fixed time (files, caches, the copy's launch) plus its bytes over
+the rate fetches read at; recomputing costs the prefix's tokens over the rate the
+model prefills at. On a 2-core CPU the model
 prefills a few hundred tokens a second and every restore wins by orders of
 magnitude; on an H100 a small model prefills tens of thousands a second and a
 restore from a cold disk can lose. Both rates are measured on the machine that
@@ -22,10 +23,12 @@ prefills bring it within 1.5-fold of the truth, where a plain running mean needs
 A real change (another machine's kept rate, a model that got faster) is followed
 1.9-fold a sample. Kept rates that are not finite and positive are ignored.
 
-Restore samples count by the seconds they took (:meth:`Rates.note_restore`): a
-server restores many small tails past its RAM copies, whose fixed costs say little
-about how fast a whole system prompt reads, and an equal vote per sample let them
-put a 0.85 GB restore at 1.2 s where it took 0.3 s.
+The fixed time is the shortest restore seen; a restore that took less than twice
+that says nothing about the byte rate, and the others count by the seconds they
+spent on bytes (:meth:`Rates.note_restore`). A server restores many small tails
+past its RAM copies and answers a short warm-up request first: rated by bytes over
+seconds with a vote each, those fixed costs put a 0.85 GB restore at 1.6 s where it
+takes 0.3 s, and ``auto`` recomputed every returning user's prompt.
 
 Until a prefill rate is known, every stored prefix is restored (as before any
 measurement, the store cannot know better). A prefix chosen to be recomputed is
@@ -51,8 +54,10 @@ PRIOR_RESTORE_S = 0.05
 MAX_RESTORE_WEIGHT_S = 1.0
 # Prefill samples of fewer tokens say more about per-call overhead than speed.
 MIN_PREFILL_TOKENS = 32
-# A restore's fixed cost beyond its bytes (opening files, building caches).
+# A restore's fixed cost beyond its bytes until one is measured.
 RESTORE_OVERHEAD_S = 0.002
+# A restore shorter than this many fixed costs is mostly fixed cost: no byte rate.
+RATED_RESTORE = 2.0
 EXPLORE_EVERY = 16
 # How far (a factor) a sample may be from the running rate and still count in full.
 MAX_STEP = 4.0
@@ -86,7 +91,8 @@ class Rates:
 
     def __init__(self, *, prefill: Optional[float] = None):
         self.prefill = prefill
-        self.restore: Optional[float] = None
+        self.restore: Optional[float] = None  # bytes/s past the fixed time
+        self.restore_fixed: Optional[float] = None  # seconds: the shortest restore
         self._restore_weight = 0.0  # decayed seconds of restores behind ``restore``
         self._lock = threading.Lock()
 
@@ -119,13 +125,19 @@ class Rates:
         return True
 
     def note_restore(self, nbytes: int, seconds: float) -> None:
-        """Record a restore of ``nbytes`` in ``seconds``, weighed by its seconds
-        (bytes over seconds of the recent restores, older ones fading by
-        :data:`SMOOTHING` a sample); a rate far from the mean counts as
-        :data:`MAX_STEP` away."""
+        """Record a restore of ``nbytes`` in ``seconds``: the shortest is the fixed
+        time; one of at least :data:`RATED_RESTORE` fixed times moves the byte rate
+        by the seconds it spent past the fixed time (bytes over those seconds of
+        the recent restores, older ones fading by :data:`SMOOTHING` a sample); a
+        rate far from the mean counts as :data:`MAX_STEP` away."""
         if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes / seconds)):
             return  # a timer that did not move: no rate
         with self._lock:
+            fixed = seconds if self.restore_fixed is None else self.restore_fixed
+            self.restore_fixed = fixed = min(fixed, seconds)
+            if seconds < RATED_RESTORE * fixed:
+                return
+            seconds -= fixed
             old, sample = self.restore, nbytes / seconds
             weight = min(seconds, MAX_RESTORE_WEIGHT_S)
             if old is None:
@@ -174,6 +186,13 @@ class RestorePolicy:
         self._decisions = 0
         self._lock = threading.Lock()
 
+    def read_seconds(self, nbytes: int) -> float:
+        """The estimated time of a restore reading ``nbytes`` (its fixed time alone
+        while no byte rate is known)."""
+        rates = self.rates
+        fixed = rates.restore_fixed or RESTORE_OVERHEAD_S
+        return fixed + (nbytes / rates.restore if rates.restore else 0.0)
+
     def decide(
         self, takes: Sequence[int], nbytes: Sequence[int], *, cuttable: bool = True
     ) -> Decision:
@@ -185,9 +204,9 @@ class RestorePolicy:
         before nodes on a cold disk make the first few the cheapest.
         """
         total = sum(takes)
-        prefill, rate = self.rates.prefill, self.rates.restore
-        if self.mode != "auto" or not prefill or not rate:
-            restore_s = RESTORE_OVERHEAD_S + sum(nbytes) / rate if rate else None
+        prefill = self.rates.prefill
+        if self.mode != "auto" or not prefill:
+            restore_s = self.read_seconds(sum(nbytes)) if self.rates.restore else None
             recompute_s = total / prefill if prefill else None
             return Decision(self.mode != "never", total, restore_s, recompute_s)
         best, best_cost = 0, total / prefill  # recompute everything
@@ -196,7 +215,7 @@ class RestorePolicy:
             tokens, read = tokens + take, read + cost
             if not cuttable and k < len(takes):
                 continue
-            spent = RESTORE_OVERHEAD_S + read / rate + (total - tokens) / prefill
+            spent = self.read_seconds(read) + (total - tokens) / prefill
             if spent <= best_cost:
                 best, best_cost = k, spent
         if best:
@@ -204,14 +223,14 @@ class RestorePolicy:
             return Decision(
                 True,
                 restored,
-                RESTORE_OVERHEAD_S + sum(nbytes[:best]) / rate,
+                self.read_seconds(sum(nbytes[:best])),
                 restored / prefill,
                 nodes=best if best < len(takes) else None,
             )
         with self._lock:
             self._decisions += 1
             explore = self._decisions % EXPLORE_EVERY == 0
-        restore_s = RESTORE_OVERHEAD_S + sum(nbytes) / rate
+        restore_s = self.read_seconds(sum(nbytes))
         return Decision(explore, total, restore_s, total / prefill, explored=explore)
 
     def record(self, decision: Decision, *, nbytes: int, seconds: float) -> None:
@@ -235,6 +254,7 @@ class RestorePolicy:
                 "restore_seconds_saved": self.seconds_saved,
                 "prefill_tokens_per_s": self.rates.prefill,
                 "restore_bytes_per_s": self.rates.restore,
+                "restore_fixed_s": self.rates.restore_fixed,
             }
 
 
@@ -250,9 +270,11 @@ def read_rates(txn, db, namespace: bytes) -> Rates:
     try:
         kept = json.loads(raw) if raw else {}
         prefill, restore = kept.get("prefill"), kept.get("restore")
+        fixed = kept.get("restore_fixed")
     except (ValueError, AttributeError):
         return rates
     rates.prefill, rates.restore = usable_rate(prefill), usable_rate(restore)
+    rates.restore_fixed = usable_rate(fixed)
     return rates
 
 
@@ -260,6 +282,7 @@ def write_rates(txn, db, namespace: bytes, rates: Rates) -> None:
     value = {
         "prefill": usable_rate(rates.prefill),
         "restore": usable_rate(rates.restore),
+        "restore_fixed": usable_rate(rates.restore_fixed),
         "at": time.time(),
     }
     txn.put(rates_key(namespace), json.dumps(value).encode(), db=db)
