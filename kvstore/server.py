@@ -410,9 +410,23 @@ class PersistentPromptCache:
         self.saves = SaveQueue(in_ram=self._save_in_ram, count=self._count)
         return True
 
-    def _save_in_ram(self, job: SaveJob) -> bool:
-        """Whether RAM still holds the tokens ``job`` saves (a deferred save)."""
-        return self._ram_held(job.model_key, job.tokens, job.salt) >= job.held
+    def _save_in_ram(self, job: SaveJob) -> Optional[List[Any]]:
+        """The RAM LRU cache holding the tokens ``job`` saves (a deferred save): its
+        own entry, or a longer entry of the same tokens (mlx-lm drops a trimmable
+        cache's prefixes when it stores a longer one); None when none holds them."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        with self._lru_lock:
+            trie = self._lru._trie
+            found = trie.search(_ram_key(job.model_key, job.salt), job.tokens)
+            if found.exact is not None:
+                return trie.get(found.model, found.exact).prompt_cache
+            if found.longer is None or found.common_prefix < job.held:
+                return None
+            entry = trie.get(found.model, found.longer)
+            if not can_trim_prompt_cache(entry.prompt_cache):
+                return None  # state layers: the longer cache cannot give a prefix
+            return entry.prompt_cache
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """The server prefilled ``tokens`` prompt tokens in ``seconds``: the open

@@ -36,7 +36,7 @@ def test_queued_save_is_written(tmp_path, model):
     tokens = random_tokens(100, seed=41)
     counts = Counts()
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
-        q = SaveQueue(in_ram=lambda j: True, count=counts)
+        q = SaveQueue(in_ram=lambda j: j.cache, count=counts)
         q.put(job(store, tokens, compute_cache(model, tokens)))
         q.flush()
         store.flush()
@@ -49,7 +49,7 @@ def test_save_covered_by_a_later_one_is_merged(tmp_path, model):
     tokens = random_tokens(130, seed=42)
     counts, gate = Counts(), threading.Event()
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
-        q = SaveQueue(in_ram=lambda j: True, count=counts)
+        q = SaveQueue(in_ram=lambda j: j.cache, count=counts)
         fill_writer(store, gate)  # the queue waits: later saves stay queued
         blocker = random_tokens(40, seed=43)
         q.put(job(store, blocker, compute_cache(model, blocker)))
@@ -74,7 +74,7 @@ def test_save_waits_for_a_full_writer_instead_of_being_dropped(tmp_path, model):
     with KVStore(
         tmp_path / "s", model, chunk_tokens=C, max_pending_bytes=1 << 20
     ) as store:
-        q = SaveQueue(in_ram=lambda j: True, count=counts)
+        q = SaveQueue(in_ram=lambda j: j.cache, count=counts)
         fill_writer(store, gate)
         q.put(job(store, tokens, compute_cache(model, tokens)))
         threading.Timer(0.3, gate.set).start()
@@ -90,7 +90,7 @@ def test_deferred_save_whose_prefix_left_ram_is_lost(tmp_path, model):
     tokens = random_tokens(100, seed=45)
     counts, gate, held = Counts(), threading.Event(), [True]
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
-        q = SaveQueue(in_ram=lambda j: held[0], count=counts)
+        q = SaveQueue(in_ram=lambda j: j.cache if held[0] else None, count=counts)
         fill_writer(store, gate)
         q.put(job(store, tokens, compute_cache(model, tokens)))
         held[0] = False  # mlx-lm's LRU dropped it
@@ -100,6 +100,32 @@ def test_deferred_save_whose_prefix_left_ram_is_lost(tmp_path, model):
         assert counts == {"saves_deferred": 1, "saves_lost": 1}
         assert store.lookup(tokens + [1]) == 0
         q.close()
+
+
+def test_deferred_save_replaced_in_ram_by_a_longer_prompt_is_saved_from_it(
+    tmp_path, model, tokenizer
+):
+    """mlx-lm drops a trimmable cache's prefixes from its LRU when it stores a
+    longer one (a system prompt's entry when the whole prompt's comes): a system
+    prompt's save that waited for a full writer meanwhile is saved from the longer
+    entry (the same KV), not lost."""
+    tokens = random_tokens(130, seed=47)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    assert pc.use_threads(Prefetcher())
+    store = pc.open_store(KEY)
+    gate = threading.Event()
+    fill_writer(store, gate)
+    system = compute_cache(model, tokens[:70])
+    pc.insert_cache(KEY, tokens[:70], system, cache_type="system", salt="t")
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt="t")
+    assert pc._save_in_ram(job(store, tokens[:70], None, salt="t")) is not None
+    threading.Timer(0.3, gate.set).start()
+    pc.flush()
+    store.flush()
+    s = pc.stats()
+    assert s["saves_lost"] == 0 and s["saves_deferred"] >= 1
+    assert store.lookup(tokens + [1], salt="t") == 130
+    pc.close()
 
 
 def test_prompt_cache_saves_on_its_own_thread(tmp_path, model, tokenizer, monkeypatch):

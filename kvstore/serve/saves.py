@@ -11,8 +11,11 @@ captures on a thread of its own:
 * a queued save whose tokens a later one of the same tree extends is merged into
   it (the later save writes every node the earlier one would have);
 * while the writer is full a save waits, and is retried when the writer drains,
-  as long as its prefix is still in RAM; one whose prefix left RAM meanwhile is
-  lost (counted), as its KV is gone.
+  as long as its prefix is still in RAM: in its own entry, or in a longer entry
+  that replaced it (mlx-lm drops a trimmable cache's prefixes when it stores a
+  longer one: a system prompt's entry when the whole prompt's comes), whose first
+  tokens are then saved; one whose prefix left RAM meanwhile is lost (counted),
+  as its KV is gone.
 """
 
 import collections
@@ -59,7 +62,8 @@ class SaveQueue:
     """Runs saves on a thread of its own; merges, defers, never blocks its caller.
 
     Args:
-        in_ram: ``in_ram(job)``: whether the job's prefix is still in the RAM LRU.
+        in_ram: ``in_ram(job)``: a RAM LRU cache holding the job's prefix (its
+            own, or a longer one), or None once no entry holds it.
         count: ``count(**deltas)``: the prompt cache's counters.
         max_queued: Saves queued at most.
     """
@@ -67,7 +71,7 @@ class SaveQueue:
     def __init__(
         self,
         *,
-        in_ram: Callable[[SaveJob], bool],
+        in_ram: Callable[[SaveJob], Optional[List[Any]]],
         count: Callable[..., None],
         max_queued: int = MAX_QUEUED,
     ):
@@ -158,10 +162,13 @@ class SaveQueue:
                 return
 
     def _wait(self, job: SaveJob) -> bool:
-        """Wait a poll; False (the save is lost, counted) once its prefix left RAM."""
+        """Wait a poll; False (the save is lost, counted) once its prefix left RAM.
+        The job then saves from the RAM entry holding its prefix."""
         time.sleep(POLL_S)
         try:
-            if self._in_ram(job):
+            cache = self._in_ram(job)
+            if cache is not None:
+                job.cache = cache  # the same KV: a longer entry's first tokens
                 return True
         except Exception:
             log.exception("kvstore: cannot tell whether a deferred save is in RAM")
