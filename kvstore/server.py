@@ -59,6 +59,7 @@ from .platform.compat import check_server, server_refusal
 from .serve import listener as serve_metrics
 from .serve.metrics import ServeMetrics
 from .serve.prefetch import (
+    WORKERS,
     Prefetched,
     Prefetcher,
     prefetch_response_generator_class,
@@ -804,6 +805,14 @@ def build_parser() -> argparse.ArgumentParser:
         "credentials from AWS_* variables)",
     )
     p.add_argument(
+        "--prefetch-threads",
+        type=int_at_least(1, 64),
+        default=WORKERS,
+        metavar="N",
+        help="restores of arriving requests run on N threads at once "
+        f"(default: {WORKERS})",
+    )
+    p.add_argument(
         "--salt-header",
         metavar="NAME",
         help="take each request's cache salt from this header (set by a gateway, "
@@ -1015,7 +1024,7 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     }
     mls.LRUPromptCache = prompt_cache_factory
     mls.ModelProvider = KVStoreModelProvider
-    prefetcher = Prefetcher()
+    prefetcher = Prefetcher(workers=args.prefetch_threads)
 
     def prepare(model_key, tokens, salt):
         cache = caches[-1] if caches else None

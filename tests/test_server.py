@@ -398,3 +398,13 @@ def test_sequential_request_timed_from_lookup_to_first_token():
     cls()._serve_single((q, "request", "args"), None)
     assert [t for t, _ in seen] == [120] and seen[0][1] >= 0
     assert q.qsize() == 5
+
+
+def test_prefetch_threads_option():
+    from kvstore.server import build_parser
+
+    p = build_parser()
+    assert p.parse_known_args(["--prefetch-threads", "4"])[0].prefetch_threads == 4
+    assert p.parse_known_args([])[0].prefetch_threads == 2
+    with pytest.raises(SystemExit):
+        p.parse_known_args(["--prefetch-threads", "0"])
