@@ -59,11 +59,11 @@ def test_chat_load_end_to_end(tmp_path):
     data = json.loads(out.read_text())
     phases = {s["phase"]: s for s in data["samples"]}
     assert list(phases) == ["kvstore-fresh", "kvstore-dropped"]
-    assert len(data["priming"]["rounds"]) == 1
+    assert len(data["priming"]["rounds"]) == 2  # two discarded rounds
     phases["plain"] = data["priming"]
     for name, s in phases.items():
         assert "error" not in s, s["error"]
-        assert len(s["rounds"]) == (1 if name == "plain" else ROUNDS)
+        assert len(s["rounds"]) == (2 if name == "plain" else ROUNDS)
         for rnd in s["rounds"]:
             assert [q["user"] for q in rnd["requests"]] == [0, 1, 2]
             # Special tokens are banned: every request runs to max_tokens.
