@@ -80,7 +80,7 @@ def test_chat_load_end_to_end(tmp_path):
         for name, s in phases.items()
     }
     assert prompts["kvstore-fresh"] == prompts["kvstore-dropped"]
-    assert prompts["plain"] == prompts["kvstore-fresh"][:3]
+    assert prompts["plain"] == prompts["kvstore-fresh"][:6]
     # Restarted: every round-1 prompt comes back from the store (all but its last
     # token), where plain computed it.
     first = phases["kvstore-dropped"]["rounds"][0]["requests"]
