@@ -566,7 +566,8 @@ def run(args) -> dict:
         print(summary_line(sample), flush=True)
         if args.json:
             write_json(args.json, data)
-        if all((r, u) != (rep, users) for r, u, _ in steps[i + 1 :]):
+        done = all((r, u) != (rep, users) for r, u, _ in steps[i + 1 :])
+        if done and not args.keep_stores:
             shutil.rmtree(store, ignore_errors=True)  # this store's phases are done
     data["table"] = report(data)
     if args.json:
@@ -847,6 +848,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--server-args", default="", help="extra flags for both servers")
     p.add_argument("--kvstore-args", default="", help="extra flags for kvstore serve")
     p.add_argument("--dir", help="work directory (model, stores, logs)")
+    p.add_argument(
+        "--keep-stores",
+        action="store_true",
+        help="keep the stores at the end (a later run's kvstore-restart reuses them)",
+    )
     p.add_argument("--model-dir", help="the model directory (default: DIR/model)")
     p.add_argument("--logs", help="server logs here (default: DIR/logs)")
     p.add_argument("--json", help="every sample, rewritten after each phase")
