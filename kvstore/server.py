@@ -74,6 +74,7 @@ from .serve.request_salts import (
     response_generator_class,
 )
 from .serve.saves import SaveJob, SaveQueue, evaluate
+from .serve.shared import SharedRestores
 from .serve.timing import (
     PrefillClock,
     timed_batch_generator_class,
@@ -96,6 +97,7 @@ _COUNTER_NAMES = (
     "tokens_computed",
     "restore_seconds",
     "restores_prefetched",
+    "restores_shared",
     "saves",
     "saves_skipped",
     "saves_unattributed",
@@ -171,8 +173,10 @@ class PersistentPromptCache:
         self.metrics = ServeMetrics(self.stats)
         # Started at each lookup: a sequential request's prefill is timed from here.
         self.prefill_clock = PrefillClock()
-        # Restores started when requests arrive (kvstore serve sets one).
+        # Restores started when requests arrive (kvstore serve sets one), and
+        # those whose prefix one in progress shares.
         self.prefetcher: Optional[Prefetcher] = None
+        self.shared = SharedRestores()
         # Saves captured off the generation thread (kvstore serve sets one).
         self.saves: Optional[SaveQueue] = None
 
@@ -238,6 +242,7 @@ class PersistentPromptCache:
             )
             return None, tokens
         pre = self.prefetcher.take() if self.prefetcher is not None else None
+        self.shared.taken(pre.shared if pre is not None else None)
         with self._lru_lock:
             cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
         ram_n = len(tokens) - len(rest) if cache is not None else 0
@@ -281,6 +286,7 @@ class PersistentPromptCache:
             tokens_computed=len(rest),
             restore_seconds=seconds,
             restores_prefetched=prefetched and source in ("disk", "remote"),
+            restores_shared=prefetched and source is not None and pre.joined,
         )
         log.info(
             "kvstore: prompt %d tokens: reused %d (%s%s), computing %d, restore %.1f ms%s",
@@ -370,11 +376,30 @@ class PersistentPromptCache:
             return None
         held = self._ram_held(model_key, tokens, salt)
         tail, remote_hits = None, _remote_hits(store)
-        if held < len(tokens) - 1:
-            tail = _stored_tail(store, tokens, held, salt)
+        entry, other, common = self.shared.begin((model_key, salt), tokens, held)
+        head = None
+        try:
+            if held < len(tokens) - 1:
+                head = self.shared.head(other, common) if other is not None else None
+                if head is not None:
+                    tail = _joined_tail(store, tokens, head, common, salt)
+                else:
+                    tail = _stored_tail(store, tokens, held, salt)
+        finally:
+            self.shared.end(entry, tail)
         seconds = time.perf_counter() - tic
         remote = _remote_hits(store) > remote_hits  # counted where it is used
-        return Prefetched(model_key, salt, list(tokens), held, tail, seconds, remote)
+        return Prefetched(
+            model_key,
+            salt,
+            list(tokens),
+            held,
+            tail,
+            seconds,
+            remote,
+            shared=entry,
+            joined=head is not None,
+        )
 
     def can_prefetch(self) -> bool:
         """Whether this mlx-lm's LRU can be searched without copying a cache."""
@@ -588,6 +613,19 @@ def _stored_tail(store, tokens: List[int], ram_n: int, salt):
         return None
     tail = store.fetch_beyond(tokens, ram_n, salt=salt)
     return tail if tail is not None and tail.end > ram_n else None
+
+
+def _joined_tail(store, tokens: List[int], head, common: int, salt):
+    """A whole-prefix restore of ``tokens`` from ``head`` (another request's restore,
+    not yet used, sharing their first ``common`` tokens) and the stored nodes past
+    those: fresh cache objects (the requests' generate loops write to their own)."""
+    from .engine.tail import Tail
+
+    rest = store.fetch_beyond(tokens, common, salt=salt)
+    if rest is None or rest.end <= common:
+        rest = Tail(head.cache, common, common)  # nothing more: the shared part only
+    cache = store.join_tail(head.cache, rest, query=len(tokens))
+    return Tail(cache, 0, rest.end)
 
 
 def _extended(

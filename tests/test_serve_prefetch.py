@@ -75,6 +75,40 @@ def test_prefetched_restore_is_taken_by_its_lookup(stored, model, tokenizer):
     pc.close()
 
 
+def test_requests_sharing_a_prefix_read_it_once(tmp_path, model, tokenizer):
+    """Two users of one 300-token system prompt arrive together: the second's
+    prefetch copies the first's restore of the system prompt (not yet taken by its
+    lookup) and reads from the store only the nodes past it; both caches give the
+    logits of computing their prompts from scratch. A third user under another salt
+    shares nothing."""
+    system = random_tokens(300, seed=33)
+    a, b = system + random_tokens(200, seed=34), system + random_tokens(200, seed=35)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    for tokens, salt in ((a, None), (b, None), (b, "t")):
+        pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt=salt)
+    pc.close()
+    pc = restarted(tmp_path / "s", model, tokenizer)
+    store = pc.open_store(KEY)
+    first = arrive(pc, a + [1])
+    read = store.stats()["tokens_reused"]
+    second = arrive(pc, b + [2])
+    assert second.kvstore_prefetch.future.result().joined
+    # The store gave only the tokens past the shared 300.
+    assert store.stats()["tokens_reused"] - read == 500 - 300
+    other = arrive(pc, b + [2], salt="t")
+    assert not other.kvstore_prefetch.future.result().joined
+    for request, query, salt in ((second, b + [2], None), (first, a + [1], None)):
+        cache, rest = look_up(pc, request, query, salt=salt)
+        assert len(rest) == 1 and cache[0].offset == 500
+        same_as_cold(model, cache, query, rest)
+    cache, rest = look_up(pc, other, b + [2], salt="t")
+    same_as_cold(model, cache, b + [2], rest)
+    s = pc.stats()
+    assert (s["restores_prefetched"], s["restores_shared"]) == (3, 1)
+    assert len(pc.shared) == 0  # every restore taken by its lookup
+    pc.close()
+
+
 def test_prefetch_restores_only_past_the_ram_copy(stored, model, tokenizer):
     path, tokens, _ = stored
     pc = restarted(path, model, tokenizer)

@@ -155,6 +155,12 @@ SERVER_METRICS = (
         "restores_prefetched",
     ),
     (
+        "kvstore_restores_shared",
+        "counter",
+        "Prefetched restores that copied a shared prefix from another request's",
+        "restores_shared",
+    ),
+    (
         "kvstore_store_errors",
         "counter",
         "Store operations that failed (logged; the request went on)",

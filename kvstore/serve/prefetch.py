@@ -48,6 +48,8 @@ class Prefetched:
     tail: Any
     seconds: float
     remote: bool = False
+    shared: Any = None  # its entry in kvstore.serve.shared.SharedRestores
+    joined: bool = False  # its first tokens copied from another request's restore
 
 
 class Prefetcher:
