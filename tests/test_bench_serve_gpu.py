@@ -90,7 +90,7 @@ def test_chat_load_end_to_end(tmp_path):
     assert phases["kvstore-fresh"]["store"]["nodes_written"] > 0
     assert phases["kvstore-dropped"]["page_cache_dropped"] is False
     table = "\n".join(data["table"])
-    assert "| kvstore-dropped |" in table and "fresh saves dropped = 0" in table
+    assert "| kvstore-dropped |" in table and "fresh saves lost = 0" in table
     assert "page cache not dropped" in table
     again = subprocess.run(
         [sys.executable, tool.__file__, "--report", str(out)],
@@ -121,7 +121,7 @@ def test_phase_order_alternates_and_fresh_comes_first():
     ]
 
 
-def _sample(phase, ttfts, decode, tok_s, **store):
+def _sample(phase, ttfts, decode, tok_s, *, server=None, **store):
     rounds = [
         {
             "wall_s": 1.0,
@@ -138,6 +138,7 @@ def _sample(phase, ttfts, decode, tok_s, **store):
         "repeat": 0,
         "rounds": rounds,
         "store": store or None,
+        "kvstore": server,
     }
 
 
@@ -151,7 +152,8 @@ def test_verdicts_are_ratios_of_medians():
                 [4.1, 2.2],
                 29.0,
                 98,
-                writes_dropped=3,
+                server={"saves_lost": 3},
+                writes_dropped=5,  # refused by the writer, then saved: not lost
                 restores_chosen=0,
                 bytes_written=2e9,
             ),
@@ -163,11 +165,11 @@ def test_verdicts_are_ratios_of_medians():
     assert "4 users, fresh aggregate >= 0.97x: 0.98x (PASS)" in text
     assert "4 users, fresh TTFT round 2 <= 1.05x: 1.10x (MISS)" in text
     assert "4 users, fresh decode round 1 >= 0.95x: 0.97x (PASS)" in text
-    assert "4 users, fresh saves dropped = 0: 3 (MISS)" in text
+    assert "4 users, fresh saves lost = 0: 3 (MISS)" in text
     assert "4 users, restart TTFT round 1 <= 0.5x: 0.40x (PASS)" in text
     assert "4 users, restart TTFT round 2 <= 1.0x: 0.90x (PASS)" in text
     assert "| kvstore-fresh | 4.10 (1.02x) | 2.20 (1.10x) |" in text
-    assert "3 / 2.00 |" in text  # saves dropped / GB written
+    assert "0 / 3 / 2.00 |" in text  # restores / saves lost / GB written
     assert "page cache dropped" not in text  # no such phase ran
 
 
