@@ -3,16 +3,17 @@
 The real ``mlx_lm.server`` runs unchanged; three of its module-level names are
 replaced while it runs:
 
-* ``LRUPromptCache`` by a factory returning :class:`PersistentPromptCache` (mlx-lm's
-  own ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
+* ``LRUPromptCache`` by a factory returning a
+  :class:`~kvstore.serve.prompt_cache.PersistentPromptCache` (mlx-lm's own
+  ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
 * ``ModelProvider`` by a subclass that lets the cache find the loaded model;
 * ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which applies
   ``--strip-pattern`` to request bodies (refusing a prompt left empty), reads each
   request's cache salt, and with ``--api-metrics`` adds ``GET /kvstore/stats`` and
   ``GET /metrics`` (else they are served on ``--metrics-port`` only,
-  :mod:`kvstore.serve_metrics`);
+  :mod:`kvstore.serve.listener`);
 * ``ResponseGenerator`` and ``BatchGenerator`` by subclasses that carry each
-  request's salt to the prompt cache (:mod:`kvstore.serve_salts`).
+  request's salt to the prompt cache (:mod:`kvstore.serve.request_salts`).
 
 Cache salts (``cache_salt`` in the body, as vLLM's server takes it, or
 ``--salt-header NAME``; ``--require-salt``): a request reuses only KV saved under its
@@ -29,7 +30,7 @@ Counters: one log line per request (``kvstore: prompt N tokens: reused R
 (ram|disk|remote|miss), computing C, restore T ms``), ``GET /kvstore/stats`` (JSON:
 this process's totals, the RAM LRU, and each open store's ``KVStore.stats()``, without
 the store's path) and ``GET /metrics`` (the same in the Prometheus text format,
-:mod:`kvstore.metrics`).
+:mod:`kvstore.serve.metrics`).
 Also runnable as ``python -m kvstore.server``.
 """
 
@@ -41,12 +42,8 @@ import os
 import re
 import signal
 import sys
-import threading
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .disk.salts import parse_salt
 from .options import (
     add_remote_options,
     add_size_options,
@@ -57,24 +54,18 @@ from .options import (
 )
 from .platform.compat import check_server, server_refusal
 from .serve import listener as serve_metrics
-from .serve.metrics import ServeMetrics
 from .serve.prefetch import (
     WORKERS,
-    Prefetched,
     Prefetcher,
     prefetch_response_generator_class,
 )
 from .serve.request_salts import (
-    UNKNOWN,
-    SaltedCache,
     SaltPolicy,
     SaltRouter,
     batch_generator_class,
     missing_hooks,
     response_generator_class,
 )
-from .serve.saves import SaveJob, SaveQueue, evaluate
-from .serve.shared import SharedRestores
 from .serve.timing import (
     PrefillClock,
     timed_batch_generator_class,
@@ -83,583 +74,7 @@ from .serve.timing import (
 
 log = logging.getLogger("kvstore.server")
 
-_COUNTER_NAMES = (
-    "requests",
-    "ram_hits",
-    "disk_hits",
-    "remote_hits",
-    "misses",
-    "tokens_requested",
-    "tokens_reused",
-    "tokens_reused_ram",
-    "tokens_reused_disk",
-    "tokens_reused_remote",
-    "tokens_computed",
-    "restore_seconds",
-    "restores_prefetched",
-    "restores_shared",
-    "saves",
-    "saves_skipped",
-    "saves_unattributed",
-    "saves_deferred",
-    "saves_merged",
-    "saves_lost",
-    "store_errors",
-    "rejected_requests",
-)
-
-_FROM_REQUEST = object()  # the salt of the request being served (SaltRouter)
-
-
-@dataclass(frozen=True)
-class _SaltedKey:
-    """The RAM LRU's model key for a salted request: salts never share an entry."""
-
-    model: Any
-    salt: Any
-
-
-def _ram_key(model, salt):
-    return model if salt is None else _SaltedKey(model, salt)
-
-
-class PersistentPromptCache:
-    """mlx-lm's ``LRUPromptCache`` backed by a :class:`kvstore.KVStore` per model.
-
-    Same interface as ``mlx_lm.models.cache.LRUPromptCache``. ``fetch_nearest_cache``
-    returns the longer of the RAM LRU's nearest cache and the store's longest stored
-    prefix; ``insert_cache`` inserts into the RAM LRU and queues the prompt's KV for the
-    store (background writer). Storage problems are logged, never raised.
-
-    Both take the request's cache salt: ``salt=`` when given, else the one ``salts``
-    (a :class:`~kvstore.serve_salts.SaltRouter`) knows, else None (unsalted). A
-    salted request reuses only what was saved under its salt, in RAM and on disk. A
-    request whose salt the router cannot tell is neither served from nor stored in
-    any cache.
-
-    Args:
-        store_dir: The store directory (created when missing).
-        model_provider: Anything with ``model``, ``tokenizer`` and ``model_key``
-            attributes (``mlx_lm.server.ModelProvider``); a store is opened lazily
-            for the model currently loaded, keyed by ``model_key``.
-        max_size, max_bytes: The RAM LRU's limits (as ``LRUPromptCache``).
-        store_kwargs: Extra keyword arguments for ``KVStore``.
-        salts: Where the salt of the request being served comes from (the server's
-            generation thread); None: unsalted unless ``salt=`` is passed.
-    """
-
-    def __init__(
-        self,
-        store_dir: str,
-        model_provider,
-        max_size: int = 10,
-        max_bytes: int = 1 << 63,
-        *,
-        store_kwargs: Optional[Dict[str, Any]] = None,
-        salts: Optional[SaltRouter] = None,
-    ):
-        from mlx_lm.models.cache import LRUPromptCache
-
-        self.store_dir = os.fspath(store_dir)
-        self.model_provider = model_provider
-        self.store_kwargs = dict(store_kwargs or {})
-        self._lru = LRUPromptCache(max_size, max_bytes)
-        # mlx-lm's LRU is the generation thread's; prefetch threads only search it.
-        self._lru_lock = threading.RLock()
-        self._stores: Dict[Any, Any] = {}  # model key -> KVStore, or None (unusable)
-        self._lock = threading.Lock()
-        self._counters = {name: 0 for name in _COUNTER_NAMES}
-        self.salts = salts
-        self.metrics = ServeMetrics(self.stats)
-        # Started at each lookup: a sequential request's prefill is timed from here.
-        self.prefill_clock = PrefillClock()
-        # Restores started when requests arrive (kvstore serve sets one), and
-        # those whose prefix one in progress shares.
-        self.prefetcher: Optional[Prefetcher] = None
-        self.shared = SharedRestores()
-        # Saves captured off the generation thread (kvstore serve sets one).
-        self.saves: Optional[SaveQueue] = None
-
-    # -- the LRUPromptCache interface --------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    @property
-    def nbytes(self) -> int:
-        return self._lru.nbytes
-
-    @property
-    def max_size(self) -> int:
-        return self._lru.max_size
-
-    @property
-    def max_bytes(self) -> int:
-        return self._lru.max_bytes
-
-    def trim_to(
-        self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
-    ):
-        with self._lru_lock:
-            self._lru.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
-
-    def stats_by_type(self):
-        return self._lru.stats_by_type()
-
-    def fetch_nearest_cache(self, model: Any, tokens: List[int], *, salt=_FROM_REQUEST):
-        """``(cache or None, rest_tokens)``: the longest reusable prefix, RAM or disk.
-
-        As ``LRUPromptCache``, except that a prompt found only on disk keeps at least
-        its last token to compute (the store restores at most ``len(tokens) - 1``).
-        On a tie the RAM cache is used; the store restores only when its index says
-        it holds more than RAM (with a remote tier it is always asked).
-
-        Runs on mlx-lm's generation thread, which an exception would end for good:
-        any failure is logged and counted (``store_errors``) and is a miss.
-        """
-        try:
-            return self._fetch_nearest(model, tokens, salt)
-        except Exception:
-            log.exception("kvstore: prompt cache lookup failed; computing the prompt")
-            n = len(tokens) if isinstance(tokens, list) else 0
-            self._count(
-                requests=1,
-                misses=1,
-                store_errors=1,
-                tokens_requested=n,
-                tokens_computed=n,
-            )
-            return None, tokens
-
-    def _fetch_nearest(self, model: Any, tokens: List[int], salt):
-        salt = self._salt(salt, self.salts.request if self.salts else None)
-        if salt is UNKNOWN:
-            self._count(
-                requests=1,
-                misses=1,
-                tokens_requested=len(tokens),
-                tokens_computed=len(tokens),
-            )
-            return None, tokens
-        pre = self.prefetcher.take() if self.prefetcher is not None else None
-        self.shared.taken(pre.shared if pre is not None else None)
-        with self._lru_lock:
-            cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
-        ram_n = len(tokens) - len(rest) if cache is not None else 0
-        source, n, seconds, from_ram = ("ram" if ram_n else None), ram_n, 0.0, ram_n
-        prefetched = False
-        # The store gives at most len(tokens) - 1 tokens: ask only when it may do better.
-        store = self._store_for(model) if ram_n < len(tokens) - 1 else None
-        if store is not None:
-            remote_hits = _remote_hits(store)
-            tic = time.perf_counter()
-            try:
-                tail, prefetched = _prefetched_tail(pre, model, tokens, ram_n, salt)
-                if not prefetched:
-                    tail = _stored_tail(store, tokens, ram_n, salt)
-                got = None
-                if tail is not None:
-                    got = _extended(store, tokens, cache, ram_n, tail, salt)
-            except Exception:
-                log.exception("kvstore: store fetch failed; continuing without it")
-                self._count(store_errors=1)
-                got = None
-            seconds = time.perf_counter() - tic
-            if got is not None:
-                # The remote tier may have supplied the nodes on the prefetch thread.
-                remote = _remote_hits(store) > remote_hits
-                source = "remote" if remote or (prefetched and pre.remote) else "disk"
-                cache, n, from_ram = got
-                rest = tokens[n:]
-                self.metrics.restore_seconds.observe(seconds)
-        self._count(
-            requests=1,
-            ram_hits=source == "ram",
-            disk_hits=source == "disk",
-            remote_hits=source == "remote",
-            misses=source is None,
-            tokens_requested=len(tokens),
-            tokens_reused=n,
-            tokens_reused_ram=from_ram,
-            tokens_reused_disk=n - from_ram if source == "disk" else 0,
-            tokens_reused_remote=n - from_ram if source == "remote" else 0,
-            tokens_computed=len(rest),
-            restore_seconds=seconds,
-            restores_prefetched=prefetched and source in ("disk", "remote"),
-            restores_shared=prefetched and source is not None and pre.joined,
-        )
-        log.info(
-            "kvstore: prompt %d tokens: reused %d (%s%s), computing %d, restore %.1f ms%s",
-            len(tokens),
-            n,
-            source or "miss",
-            f", {from_ram} of them from ram" if 0 < from_ram < n else "",
-            len(rest),
-            seconds * 1e3,
-            f" (prefetched in {pre.seconds * 1e3:.1f} ms)" if prefetched else "",
-        )
-        self.prefill_clock.looked_up(len(rest))
-        return cache, rest
-
-    def insert_cache(
-        self,
-        model: Any,
-        tokens: List[int],
-        prompt_cache: List[Any],
-        *,
-        cache_type: str = "assistant",
-        salt=_FROM_REQUEST,
-    ):
-        """Insert into the RAM LRU and queue the KV of ``tokens`` for the store,
-        both under the salt of the request the cache came from.
-
-        Runs on mlx-lm's generation thread, which an exception would end for good:
-        any failure is logged and counted (``saves_skipped``, ``store_errors``).
-        """
-        try:
-            self._insert(model, tokens, prompt_cache, cache_type, salt)
-        except Exception:
-            log.exception("kvstore: a prompt cache was not kept")
-            self._count(saves_skipped=1, store_errors=1)
-
-    def _insert(self, model, tokens, prompt_cache, cache_type: str, salt) -> None:
-        tag = getattr(prompt_cache, "kvstore_salt", _FROM_REQUEST)
-        if isinstance(prompt_cache, SaltedCache):
-            prompt_cache = list(prompt_cache)
-        if salt is _FROM_REQUEST:
-            salt = tag  # mlx-lm's batch loop: tagged by SaltedBatchGenerator
-        salt = self._salt(salt, self.salts.sequential_salt if self.salts else None)
-        if salt is UNKNOWN:
-            self._count(saves_skipped=1, saves_unattributed=1)
-            log.warning("kvstore: a cache of an unknown request was not kept")
-            return
-        with self._lru_lock:
-            self._lru.insert_cache(
-                _ram_key(model, salt), tokens, prompt_cache, cache_type=cache_type
-            )
-        store = self._store_for(model)
-        if store is None:
-            return
-        held = _held_tokens(store, prompt_cache)
-        if not tokens or not held:
-            self._count(saves_skipped=1)
-            return
-        # A cache that holds fewer tokens than its key (mlx-lm's sequential path keys
-        # the cache with the last generated token, which was never fed) is saved for
-        # the tokens it does hold.
-        if self.saves is not None:
-            evaluate(prompt_cache)  # here: the save thread reads finished arrays only
-            job = SaveJob(
-                store, model, list(tokens), held, prompt_cache, cache_type, salt
-            )
-            self.saves.put(job)
-            self._count(saves=1)
-            return
-        try:
-            store.save_prefix(
-                list(tokens[:held]), prompt_cache, kind=cache_type, salt=salt
-            )
-            self._count(saves=1)
-        except Exception as e:
-            log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
-            self._count(saves_skipped=1, store_errors=1)
-
-    def prefetch(self, model_key, tokens: List[int], salt) -> Optional[Prefetched]:
-        """On a prefetch thread: restore what the store holds of ``tokens`` past
-        the RAM LRU's copy, for the request's lookup to take (see
-        :mod:`kvstore.serve.prefetch`). Only a store already open is read."""
-        tic = time.perf_counter()
-        salt = self._salt(salt, None)
-        with self._lock:
-            store = self._stores.get(model_key)
-        if store is None:
-            return None
-        held = self._ram_held(model_key, tokens, salt)
-        tail, remote_hits = None, _remote_hits(store)
-        entry, other, common = self.shared.begin((model_key, salt), tokens, held)
-        head = None
-        try:
-            if held < len(tokens) - 1:
-                head = self.shared.head(other, common) if other is not None else None
-                if head is not None:
-                    tail = _joined_tail(store, tokens, head, common, salt)
-                else:
-                    tail = _stored_tail(store, tokens, held, salt)
-        finally:
-            self.shared.end(entry, tail)
-        seconds = time.perf_counter() - tic
-        remote = _remote_hits(store) > remote_hits  # counted where it is used
-        return Prefetched(
-            model_key,
-            salt,
-            list(tokens),
-            held,
-            tail,
-            seconds,
-            remote,
-            shared=entry,
-            joined=head is not None,
-        )
-
-    def can_prefetch(self) -> bool:
-        """Whether this mlx-lm's LRU can be searched without copying a cache."""
-        trie = getattr(self._lru, "_trie", None)
-        return callable(getattr(trie, "search", None)) and callable(
-            getattr(trie, "get", None)
-        )
-
-    def _ram_held(self, model_key, tokens: List[int], salt) -> int:
-        """Tokens of ``tokens`` that the RAM LRU's ``fetch_nearest_cache`` would
-        give now, found without copying its cache (mlx-lm's trie, read under the
-        LRU's lock)."""
-        from mlx_lm.models.cache import can_trim_prompt_cache
-
-        with self._lru_lock:
-            trie = self._lru._trie
-            found = trie.search(_ram_key(model_key, salt), tokens)
-            if found.exact is not None:
-                return len(tokens)
-            short = len(found.shorter) if found.shorter is not None else 0
-            if found.longer is not None and found.common_prefix > short:
-                entry = trie.get(found.model, found.longer)
-                if can_trim_prompt_cache(entry.prompt_cache):
-                    return min(len(tokens) - 1, found.common_prefix)
-            return short
-
-    def use_threads(self, prefetcher: Prefetcher) -> bool:
-        """Restore on ``prefetcher``'s threads and save on a thread of this cache's
-        own (``kvstore serve``); False when this mlx-lm's LRU cannot be searched
-        (then both stay on the generation thread)."""
-        if not self.can_prefetch():
-            return False
-        self.prefetcher = prefetcher
-        self.saves = SaveQueue(in_ram=self._save_in_ram, count=self._count)
-        return True
-
-    def _save_in_ram(self, job: SaveJob) -> Optional[List[Any]]:
-        """The RAM LRU cache holding the tokens ``job`` saves (a deferred save): its
-        own entry, or a longer entry of the same tokens (mlx-lm drops a trimmable
-        cache's prefixes when it stores a longer one); None when none holds them."""
-        from mlx_lm.models.cache import can_trim_prompt_cache
-
-        with self._lru_lock:
-            trie = self._lru._trie
-            found = trie.search(_ram_key(job.model_key, job.salt), job.tokens)
-            if found.exact is not None:
-                return trie.get(found.model, found.exact).prompt_cache
-            if found.longer is None or found.common_prefix < job.held:
-                return None
-            entry = trie.get(found.model, found.longer)
-            if not can_trim_prompt_cache(entry.prompt_cache):
-                return None  # state layers: the longer cache cannot give a prefix
-            return entry.prompt_cache
-
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        """The server prefilled ``tokens`` prompt tokens in ``seconds``: the open
-        store learns the rate (and keeps it for the next process), so that
-        ``restore="auto"`` weighs restores against this server's own prefill."""
-        with self._lock:
-            stores = [s for s in self._stores.values() if s is not None]
-        for store in stores:
-            try:
-                store.note_prefill(tokens, seconds)
-            except Exception:
-                log.exception("kvstore: recording the prefill rate failed")
-
-    @staticmethod
-    def _salt(salt, from_request: Optional[Callable[[], Any]]):
-        """``salt`` when given (checked), else the router's, else None."""
-        if salt is _FROM_REQUEST:
-            return from_request() if from_request is not None else None
-        if salt is not UNKNOWN:
-            parse_salt(salt)
-        return salt
-
-    # -- stores ---------------------------------------------------------------
-
-    def _store_for(self, model_key):
-        """The open store of ``model_key``, or None (another model, or no store)."""
-        with self._lock:
-            if model_key in self._stores:
-                return self._stores[model_key]
-        provider = self.model_provider
-        if (
-            provider is None
-            or getattr(provider, "model_key", None) != model_key
-            or provider.model is None
-        ):
-            return None
-        store = None
-        if getattr(provider, "draft_model", None) is not None:
-            log.warning("kvstore: a draft model is loaded; the store is not used")
-        elif getattr(provider, "processor", None) is not None:
-            log.warning("kvstore: a vision model is loaded; the store is not used")
-        else:
-            try:
-                from .store import KVStore
-
-                store = KVStore(
-                    self.store_dir,
-                    provider.model,
-                    provider.tokenizer,
-                    **self.store_kwargs,
-                )
-                log.info(
-                    "kvstore: store %s opened for %s",
-                    self.store_dir,
-                    model_key[0] if isinstance(model_key, tuple) else model_key,
-                )
-            except Exception as e:
-                log.warning(
-                    "kvstore: store %s not usable (%s: %s); serving from RAM only",
-                    self.store_dir,
-                    type(e).__name__,
-                    e,
-                )
-                self._count(store_errors=1)
-        with self._lock:
-            old = {k: s for k, s in self._stores.items() if s is not None}
-            self._stores = {model_key: store}  # one model at a time, like ModelProvider
-        for s in old.values():
-            _close_quietly(s)
-        return store
-
-    def open_store(self, model_key):
-        """Open the store of ``model_key`` now (else done at its first request)."""
-        return self._store_for(model_key)
-
-    def flush(self) -> None:
-        """Wait until every queued write of every open store is on disk."""
-        if self.saves is not None:
-            self.saves.flush()
-        with self._lock:
-            stores = [s for s in self._stores.values() if s is not None]
-        for s in stores:
-            try:
-                s.flush()
-            except Exception:
-                log.exception("kvstore: flush failed")
-
-    def close(self) -> None:
-        """Flush and close the stores. Idempotent."""
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.saves is not None:
-            self.saves.close()  # hands every queued save to its store's writer
-        with self._lock:
-            stores, self._stores = [
-                s for s in self._stores.values() if s is not None
-            ], {}
-        for s in stores:
-            _close_quietly(s)
-
-    def stats(self) -> Dict[str, Any]:
-        """This process's counters, the RAM LRU, and each open store's ``stats()``."""
-        with self._lock:
-            out: Dict[str, Any] = dict(self._counters)
-            stores = [s for s in self._stores.values() if s is not None]
-        out["ram_sequences"] = len(self._lru)
-        out["ram_bytes"] = self._lru.nbytes
-        out["stores"] = []
-        for s in stores:
-            try:
-                stats = s.stats()
-                stats.pop("path", None)
-                out["stores"].append(stats)
-            except Exception as e:
-                out["stores"].append({"error": f"{type(e).__name__}: {e}"})
-        # Served to HTTP clients: no file system path.
-        return serve_metrics.without_path(out, self.store_dir)
-
-    def _count(self, **deltas) -> None:
-        with self._lock:
-            for name, d in deltas.items():
-                self._counters[name] += d
-
-
-def _remote_hits(store) -> int:
-    """Fetches the store's remote tier extended so far (0 without one)."""
-    if store.remote is None:
-        return 0
-    try:
-        return store.remote.stats().get("remote_hits", 0)
-    except Exception:
-        return 0
-
-
-def _prefetched_tail(pre: Optional[Prefetched], model, tokens, ram_n: int, salt):
-    """``(tail or None, True)`` when the prefetch ``pre`` of this very request
-    (model, salt, tokens) tells what the store adds to ``ram_n`` RAM tokens;
-    ``(None, False)`` when it cannot (none, or RAM lost tokens since)."""
-    if pre is None or pre.model_key != model or pre.salt != salt:
-        return None, False
-    if pre.tokens != list(tokens):
-        return None, False
-    tail = pre.tail
-    if tail is None:
-        return None, ram_n >= pre.held  # nothing past what RAM held, or not worth it
-    if tail.start > ram_n:
-        return None, False  # RAM lost the tokens the tail goes after
-    return (tail if tail.end > ram_n else None), True
-
-
-def _stored_tail(store, tokens: List[int], ram_n: int, salt):
-    """What the store holds of ``tokens`` past a RAM copy of ``ram_n`` of them (a
-    :class:`kvstore.engine.tail.Tail`: only the nodes past the copy are read), or None
-    when it holds no more or prefilling the difference is cheaper (by the
-    measured rates)."""
-    # The index alone tells whether the store holds more (a remote tier may).
-    if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
-        return None
-    tail = store.fetch_beyond(tokens, ram_n, salt=salt)
-    return tail if tail is not None and tail.end > ram_n else None
-
-
-def _joined_tail(store, tokens: List[int], head, common: int, salt):
-    """A whole-prefix restore of ``tokens`` from ``head`` (another request's restore,
-    not yet used, sharing their first ``common`` tokens) and the stored nodes past
-    those: fresh cache objects (the requests' generate loops write to their own)."""
-    from .engine.tail import Tail
-
-    rest = store.fetch_beyond(tokens, common, salt=salt)
-    if rest is None or rest.end <= common:
-        rest = Tail(head.cache, common, common)  # nothing more: the shared part only
-    cache = store.join_tail(head.cache, rest, query=len(tokens))
-    return Tail(cache, 0, rest.end)
-
-
-def _extended(
-    store, tokens: List[int], cache, ram_n: int, tail, salt
-) -> Optional[Tuple[List[Any], int, int]]:
-    """The RAM copy ``cache`` (``ram_n`` tokens) with ``tail`` appended:
-    ``(cache, tokens held, tokens of them taken from the RAM copy)``."""
-    if tail.start == 0:
-        return tail.cache, tail.end, 0
-    try:
-        return store.join_tail(cache, tail, query=len(tokens)), tail.end, tail.start
-    except (TypeError, ValueError) as e:  # LayoutMismatch: a RAM copy of other layers
-        log.info("kvstore: RAM copy not extended (%s); restoring the prefix", e)
-    whole, n = store.fetch(tokens, salt=salt)
-    return (whole, n, 0) if n > ram_n else None
-
-
-def _held_tokens(store, cache: Sequence[Any]) -> int:
-    """Tokens ``cache`` holds when it has the store's layout; 0 when that cannot be
-    told (batch caches, a draft model's, recurrent layers only: they do not count)."""
-    try:
-        return store.held_tokens(cache) or 0
-    except Exception:
-        return 0
-
-
-def _close_quietly(store) -> None:
-    try:
-        store.close()
-    except Exception:
-        log.exception("kvstore: closing the store failed")
-
-
-# -- request bodies -------------------------------------------------------------
+from .serve.prompt_cache import PersistentPromptCache
 
 
 def strip_text(text: str, patterns: Sequence["re.Pattern"]) -> str:
@@ -767,7 +182,7 @@ def make_handler_class(
             except ValueError:  # mlx-lm answers 400 with the message
                 cache = self._prompt_cache()
                 if cache is not None:
-                    cache._count(rejected_requests=1)
+                    cache.count(rejected_requests=1)
                 raise
 
         def handle_chat_completions(self):
