@@ -206,7 +206,8 @@ def _open_parts(
     if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
         maintenance.write_disk_budget(index, disk_bytes)
     rates = index.read(
-        lambda txn: payoff.read_rates(txn, index.db["meta"], opened.namespace)
+        lambda txn: payoff.read_rates(txn, index.db["meta"], opened.namespace),
+        guarded=True,  # a search
     )
     parts = Parts(
         model=model,
