@@ -287,6 +287,56 @@ def test_the_read_path_checks_its_cursor_ranges_while_the_full_check_runs(store,
         assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr)
 
 
+_EVERY_RANGE = r"""
+import random, sys
+import numpy as np
+from kvstore.disk import mdbcheck, pageguard
+from kvstore.disk.index import Index
+pageguard.PageAudit.start = lambda *a, **kw: None  # only the ranges are checked
+index = Index(sys.argv[1], create=False, readonly=True)
+audit = index._shared.audit
+Index.cover = lambda self, txn, name, prefix=b"": True  # checked below, or not
+nodes = index.read(lambda t: list(index.iter_nodes(t)), guarded=True)
+rng = random.Random(0)
+refused = stepped = 0
+for ns, h, _ in nodes:
+    query = np.array([rng.randrange(1000) for _ in range(8)], dtype=np.int32)
+    def steps(txn):
+        if sys.argv[2] == "checked":
+            try:
+                audit.cover(txn, "children", ns + h)
+            except mdbcheck.Damage:
+                return False
+        index.children(ns, h, txn)
+        index.nearest_children(ns, h, query, txn)
+        index.prefix_children(ns, h, query, txn)
+        index.has_children(txn, ns, h)
+        return True
+    if index.read(steps, guarded=True):
+        stepped += 1
+    else:
+        refused += 1
+print(refused, stepped)
+"""
+
+
+@pytest.mark.parametrize("case", ["zeroed-children-branch", "zeroed-children-leaf"])
+def test_a_checked_range_holds_every_page_its_cursor_steps_onto(store, case):
+    """Every children range of every node (the ranges the read path's cursors
+    take), in one child process: where the range's pages were checked sound, the
+    cursor steps of a fetch and a save over it (``set_range``, ``prev``, ``last``,
+    ``next`` past the range's end) never reach the zeroed page; without the check,
+    some do, and liblmdb ends the process (SIGABRT)."""
+    CASES[case][0](store)
+    run = [sys.executable, "-c", _EVERY_RANGE, os.path.join(store, "index")]
+    proc = subprocess.run(run + ["checked"], capture_output=True, text=True)
+    assert proc.returncode == 0 and not proc.stderr, (proc.returncode, proc.stderr)
+    refused, stepped = map(int, proc.stdout.split())
+    assert refused > 0 and stepped > 0, (refused, stepped)
+    proc = subprocess.run(run + ["all"], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_verify_fix_salvages_a_store_that_opens_verifies_and_restores(
     store, model, capsys, case

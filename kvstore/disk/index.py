@@ -248,11 +248,14 @@ class Index:
             or the bytes in the environment variable ``KVSTORE_INITIAL_MAP_BYTES``
             (for tests that make the map grow from a tiny start, in every process).
         check: ``"roots"``: the pages LMDB's open reads are checked (meta pages,
-            each tree's root: a time that does not grow with the index); damage
-            deeper down is met later as a logged miss. ``"full"``: every page a
-            read can reach, for an open followed by a scan of the whole index (the
-            maintenance commands, ``kvstore serve``'s start; even where this
-            process has the index open already). See :mod:`kvstore.mdbcheck`.
+            small trees, each large tree's root: a time that does not grow with
+            the index), then every page in the background; until that has passed,
+            the read path checks its cursors' ranges and writes wait
+            (:mod:`kvstore.disk.pageguard`). ``"full"``: every page a read can
+            reach before the open returns, for an open followed by a scan of the
+            whole index (the maintenance commands, ``kvstore serve``'s start; even
+            where this process has the index open already). See
+            :mod:`kvstore.disk.mdbcheck`.
 
     Raises:
         StoreError: not a kvstore index, another format version, files that are not

@@ -23,10 +23,13 @@ each one is what LMDB would have written there:
   live page) and every meta page agrees with the other on the page size, and two
   meta pages of one transaction id are the same.
 
-:func:`check_roots` is the bounded check of every other open (the main database
-and each tree's root page: a time that does not grow with the index). :func:`walk`
-is the same walk in a tolerant mode for salvaging (it skips what it
-cannot read and reports it). The format is that of :mod:`kvstore.mdbfile`.
+:func:`check_roots` is the bounded check of every other open (the main database,
+small trees, each large tree's root page, a small free list: a time that does not
+grow with the index), after which the open store runs :func:`check_file` in the
+background and checks the key ranges its cursors read meanwhile with
+:func:`check_range` (:mod:`kvstore.disk.pageguard`). :func:`walk` is the same walk
+in a tolerant mode for salvaging (it skips what it cannot read and reports it). The
+format is that of :mod:`kvstore.mdbfile`.
 """
 
 import os
@@ -469,13 +472,16 @@ def check_range(
     lo: bytes,
     hi: Optional[bytes],
     sound: Set[int],
+    branches: Dict[int, Tuple[bytes, List[int], List[bytes]]],
 ) -> int:
     """Check the pages of database ``name`` (``db``, of ``meta``'s snapshot) that a
     cursor confined to keys ``lo``..``hi`` (None: to the end) can step onto:
     every page whose keys meet that range, and at every level the neighbour on
     each side of it down to the leaf next to the range (a cursor's first step past
     it), with the page checks of :func:`check_file`. Leaves in ``sound`` (checked
-    before) are not read again; every page checked is added to it. A search
+    before) are not read again; every page checked is added to it. ``branches``
+    keeps each branch page checked with its children and keys: one that reads
+    the same again is not parsed again. A search
     (LMDB's ``get``) needs none of this: it answers ``MDB_CORRUPTED`` for a page
     of the wrong type; a step sideways (``next``, ``prev``, a ``set_range``
     past a leaf's last key) asserts instead, ending the process.
@@ -494,30 +500,47 @@ def check_range(
     stack = [(db.root, 1, 0, f"the root of the {name} database")]
     while stack:
         pgno, level, side, what = stack.pop()  # side: 0 the range, -1/1 an edge
-        if level == db.depth and pgno in sound:
+        if level == db.depth:
+            if pgno not in sound:
+                _check_leaf(walker, pgno, level, what, name)
+                sound.add(pgno)
             continue
-        kind, nodes = _page_records(walker, pgno, level, db.depth, what, name, False)
-        sound.add(pgno)
-        if kind == _P_LEAF:
-            for _, dsize, nflags, at, page in nodes:
-                if nflags & _F_BIGDATA:
-                    opg = _U64.unpack_from(page, at)[0]
-                    walker.overflow(opg, dsize, f"a value of page {pgno}", read=False)
-            continue
+        known = branches.get(pgno)
+        if known is None or _read(walker, pgno) != known[0]:
+            _, nodes = _page_records(walker, pgno, level, db.depth, what, name, False)
+            # a branch's first key is never compared
+            known = (
+                _read(walker, pgno),
+                [c for c, _ in nodes],
+                [k for _, k in nodes[1:]],
+            )
+            branches[pgno] = known
+        _, children, keys = known
         below = f"a child of page {pgno} in the {name} database"
         if side:  # the edge of a neighbour: its last child (left) or first (right)
-            child = nodes[-1 if side < 0 else 0][0]
-            stack.append((child, level + 1, side, below))
+            stack.append((children[-1 if side < 0 else 0], level + 1, side, below))
             continue
-        keys = [key for _, key in nodes[1:]]  # a branch's first key is never used
         first = bisect_right(keys, lo)
-        last = len(nodes) - 1 if hi is None else bisect_right(keys, hi)
-        stack.extend((nodes[i][0], level + 1, 0, below) for i in range(first, last + 1))
+        last = len(children) - 1 if hi is None else bisect_right(keys, hi)
+        stack.extend((c, level + 1, 0, below) for c in children[first : last + 1])
         if first > 0:
-            stack.append((nodes[first - 1][0], level + 1, -1, below))
-        if last < len(nodes) - 1:
-            stack.append((nodes[last + 1][0], level + 1, 1, below))
+            stack.append((children[first - 1], level + 1, -1, below))
+        if last < len(children) - 1:
+            stack.append((children[last + 1], level + 1, 1, below))
     return len(walker.live)
+
+
+def _read(walker: _Walker, pgno: int) -> bytes:
+    return os.pread(walker.fd, walker.psize, pgno * walker.psize)
+
+
+def _check_leaf(walker: _Walker, pgno: int, level: int, what: str, name: str) -> None:
+    """Check leaf page ``pgno`` and the overflow pages of its values."""
+    _, nodes = _page_records(walker, pgno, level, level, what, name, False)
+    for _, dsize, nflags, at, page in nodes:
+        if nflags & _F_BIGDATA:
+            opg = _U64.unpack_from(page, at)[0]
+            walker.overflow(opg, dsize, f"a value of page {pgno}", read=False)
 
 
 def _free_ids(data: bytes) -> List[int]:

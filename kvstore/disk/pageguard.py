@@ -47,6 +47,7 @@ class PageAudit:
         self.done = threading.Event()  # passed, failed or stopped
         self.failure: Optional[str] = None  # the damage found
         self.sound: Set[int] = set()  # leaves checked by cover()
+        self.branches: Dict[int, tuple] = {}  # branch pages cover() parsed
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         # (txn id, its meta page, its named databases) of the last cover()
@@ -85,6 +86,7 @@ class PageAudit:
                     pages = read(self._check_all)
                     if pages is not None:
                         log.debug("kvstore: %s: %d index pages checked", name, pages)
+                        self.sound, self.branches = set(), {}  # not needed again
                         return
                 raise mdbcheck.Damage("the index changed too fast to be checked")
             except mdbcheck.Damage as e:
@@ -140,7 +142,9 @@ class PageAudit:
         if db is not None:
             hi = prefix + _KEY_END if prefix else None
             size = os.fstat(self._fd).st_size
-            mdbcheck.check_range(self._fd, meta, size, name, db, prefix, hi, self.sound)
+            mdbcheck.check_range(
+                self._fd, meta, size, name, db, prefix, hi, self.sound, self.branches
+            )
         return True
 
     def _meta(self, txn) -> Optional[mdbcheck.MetaPage]:
