@@ -62,7 +62,8 @@ elif mode.startswith("lookup"):
     index = Index(path, create=False, readonly=True)
     ns = bytes(range(16))
     cover, Index.cover = Index.cover, lambda self, txn, name, prefix=b"": True
-    parents = [h for _, h, _ in index.read(lambda t: list(index.iter_nodes(t, ns)))]
+    listing = index.read(lambda t: list(index.iter_nodes(t, ns)), guarded=True)
+    parents = [h for _, h, _ in listing]
     Index.cover = cover  # a no-op again for lookup-floor
     random.seed(0)
     times = []
