@@ -13,6 +13,8 @@ times, each in a fresh child process so nothing is warm but the page cache:
 * ``check``: the full page check alone;
 * ``audit``: a library open until its background check has passed (from then on
   the read path checks nothing);
+* ``busy``: the 90th percentile of another thread's steps (a little Python and a
+  ``pread``) while the background check runs, against ``busy-floor`` without it;
 * ``lookup``: one children lookup (``Index.children`` of a random node: a cursor
   range) while the background check has not passed, so its range is checked first,
   and ``lookup-floor``: the same lookups with no check (medians over the lookups of
@@ -41,7 +43,7 @@ from kvstore.disk import storecheck
 from kvstore.disk.index import Index
 path, mode = sys.argv[1], sys.argv[2]
 pages = None
-if mode in ("skip", "lookup-floor", "lookup"):
+if mode in ("skip", "lookup-floor", "lookup", "busy-floor"):
     storecheck._check_pages = lambda env, data, store, full=True: 0
     try:
         from kvstore.disk import pageguard
@@ -73,6 +75,21 @@ elif mode.startswith("lookup"):
         times.append(time.perf_counter() - t0)
     index.close()
     print(json.dumps([statistics.median(times), None]))
+    sys.exit(0)
+elif mode.startswith("busy"):
+    # Another thread's steps while the background check runs: each a little Python
+    # and a call that lets go of the interpreter (as a generate loop's are).
+    index = Index(path, create=False, readonly=True)
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+    steps = []
+    while len(steps) < 2000 and not index._shared.audit.done.is_set():
+        t0 = time.perf_counter()
+        sum(range(300))
+        os.pread(fd, 4096, 0)
+        steps.append(time.perf_counter() - t0)
+    index.close()
+    steps.sort()
+    print(json.dumps([steps[int(len(steps) * 0.9)], None]))
     sys.exit(0)
 elif mode == "audit":
     index = Index(path, create=False, readonly=True)
@@ -141,6 +158,7 @@ def main() -> None:
     ap.add_argument("--index", metavar="DIR", help="an index built before (one size)")
     args = ap.parse_args()
     modes = ["open", "skip", "full", "check", "audit", "lookup", "lookup-floor"]
+    modes += ["busy", "busy-floor"]
     if args.compare:
         modes.insert(1, "open@")
     for n in args.nodes:
@@ -172,7 +190,9 @@ def main() -> None:
                 f"({med['check'] / live * 1e6:.1f} us a page), open until the "
                 f"background check passed {ms['audit']}; a children lookup while it "
                 f"runs {med['lookup'] * 1e6:.0f} us, without any check "
-                f"{med['lookup-floor'] * 1e6:.0f} us"
+                f"{med['lookup-floor'] * 1e6:.0f} us; another thread's step (p90) "
+                f"{med['busy'] * 1e6:.0f} us while it runs, {med['busy-floor'] * 1e6:.0f}"
+                " us without"
             )
             print("  samples (s):", json.dumps(samples))
 

@@ -35,7 +35,6 @@ format is that of :mod:`kvstore.mdbfile`.
 import os
 import struct
 from bisect import bisect_right
-from threading import Event
 from typing import (
     Callable,
     Dict,
@@ -72,7 +71,7 @@ class Damage(Exception):
 
 
 class Stopped(Exception):
-    """A walk given a ``stop`` event found it set (the index is being closed)."""
+    """Raised by a walk's ``tick`` to end it (the index is being closed)."""
 
 
 class DbRecord(NamedTuple):
@@ -164,10 +163,14 @@ class _Walker:
     """Reads pages of one file for one meta page, each at most once."""
 
     def __init__(
-        self, fd: int, meta: MetaPage, file_size: int, stop: Optional[Event] = None
+        self,
+        fd: int,
+        meta: MetaPage,
+        file_size: int,
+        tick: Optional[Callable[[], None]] = None,
     ):
         self.fd = fd
-        self.stop = stop
+        self.tick = tick  # called before each page is read
         self.psize = meta.page_size
         self.last_page = meta.last_page
         self.file_pages = file_size // meta.page_size
@@ -181,8 +184,8 @@ class _Walker:
             )
         if pgno in self.live:
             raise Damage(f"{what} is page {pgno}, which another pointer reaches too")
-        if self.stop is not None and self.stop.is_set():
-            raise Stopped()
+        if self.tick is not None:
+            self.tick()
         if pgno >= self.file_pages:
             raise Damage(f"page {pgno} ({what}) lies past the end of the file")
         self.live.add(pgno)
@@ -360,7 +363,11 @@ def _kind(flags: int) -> str:
 
 
 def check_file(
-    fd: int, meta: MetaPage, file_size: int, *, stop: Optional[Event] = None
+    fd: int,
+    meta: MetaPage,
+    file_size: int,
+    *,
+    tick: Optional[Callable[[], None]] = None,
 ) -> int:
     """Check every page reachable from ``meta`` (see the module docstring).
 
@@ -369,9 +376,9 @@ def check_file(
 
     Raises:
         Damage: the first problem found.
-        Stopped: ``stop`` was set.
+        Stopped: from ``tick``, called before each page is read.
     """
-    walker = _Walker(fd, meta, file_size, stop)
+    walker = _Walker(fd, meta, file_size, tick)
     for key, data, nflags in _tree(walker, "main", meta.main, values=False):
         if nflags & _F_SUBDATA:
             db = DbRecord.parse(data)

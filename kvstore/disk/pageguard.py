@@ -21,6 +21,7 @@ itself (:meth:`kvstore.disk.index.Index.read`).
 import logging
 import os
 import threading
+import time
 from typing import Callable, Dict, Optional, Set, Tuple
 
 from ..platform import fsutil
@@ -31,6 +32,7 @@ log = logging.getLogger("kvstore")
 _KEY_END = (
     b"\xff" * 512
 )  # after every key with a given prefix (LMDB keys: <= 511 bytes)
+_PACE_PAGES, _PACE_SECONDS = 16, 0.0002  # about half the time: see _tick
 _TRIES = 3  # full checks begun while two commits overwrote the transaction's meta page
 
 
@@ -49,6 +51,7 @@ class PageAudit:
         self.sound: Set[int] = set()  # leaves checked by cover()
         self.branches: Dict[int, tuple] = {}  # branch pages cover() parsed
         self._stop = threading.Event()
+        self._paced = 0  # pages the full check read
         self._thread: Optional[threading.Thread] = None
         # (txn id, its meta page, its named databases) of the last cover()
         self._snapshot: Optional[Tuple[int, mdbcheck.MetaPage, Dict]] = None
@@ -82,6 +85,7 @@ class PageAudit:
 
         def run():
             try:
+                time.sleep(_PACE_SECONDS)  # the opening thread goes on first
                 for _ in range(_TRIES):
                     pages = read(self._check_all)
                     if pages is not None:
@@ -110,7 +114,17 @@ class PageAudit:
         if meta is None:
             return None
         size = os.fstat(self._fd).st_size
-        return mdbcheck.check_file(self._fd, meta, size, stop=self._stop)
+        return mdbcheck.check_file(self._fd, meta, size, tick=self._tick)
+
+    def _tick(self) -> None:
+        """Before each page: end when stopped, and every ``_PACE_PAGES`` pages let
+        the process's other threads have the interpreter (Python hands it over only
+        every 5 ms to a thread that waits: a caller's generate loop would wait)."""
+        if self._stop.is_set():
+            raise mdbcheck.Stopped()
+        self._paced += 1
+        if self._paced % _PACE_PAGES == 0:
+            time.sleep(_PACE_SECONDS)
 
     def wait(self) -> Optional[str]:
         """Wait for the check; returns why it did not pass, or None."""
