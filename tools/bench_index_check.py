@@ -7,7 +7,8 @@ times, each in a fresh child process so nothing is warm but the page cache:
 * ``open``: opening the index as the library does (``Index(...)``: the bounded check
   of meta pages, roots and small trees, LMDB's own open, and starting the full check
   in the background), then closing it (which stops that check);
-* ``skip``: the floor, the same open with no page check at all;
+* ``skip``: the floor, the same open with no page check at all, and ``thread``:
+  that with a thread started and joined, as ``open`` starts and stops its check's;
 * ``full``: opening as the maintenance commands and ``kvstore serve``'s start do
   (``Index(..., check="full")``: every page before the open returns);
 * ``check``: the full page check alone;
@@ -43,7 +44,7 @@ from kvstore.disk import storecheck
 from kvstore.disk.index import Index
 path, mode = sys.argv[1], sys.argv[2]
 pages = None
-if mode in ("skip", "lookup-floor", "lookup", "busy-floor"):
+if mode in ("skip", "thread", "lookup-floor", "lookup", "busy-floor"):
     storecheck._check_pages = lambda env, data, store, full=True: 0
     try:
         from kvstore.disk import pageguard
@@ -96,6 +97,13 @@ elif mode == "audit":
     index._shared.audit.wait()
     assert index._shared.audit.passed
     index.close()
+elif mode == "thread":  # the floor with a thread started and joined, as open's
+    import threading
+    index = Index(path, create=False, readonly=True)
+    thread = threading.Thread(target=time.sleep, args=(0.0002,), daemon=True)
+    thread.start()
+    index.close()
+    thread.join()
 else:
     check = "full" if mode == "full" else "roots"
     Index(path, create=False, readonly=True, check=check).close()
@@ -157,7 +165,8 @@ def main() -> None:
     ap.add_argument("--compare", metavar="SRC", help="a kvstore tree to open with too")
     ap.add_argument("--index", metavar="DIR", help="an index built before (one size)")
     args = ap.parse_args()
-    modes = ["open", "skip", "full", "check", "audit", "lookup", "lookup-floor"]
+    modes = ["open", "skip", "thread", "full", "check", "audit", "lookup"]
+    modes += ["lookup-floor"]
     modes += ["busy", "busy-floor"]
     if args.compare:
         modes.insert(1, "open@")
@@ -185,7 +194,8 @@ def main() -> None:
                 f"{n} nodes of {args.chunk_tokens} tokens, data.mdb {size / 2**20:.1f} "
                 f"MiB (built in {built:.1f} s), {live} pages: open {ms['open']}"
                 + (f" (with {args.compare}: {ms['open@']})" if args.compare else "")
-                + f", open without a check {ms['skip']}, open with the full check "
+                + f", open without a check {ms['skip']} ({ms['thread']} with a thread "
+                "started and joined), open with the full check "
                 f"{ms['full']}, the full check alone {ms['check']} "
                 f"({med['check'] / live * 1e6:.1f} us a page), open until the "
                 f"background check passed {ms['audit']}; a children lookup while it "

@@ -21,7 +21,6 @@ itself (:meth:`kvstore.disk.index.Index.read`).
 import logging
 import os
 import threading
-import time
 from typing import Callable, Dict, Optional, Set, Tuple
 
 from ..platform import fsutil
@@ -85,7 +84,7 @@ class PageAudit:
 
         def run():
             try:
-                time.sleep(_PACE_SECONDS)  # the opening thread goes on first
+                self._stop.wait(_PACE_SECONDS)  # the opening thread goes on first
                 for _ in range(_TRIES):
                     pages = read(self._check_all)
                     if pages is not None:
@@ -124,7 +123,7 @@ class PageAudit:
             raise mdbcheck.Stopped()
         self._paced += 1
         if self._paced % _PACE_PAGES == 0:
-            time.sleep(_PACE_SECONDS)
+            self._stop.wait(_PACE_SECONDS)  # a pause that close() cuts short
 
     def wait(self) -> Optional[str]:
         """Wait for the check; returns why it did not pass, or None."""
