@@ -14,8 +14,8 @@ inside a read transaction. Until it has passed:
 
 Once it has passed, every page this process can reach is one it checked or one LMDB
 wrote since (LMDB copies a page before changing it and writes every page it hands
-out), so both become free. Damage written into the file afterwards is met by liblmdb
-itself (:meth:`kvstore.disk.index.Index.read`).
+out), and nothing is checked or waited for any more. Damage written into the file
+afterwards is met by liblmdb itself (:meth:`kvstore.disk.index.Index.read`).
 """
 
 import logging
@@ -28,10 +28,10 @@ from . import mdbcheck
 
 log = logging.getLogger("kvstore")
 
-_KEY_END = (
-    b"\xff" * 512
-)  # after every key with a given prefix (LMDB keys: <= 511 bytes)
-_PACE_PAGES, _PACE_SECONDS = 16, 0.0002  # about half the time: see _tick
+# After every key that starts with a given prefix (LMDB's keys: at most 511 bytes).
+_KEY_END = b"\xff" * 512
+# A pause every so many pages, for the process's other threads (see _tick).
+_PACE_PAGES, _PACE_SECONDS = 16, 0.0002
 _TRIES = 3  # full checks begun while two commits overwrote the transaction's meta page
 
 
@@ -46,7 +46,7 @@ class PageAudit:
     def __init__(self, data: str, *, passed: bool):
         self._fd = fsutil.open_regular(data)
         self.done = threading.Event()  # passed, failed or stopped
-        self.failure: Optional[str] = None  # the damage found
+        self.failure: Optional[str] = None  # why it did not pass: damage, or stopped
         self.sound: Set[int] = set()  # leaves checked by cover()
         self.branches: Dict[int, tuple] = {}  # branch pages cover() parsed
         self._stop = threading.Event()
