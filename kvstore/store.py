@@ -203,10 +203,13 @@ def _open_parts(
     opened = _open_namespace(
         index, model, tokenizer, kv_bits, kv_group_size, chunk_tokens
     )
-    if disk_bytes is not None:  # for tools that work without the model (kvstore gc)
+    # Recorded for tools that work without the model (kvstore gc); written only when
+    # it changed: a write waits for the index's full page check (disk/pageguard).
+    if disk_bytes is not None and maintenance.read_disk_budget(index) != disk_bytes:
         maintenance.write_disk_budget(index, disk_bytes)
     rates = index.read(
-        lambda txn: payoff.read_rates(txn, index.db["meta"], opened.namespace)
+        lambda txn: payoff.read_rates(txn, index.db["meta"], opened.namespace),
+        guarded=True,  # a search
     )
     parts = Parts(
         model=model,

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -94,11 +95,16 @@ CASES = {
         lambda s: damage.free_list_lists(s, damage.find(s, "nodes", leaf=True)[2]),
         "free list names",
     ),
+    "free-list-lists-a-root": (
+        lambda s: damage.free_list_lists(s, damage.find(s, "children", level=1)[0]),
+        "free list names",
+    ),
 }
 # Damage that loses records: the rest keep every node.
 LOSES_NODES = {"zeroed-nodes-leaf"}
 # Damage below the roots of a tree larger than mdbcheck.SMALL_TREE_PAGES (or in a
-# small tree: then refused), which KVStore(...)'s bounded check may not read.
+# small tree: then refused), which KVStore(...)'s bounded check may not read: the
+# open's full check in the background (kvstore.disk.pageguard) finds it.
 BELOW_THE_ROOTS = {
     "zeroed-nodes-leaf",
     "zeroed-children-branch",
@@ -106,8 +112,6 @@ BELOW_THE_ROOTS = {
     "zeroed-atime-leaf",
     "free-list-lists-a-live-page",
 }
-# Opens, then a library cursor steps across the zeroed page: liblmdb's assertion.
-ABORTS_THE_LIBRARY = {"zeroed-children-branch"}
 _LIBRARY = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
@@ -127,7 +131,8 @@ with s:
     s.flush()
     stats = s.stats()
 print(json.dumps({"fetched": fetched, "saved": saved, "errors": stats["errors"],
-                  "problem": stats["store_problem"]}))
+                  "problem": stats["store_problem"],
+                  "unsaved": stats["writes_failed"] + stats["writes_dropped"]}))
 """
 
 
@@ -185,29 +190,19 @@ def test_every_command_says_the_index_is_damaged_in_one_line(
     one_line(capsys.readouterr().err, store, "index/data.mdb is damaged", says)
 
 
-def _library_case(case):
-    if case in ABORTS_THE_LIBRARY:
-        return pytest.param(
-            case,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "below the roots of a large tree the open's bounded check leaves a "
-                    "zeroed branch page to liblmdb, whose cursor step aborts"
-                ),
-            ),
-        )
-    return case
-
-
-@pytest.mark.parametrize("case", [_library_case(c) for c in sorted(CASES)])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_kvstore_refuses_what_its_check_sees_and_meets_the_rest_as_misses(store, case):
     """In a child process (an assertion in liblmdb would end it): ``KVStore(...)``
     raises the one-line StoreError for damage its bounded check reads (meta pages,
-    roots, small trees), or opens, and damage met later is a logged, counted miss:
-    no traceback, no signal, every restore whole or a miss."""
+    roots, small trees), or opens, and the full check it runs in the background
+    finds the rest (the read path checks the pages its cursors step onto until
+    then): a logged, counted miss, no traceback, no signal, every restore whole or a
+    miss, and nothing written into the damaged file (a free list naming a page in
+    use would have a write overwrite it)."""
     make, says = CASES[case]
     make(store)
+    with open(damage.data_file(store), "rb") as f:
+        before = f.read()
     tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
         [sys.executable, "-c", _LIBRARY, store, tests],
@@ -217,21 +212,131 @@ def test_kvstore_refuses_what_its_check_sees_and_meets_the_rest_as_misses(store,
     )
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr
+    with open(damage.data_file(store), "rb") as f:
+        assert f.read() == before, "a write went into the damaged index"
     result = json.loads(proc.stdout)
-    if "refused" in result:
+    if "refused" in result:  # by the bounded check, or the full one found it first
         one_line(result["refused"], store, "index/data.mdb is damaged", says)
         return
     assert case in BELOW_THE_ROOTS, f"{case}: the bounded check let it open"
     assert set(result["fetched"]) <= {0, 200}, result
-    if result["errors"]:  # met: logged once, counted, reads and writes stopped
-        assert "index/data.mdb is damaged" in result["problem"], result
-        logged = [ln for ln in proc.stderr.splitlines() if "is damaged" in ln]
-        assert len(logged) == 1, proc.stderr
-        assert result["saved"] == 0
-    else:  # never met by these reads (a page no fetch here steps onto)
-        assert result["problem"] is None and result["fetched"] == [200] * 16, result
+    # Found by the full check at the latest when the save's write waited for it (or
+    # met first by a search, which liblmdb answers with MDB_CORRUPTED): logged once,
+    # reads and writes stopped, the save not written.
+    problem = result["problem"] or ""
+    assert "index/data.mdb is damaged" in problem, result
+    assert says in problem or "CorruptedError met" in problem, result
+    logged = [ln for ln in proc.stderr.splitlines() if "is damaged" in ln]
+    assert len(logged) == 1, proc.stderr
+    assert result["saved"] == 0 or result["unsaved"] >= 1, result
     if case == "zeroed-nodes-leaf":  # every walk passes the lost leaf's branch
         assert result["errors"] > 0, result
+
+
+_NO_FULL_CHECK = r"""
+import sys, threading
+from kvstore import KVStore
+from kvstore.disk import pageguard
+from kvstore.disk.index import Index
+go = threading.Event()  # the open's full check waits until the first save returned
+start, save = pageguard.PageAudit.start, KVStore.save
+def held_back(self, read, on_damage, *, name):
+    start(self, lambda fn: go.wait() and read(fn), on_damage, name=name)
+def saving(self, *args, **kwargs):
+    try:
+        return save(self, *args, **kwargs)
+    finally:
+        go.set()
+pageguard.PageAudit.start, KVStore.save = held_back, saving
+if sys.argv[3] == "unguarded":
+    Index.cover = lambda self, txn, name, prefix=b"": True
+sys.argv[3:] = []
+"""
+
+
+@pytest.mark.parametrize("case", ["zeroed-children-branch", "zeroed-children-leaf"])
+def test_the_read_path_checks_its_cursor_ranges_while_the_full_check_runs(store, case):
+    """With the open's full check held back until the first save has returned, the
+    read path steps onto no damaged page: the children ranges it reads are checked
+    first, and the damage is a logged miss. Without those checks the save's trie
+    walk ends the process: its ``set_range`` past a leaf's last key steps onto the
+    zeroed branch page (liblmdb: ``IS_BRANCH`` asserted in ``mdb_cursor_sibling``,
+    SIGABRT), in the caller's thread."""
+    make, says = CASES[case]
+    make(store)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = _NO_FULL_CHECK + _LIBRARY
+    proc = subprocess.run(
+        [sys.executable, "-c", code, store, tests, "guarded"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result["fetched"]) <= {0, 200}, result
+    problem = result["problem"] or ""
+    assert "index/data.mdb is damaged" in problem and says in problem, result
+    if case == "zeroed-children-branch":  # met by the save's walk: not saved
+        assert result["saved"] == 0 and result["unsaved"] >= 1, result
+    if case == "zeroed-children-branch":
+        proc = subprocess.run(
+            [sys.executable, "-c", code, store, tests, "unguarded"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr)
+
+
+_EVERY_RANGE = r"""
+import random, sys
+import numpy as np
+from kvstore.disk import mdbcheck, pageguard
+from kvstore.disk.index import Index
+pageguard.PageAudit.start = lambda *a, **kw: None  # only the ranges are checked
+index = Index(sys.argv[1], create=False, readonly=True)
+audit = index._shared.audit
+Index.cover = lambda self, txn, name, prefix=b"": True  # checked below, or not
+nodes = index.read(lambda t: list(index.iter_nodes(t)), guarded=True)
+rng = random.Random(0)
+refused = stepped = 0
+for ns, h, _ in nodes:
+    query = np.array([rng.randrange(1000) for _ in range(8)], dtype=np.int32)
+    def steps(txn):
+        if sys.argv[2] == "checked":
+            try:
+                audit.cover(txn, "children", ns + h)
+            except mdbcheck.Damage:
+                return False
+        index.children(ns, h, txn)
+        index.nearest_children(ns, h, query, txn)
+        index.prefix_children(ns, h, query, txn)
+        index.has_children(txn, ns, h)
+        return True
+    if index.read(steps, guarded=True):
+        stepped += 1
+    else:
+        refused += 1
+print(refused, stepped)
+"""
+
+
+@pytest.mark.parametrize("case", ["zeroed-children-branch", "zeroed-children-leaf"])
+def test_a_checked_range_holds_every_page_its_cursor_steps_onto(store, case):
+    """Every children range of every node (the ranges the read path's cursors
+    take), in one child process: where the range's pages were checked sound, the
+    cursor steps of a fetch and a save over it (``set_range``, ``prev``, ``last``,
+    ``next`` past the range's end) never reach the zeroed page; without the check,
+    some do, and liblmdb ends the process (SIGABRT)."""
+    CASES[case][0](store)
+    run = [sys.executable, "-c", _EVERY_RANGE, os.path.join(store, "index")]
+    proc = subprocess.run(run + ["checked"], capture_output=True, text=True)
+    assert proc.returncode == 0 and not proc.stderr, (proc.returncode, proc.stderr)
+    refused, stepped = map(int, proc.stdout.split())
+    assert refused > 0 and stepped > 0, (refused, stepped)
+    proc = subprocess.run(run + ["all"], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

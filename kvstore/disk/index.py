@@ -18,9 +18,10 @@ import lmdb
 import numpy as np
 
 from ..platform import memutil
-from . import spare, storecheck
+from . import mdbcheck, spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
 from .mapgate import MapGate
+from .pageguard import PageAudit
 from .storecheck import IndexDamaged, StoreError
 
 log = logging.getLogger("kvstore")
@@ -196,8 +197,9 @@ class _Env:
     """One process's open LMDB environment of an index directory, shared by every
     :class:`Index` opened on that directory (LMDB allows one per process)."""
 
-    def __init__(self, opened: storecheck.Opened, *, readonly: bool):
+    def __init__(self, opened: storecheck.Opened, *, readonly: bool, audit: PageAudit):
         self.env = opened.env
+        self.audit = audit  # the full page check since the open (pageguard)
         self.dbs = opened.dbs
         self.readonly = readonly
         self.lock_fd = opened.lock_fd  # kvstore.lock, held shared while open (or None)
@@ -210,7 +212,19 @@ class _Env:
         # since the last resize, which may move the map.
         self.mapped: Optional[List[Tuple[int, int]]] = None
 
+    def note_damage(self, store: str, problem: str) -> IndexDamaged:
+        """Note damage in the index: logged once, and from now on this process
+        neither reads nor writes the index (every fetch a miss). Returns the error to
+        raise."""
+        with _OPEN_LOCK:
+            if self.damage is None:
+                self.damage = storecheck.damaged(store, problem)
+                self.problem = str(self.damage)
+                log.error("kvstore: %s; reads and writes stopped", self.damage)
+        return self.damage
+
     def close(self) -> None:
+        self.audit.close()  # its thread reads in a transaction: stopped first
         self.env.close()
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # releases this process's record locks on it
@@ -234,11 +248,14 @@ class Index:
             or the bytes in the environment variable ``KVSTORE_INITIAL_MAP_BYTES``
             (for tests that make the map grow from a tiny start, in every process).
         check: ``"roots"``: the pages LMDB's open reads are checked (meta pages,
-            each tree's root: a time that does not grow with the index); damage
-            deeper down is met later as a logged miss. ``"full"``: every page a
-            read can reach, for an open followed by a scan of the whole index (the
-            maintenance commands, ``kvstore serve``'s start; even where this
-            process has the index open already). See :mod:`kvstore.mdbcheck`.
+            small trees, each large tree's root: a time that does not grow with
+            the index), then every page in the background; until that has passed,
+            the read path checks its cursors' ranges and writes wait
+            (:mod:`kvstore.disk.pageguard`). ``"full"``: every page a read can
+            reach before the open returns, for an open followed by a scan of the
+            whole index (the maintenance commands, ``kvstore serve``'s start; even
+            where this process has the index open already). See
+            :mod:`kvstore.disk.mdbcheck`.
 
     Raises:
         StoreError: not a kvstore index, another format version, files that are not
@@ -277,7 +294,7 @@ class Index:
         # path in one process (two models, say) share it.
         with _OPEN_LOCK:
             shared = _OPEN.get(self._key)
-            recheck = False
+            recheck = start = False
             if shared is None:
                 opened = storecheck.open_env(
                     path,
@@ -288,8 +305,18 @@ class Index:
                     format_version=FORMAT_VERSION,
                     check=check,
                 )
-                shared = _Env(opened, readonly=readonly)
+                try:
+                    audit = PageAudit(
+                        os.path.join(path, "data.mdb"), passed=check == "full"
+                    )
+                except BaseException:
+                    opened.env.close()
+                    if opened.lock_fd is not None:
+                        os.close(opened.lock_fd)
+                    raise
+                shared = _Env(opened, readonly=readonly, audit=audit)
                 _clear_stale_readers(shared.env)
+                start = True
             elif shared.readonly and not readonly:
                 raise StoreError(
                     f"{storecheck.store_name(path)}: the index is open read-only in "
@@ -303,12 +330,20 @@ class Index:
         self.env = shared.env
         self.db = shared.dbs
         self._closed = False
+        if start:
+            store = storecheck.store_name(path)
+            shared.audit.start(
+                self._read_txn,
+                lambda problem: shared.note_damage(store, problem),
+                name=store,
+            )
         if recheck:
             try:
                 self._check_all_pages()
             except BaseException:
                 self.close()
                 raise
+            shared.audit.mark_passed()
 
     def _check_all_pages(self) -> None:
         """:func:`kvstore.storecheck.check_index_pages` on the open environment."""
@@ -351,16 +386,50 @@ class Index:
         process): logged once, and from now on this process neither reads nor writes
         the index (every fetch a miss): a cursor stepping onto a damaged page would end
         the process in an assertion. Returns the error to raise."""
-        shared = self._shared
-        with _OPEN_LOCK:
-            if shared.damage is None:
-                shared.damage = storecheck.damaged(
-                    storecheck.store_name(self.path),
-                    f"{type(error).__name__} met while the store was open: {error}",
-                )
-                shared.problem = str(shared.damage)
-                log.error("kvstore: %s; reads and writes stopped", shared.damage)
-        return shared.damage
+        return self._shared.note_damage(
+            storecheck.store_name(self.path),
+            f"{type(error).__name__} met while the store was open: {error}",
+        )
+
+    def _wait_checked(self) -> None:
+        """Wait for the open's full page check (:mod:`kvstore.disk.pageguard`)
+        before a whole-index scan or a write transaction.
+
+        Raises:
+            IndexDamaged: it found damage (or the index met some meanwhile).
+        """
+        audit = self._shared.audit
+        if audit.passed:
+            return
+        if self._shared.gate.depth():  # inside a transaction: a waiting resize and
+            return  # the check's own transaction would wait for each other
+        failure = audit.wait()
+        if failure is not None:
+            if self._shared.damage is not None:
+                raise self._shared.damage
+            raise StoreError(
+                f"{storecheck.store_name(self.path)}: the index pages could not be "
+                f"checked ({failure})"
+            )
+
+    def cover(self, txn, name: str, prefix: bytes = b"") -> bool:
+        """Make sure a cursor of ``txn`` on database ``name`` confined to keys
+        starting with ``prefix`` steps onto no damaged page: checked until the
+        open's full page check has passed (:meth:`PageAudit.cover`). False: they
+        could not be checked (the snapshot's meta page is gone): do not step.
+
+        Raises:
+            IndexDamaged: a damaged page (logged once; the index is not used again).
+        """
+        audit = self._shared.audit
+        if audit.passed:
+            return True
+        try:
+            return audit.cover(txn, name, prefix)
+        except mdbcheck.Damage as e:
+            raise self._shared.note_damage(
+                storecheck.store_name(self.path), str(e)
+            ) from None
 
     def close(self):
         if self._closed:
@@ -385,8 +454,20 @@ class Index:
                 "in the child process"
             )
 
-    def read(self, fn: Callable):
-        """Run ``fn(txn)`` in a read transaction, adopting a map grown by another process."""
+    def read(self, fn: Callable, *, guarded: bool = False):
+        """Run ``fn(txn)`` in a read transaction, adopting a map grown by another
+        process.
+
+        Args:
+            guarded: ``fn`` only searches (``get``) or checks its cursors' ranges
+                first (:meth:`cover`); otherwise the read waits for the open's full
+                page check (:mod:`kvstore.disk.pageguard`).
+        """
+        if not guarded:
+            self._wait_checked()
+        return self._read_txn(fn)
+
+    def _read_txn(self, fn: Callable):
         self._check_pid()
         gate = self._shared.gate
         for _ in range(_RESIZED_TRIES):
@@ -478,6 +559,7 @@ class Index:
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: the index is open read-only")
+        self._wait_checked()  # a write reads the free list and moves records
         self.check_lock_file()
         resized = 0
         while True:
@@ -553,7 +635,7 @@ class Index:
             raw = txn.get(bytes(ns), db=self.db["namespaces"])
             return None if raw is None else (bytes(ns), bytes(raw))
 
-        found = self.read(get)
+        found = self.read(get, guarded=True)
         if found is None:
             return None
         try:
@@ -564,17 +646,19 @@ class Index:
 
     def namespaces(self) -> Dict[bytes, dict]:
         def get(txn):
+            if not self.cover(txn, "namespaces"):
+                return {}
             return {
                 bytes(k): json.loads(v) for k, v in txn.cursor(db=self.db["namespaces"])
             }
 
-        return self.read(get)
+        return self.read(get, guarded=True)
 
     COUNTERS = struct.Struct("<qqqq")  # nodes, tokens, bytes, pinned bytes
 
     def counters(self, ns: bytes, txn=None) -> Tuple[int, int, int, int]:
         if txn is None:
-            return self.read(lambda t: self.counters(ns, t))
+            return self.read(lambda t: self.counters(ns, t), guarded=True)
         raw = txn.get(ns, db=self.db["counters"])
         return self.COUNTERS.unpack(raw) if raw else (0, 0, 0, 0)
 
@@ -593,7 +677,7 @@ class Index:
     def get_node(self, ns: bytes, h: bytes, txn=None) -> Optional[NodeRecord]:
         """The node ``h`` or None; raises :class:`CorruptRecord` for a bad record."""
         if txn is None:
-            return self.read(lambda t: self.get_node(ns, h, t))
+            return self.read(lambda t: self.get_node(ns, h, t), guarded=True)
         raw = txn.get(ns + h, db=self.db["nodes"])
         return None if raw is None else NodeRecord.decode(bytes(raw))
 
@@ -618,9 +702,12 @@ class Index:
             return self.read(
                 lambda t: self.nearest_children(
                     ns, parent, query, t, on_corrupt=on_corrupt
-                )
+                ),
+                guarded=True,
             )
         prefix = ns + parent
+        if not self.cover(txn, "children", prefix):
+            return []
         seek = child_key(ns, parent, query)
         cur = txn.cursor(db=self.db["children"])
         keys = []
@@ -676,6 +763,8 @@ class Index:
         strict prefix of ``query``: one key seek per length (their padded edge keys
         cannot be found next to the query's). The caller compares the tokens.
         Corrupt records go to ``on_corrupt`` as in :meth:`nearest_children`."""
+        if not self.cover(txn, "children", ns + parent):
+            return []
         cur = txn.cursor(db=self.db["children"])
         out = []
         for n in range(1, min(len(query), CHILD_KEY_TOKENS)):
@@ -689,8 +778,10 @@ class Index:
 
     def children(self, ns: bytes, parent: bytes, txn=None) -> List[bytes]:
         if txn is None:
-            return self.read(lambda t: self.children(ns, parent, t))
+            return self.read(lambda t: self.children(ns, parent, t), guarded=True)
         prefix = ns + parent
+        if not self.cover(txn, "children", prefix):
+            return []
         cur = txn.cursor(db=self.db["children"])
         out = []
         if cur.set_range(prefix):
@@ -761,6 +852,8 @@ class Index:
 
     def pinned(self, ns: bytes) -> List[bytes]:
         def get(txn):
+            if not self.cover(txn, "pins", ns):
+                return []
             cur = txn.cursor(db=self.db["pins"])
             out = []
             if cur.set_range(ns):
@@ -770,12 +863,14 @@ class Index:
                     out.append(bytes(k[len(ns) :]))
             return out
 
-        return self.read(get)
+        return self.read(get, guarded=True)
 
     def iter_nodes(
         self, txn, ns: Optional[bytes] = None
     ) -> Iterator[Tuple[bytes, bytes, bytes]]:
         """Yield ``(namespace, hash, raw record)`` for every node (of one namespace)."""
+        if not self.cover(txn, "nodes", ns or b""):
+            return
         cur = txn.cursor(db=self.db["nodes"])
         start = ns or b""
         if not cur.set_range(start):
@@ -791,12 +886,16 @@ class Index:
 
     def has_children(self, txn, ns: bytes, h: bytes) -> bool:
         prefix = ns + h
+        if not self.cover(txn, "children", prefix):
+            return False
         cur = txn.cursor(db=self.db["children"])
         return cur.set_range(prefix) and bytes(cur.key()).startswith(prefix)
 
     def total_bytes(self, txn=None) -> int:
         if txn is None:
-            return self.read(self.total_bytes)
+            return self.read(self.total_bytes, guarded=True)
+        if not self.cover(txn, "counters"):
+            return 0
         return sum(
             self.COUNTERS.unpack(v)[2] for _, v in txn.cursor(db=self.db["counters"])
         )

@@ -23,15 +23,28 @@ each one is what LMDB would have written there:
   live page) and every meta page agrees with the other on the page size, and two
   meta pages of one transaction id are the same.
 
-:func:`check_roots` is the bounded check of every other open (the main database
-and each tree's root page: a time that does not grow with the index). :func:`walk`
-is the same walk in a tolerant mode for salvaging (it skips what it
-cannot read and reports it). The format is that of :mod:`kvstore.mdbfile`.
+:func:`check_roots` is the bounded check of every other open (the main database,
+small trees, each large tree's root page, a small free list: a time that does not
+grow with the index), after which the open store runs :func:`check_file` in the
+background and checks the key ranges its cursors read meanwhile with
+:func:`check_range` (:mod:`kvstore.disk.pageguard`). :func:`walk` is the same walk
+in a tolerant mode for salvaging (it skips what it cannot read and reports it). The
+format is that of :mod:`kvstore.mdbfile`.
 """
 
 import os
 import struct
-from typing import Callable, Iterator, List, NamedTuple, Optional, Set, Tuple
+from bisect import bisect_right
+from typing import (
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Set,
+    Tuple,
+)
 
 from .mdbfile import MAGIC, P_INVALID
 
@@ -55,6 +68,10 @@ SMALL_TREE_PAGES = 16  # trees check_roots checks whole: a bounded cost at every
 
 class Damage(Exception):
     """A page LMDB would read is not what LMDB writes: the message says which."""
+
+
+class Stopped(Exception):
+    """Raised by a walk's ``tick`` to end it (the index is being closed)."""
 
 
 class DbRecord(NamedTuple):
@@ -145,8 +162,15 @@ def meta_problem(metas: List[Optional[MetaPage]]) -> Optional[str]:
 class _Walker:
     """Reads pages of one file for one meta page, each at most once."""
 
-    def __init__(self, fd: int, meta: MetaPage, file_size: int):
+    def __init__(
+        self,
+        fd: int,
+        meta: MetaPage,
+        file_size: int,
+        tick: Optional[Callable[[], None]] = None,
+    ):
         self.fd = fd
+        self.tick = tick  # called before each page is read
         self.psize = meta.page_size
         self.last_page = meta.last_page
         self.file_pages = file_size // meta.page_size
@@ -160,6 +184,8 @@ class _Walker:
             )
         if pgno in self.live:
             raise Damage(f"{what} is page {pgno}, which another pointer reaches too")
+        if self.tick is not None:
+            self.tick()
         if pgno >= self.file_pages:
             raise Damage(f"page {pgno} ({what}) lies past the end of the file")
         self.live.add(pgno)
@@ -243,7 +269,7 @@ def _tree(
             counts.branch += 1
             stack.extend(
                 (child, level + 1, f"a child of page {pgno} in the {name} database")
-                for child in reversed(nodes)
+                for child, _ in reversed(nodes)
             )
             continue
         counts.leaf += 1
@@ -282,8 +308,8 @@ def _raise_or(on_damage, message: str) -> None:
 def _page_records(
     walker: _Walker, pgno: int, level: int, depth: int, what: str, name, free_db
 ):
-    """``(P_BRANCH, [child pgno...])`` or ``(P_LEAF, [(key, data size, node flags,
-    data offset, page)...])`` of page ``pgno``, checked."""
+    """``(P_BRANCH, [(child pgno, key)...])`` or ``(P_LEAF, [(key, data size, node
+    flags, data offset, page)...])`` of page ``pgno``, checked."""
     page = walker.page(pgno, what)
     psize = walker.psize
     _, _, flags, lower, upper = _PAGE_HEAD.unpack_from(page)
@@ -316,7 +342,7 @@ def _page_records(
             last = order
         nflags = words[w + 2]
         if not is_leaf:
-            out.append(words[w] | words[w + 1] << 16 | nflags << 32)
+            out.append((words[w] | words[w + 1] << 16 | nflags << 32, key))
             continue
         dsize = words[w] | words[w + 1] << 16
         if nflags & ~allowed:
@@ -336,7 +362,13 @@ def _kind(flags: int) -> str:
     return (" and ".join(names) or f"flags {flags:#x}") + " page"
 
 
-def check_file(fd: int, meta: MetaPage, file_size: int) -> int:
+def check_file(
+    fd: int,
+    meta: MetaPage,
+    file_size: int,
+    *,
+    tick: Optional[Callable[[], None]] = None,
+) -> int:
     """Check every page reachable from ``meta`` (see the module docstring).
 
     Returns:
@@ -344,8 +376,9 @@ def check_file(fd: int, meta: MetaPage, file_size: int) -> int:
 
     Raises:
         Damage: the first problem found.
+        Stopped: from ``tick``, called before each page is read.
     """
-    walker = _Walker(fd, meta, file_size)
+    walker = _Walker(fd, meta, file_size, tick)
     for key, data, nflags in _tree(walker, "main", meta.main, values=False):
         if nflags & _F_SUBDATA:
             db = DbRecord.parse(data)
@@ -372,10 +405,12 @@ def check_roots(fd: int, meta: MetaPage, file_size: int) -> int:
     kvstore's index one leaf naming its few databases: :mod:`kvstore.storecheck`
     walks it all), every page of each named database of at most
     ``SMALL_TREE_PAGES`` pages (its whole scans, such as the namespaces', are then
-    safe), and the root page of every larger one and of the free list, with the page
-    checks of :func:`check_file`. What lies below a large tree's root is left to
-    :func:`check_file` (the maintenance scans) and to the open store's handling of
-    ``MDB_CORRUPTED``: checking it costs time in proportion to the index.
+    safe), the root page of every larger one, and the free list whole when it has at
+    most ``SMALL_TREE_PAGES`` pages (its root only otherwise): the pages it names
+    must lie in the file and be none of the pages checked here. The pages below a
+    large tree's root are left to :func:`check_file` (the maintenance scans, and
+    the open store's check in the background: :mod:`kvstore.disk.pageguard`) and to
+    :func:`check_range` for what the read path steps onto meanwhile.
 
     Returns:
         The number of pages checked.
@@ -384,25 +419,135 @@ def check_roots(fd: int, meta: MetaPage, file_size: int) -> int:
         Damage: the first problem found.
     """
     walker = _Walker(fd, meta, file_size)
-    roots = [("free-list", meta.free)]
+    roots = []
     for key, data, nflags in _tree(walker, "main", meta.main, values=False):
         if nflags & _F_SUBDATA:
             roots.append((key.decode("ascii", "replace")[:40], DbRecord.parse(data)))
+    roots.append(("free-list", meta.free))  # last: it is checked against the rest
     for name, db in roots:
         pages = db.branch_pages + db.leaf_pages + db.overflow_pages
-        if name != "free-list" and pages <= SMALL_TREE_PAGES:
-            for _ in _tree(walker, name, db, values=False):
-                pass
+        if pages <= SMALL_TREE_PAGES:
+            records = _tree(walker, name, db, values=name == "free-list")
+            if name == "free-list":
+                _free_list_clear(walker, meta, records)
+            else:
+                for _ in records:
+                    pass
             continue
-        if db.root == P_INVALID:
-            if db.depth or db.entries:
-                raise Damage(f"the {name} database is empty but has records")
-            continue
-        if not 1 <= db.depth <= _MAX_DEPTH:
+        if not 1 <= db.depth <= _MAX_DEPTH or db.root == P_INVALID:
             raise Damage(f"the {name} database has depth {db.depth}")
         what = f"the root of the {name} database"
         _page_records(walker, db.root, 1, db.depth, what, name, name == "free-list")
     return len(walker.live)
+
+
+def _free_list_clear(walker: _Walker, meta: MetaPage, records) -> None:
+    """Check that the free list's ``records`` name no page ``walker`` has seen in
+    use (LMDB would hand it to a writer, which overwrites it) and none outside the
+    file's pages."""
+    free = set()
+    for _, data, _ in records:
+        free.update(_free_ids(data))
+    used = free & walker.live
+    if used:
+        raise Damage(
+            f"the free list names {len(used)} page(s) in use (page {min(used)} "
+            "first): LMDB would overwrite them"
+        )
+    beyond = sorted(p for p in free if p > meta.last_page or p < 2)
+    if beyond:
+        raise Damage(f"the free list names page {beyond[0]}, outside the file's pages")
+
+
+def named_databases(fd: int, meta: MetaPage, file_size: int) -> Dict[str, DbRecord]:
+    """The records of the named databases in ``meta``'s main database, its pages
+    checked."""
+    walker = _Walker(fd, meta, file_size)
+    return {
+        key.decode("ascii", "replace"): DbRecord.parse(data)
+        for key, data, nflags in _tree(walker, "main", meta.main, values=False)
+        if nflags & _F_SUBDATA
+    }
+
+
+def check_range(
+    fd: int,
+    meta: MetaPage,
+    file_size: int,
+    name: str,
+    db: DbRecord,
+    lo: bytes,
+    hi: Optional[bytes],
+    sound: Set[int],
+    branches: Dict[int, Tuple[bytes, List[int], List[bytes]]],
+) -> int:
+    """Check the pages of database ``name`` (``db``, of ``meta``'s snapshot) that a
+    cursor confined to keys ``lo``..``hi`` (None: to the end) can step onto:
+    every page whose keys meet that range, and at every level the neighbour on
+    each side of it down to the leaf next to the range (a cursor's first step past
+    it), with the page checks of :func:`check_file`. Leaves in ``sound`` (checked
+    before) are not read again; every page checked is added to it. ``branches``
+    keeps each branch page checked with its children and keys: one that reads
+    the same again is not parsed again. A search
+    (LMDB's ``get``) needs none of this: it answers ``MDB_CORRUPTED`` for a page
+    of the wrong type; a step sideways (``next``, ``prev``, a ``set_range``
+    past a leaf's last key) asserts instead, ending the process.
+
+    Returns:
+        The number of pages read.
+
+    Raises:
+        Damage: the first problem found.
+    """
+    if db.root == P_INVALID:
+        return 0
+    if not 1 <= db.depth <= _MAX_DEPTH:
+        raise Damage(f"the {name} database has depth {db.depth}")
+    walker = _Walker(fd, meta, file_size)
+    stack = [(db.root, 1, 0, f"the root of the {name} database")]
+    while stack:
+        pgno, level, side, what = stack.pop()  # side: 0 the range, -1/1 an edge
+        if level == db.depth:
+            if pgno not in sound:
+                _check_leaf(walker, pgno, level, what, name)
+                sound.add(pgno)
+            continue
+        known = branches.get(pgno)
+        if known is None or _read(walker, pgno) != known[0]:
+            _, nodes = _page_records(walker, pgno, level, db.depth, what, name, False)
+            # a branch's first key is never compared
+            known = (
+                _read(walker, pgno),
+                [c for c, _ in nodes],
+                [k for _, k in nodes[1:]],
+            )
+            branches[pgno] = known
+        _, children, keys = known
+        below = f"a child of page {pgno} in the {name} database"
+        if side:  # the edge of a neighbour: its last child (left) or first (right)
+            stack.append((children[-1 if side < 0 else 0], level + 1, side, below))
+            continue
+        first = bisect_right(keys, lo)
+        last = len(children) - 1 if hi is None else bisect_right(keys, hi)
+        stack.extend((c, level + 1, 0, below) for c in children[first : last + 1])
+        if first > 0:
+            stack.append((children[first - 1], level + 1, -1, below))
+        if last < len(children) - 1:
+            stack.append((children[last + 1], level + 1, 1, below))
+    return len(walker.live)
+
+
+def _read(walker: _Walker, pgno: int) -> bytes:
+    return os.pread(walker.fd, walker.psize, pgno * walker.psize)
+
+
+def _check_leaf(walker: _Walker, pgno: int, level: int, what: str, name: str) -> None:
+    """Check leaf page ``pgno`` and the overflow pages of its values."""
+    _, nodes = _page_records(walker, pgno, level, level, what, name, False)
+    for _, dsize, nflags, at, page in nodes:
+        if nflags & _F_BIGDATA:
+            opg = _U64.unpack_from(page, at)[0]
+            walker.overflow(opg, dsize, f"a value of page {pgno}", read=False)
 
 
 def _free_ids(data: bytes) -> List[int]:

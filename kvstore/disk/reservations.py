@@ -172,6 +172,8 @@ def listed(index: Index, txn) -> List[Reservation]:
     """Every reservation in the index, stale or not (malformed ones included as stale:
     pid 0, time 0)."""
     out = []
+    if not index.cover(txn, "reservations"):
+        return out
     for k, v in txn.cursor(db=index.db["reservations"]):
         k, v = bytes(k), bytes(v)
         if len(k) != _KEY.size or len(v) != _VALUE.size:
@@ -222,6 +224,6 @@ def drop_stale(index: Index, *, now: Optional[float] = None) -> int:
 
     # Mostly there are none: a read transaction does not wait for LMDB's writer lock
     # (held by another process's commit, say) as opening a store would.
-    if not index.read(find):
+    if not index.read(find, guarded=True):  # its cursor is covered
         return 0
     return index.write(drop)

@@ -167,7 +167,7 @@ def store_secret(index: Index) -> bytes:
         StoreError: the recorded secret has the wrong size (a damaged index).
     """
     meta = index.db["meta"]
-    raw = index.read(lambda txn: txn.get(SECRET_KEY, db=meta))
+    raw = index.read(lambda txn: txn.get(SECRET_KEY, db=meta), guarded=True)
     if raw is None:
 
         def create(txn):

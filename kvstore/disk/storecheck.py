@@ -88,9 +88,11 @@ def open_env(
     """Check the index directory ``path`` and open it (see the module docstring).
 
     ``check`` is how much of ``data.mdb`` is checked before LMDB reads it
-    (:mod:`.mdbcheck`): ``"roots"`` the meta pages, the main database and each
-    tree's root page (a time that does not grow with the index); ``"full"`` every
-    page a read can reach, for an open followed by a scan of the whole index.
+    (:mod:`.mdbcheck`): ``"roots"`` the meta pages, the main database, small
+    trees whole and each large tree's root page (a time that does not grow with
+    the index; :class:`kvstore.disk.index.Index` checks the rest in the
+    background); ``"full"`` every page a read can reach, for an open followed by a
+    scan of the whole index.
 
     Raises:
         StoreError: with one line naming the store and the problem.

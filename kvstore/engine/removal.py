@@ -304,7 +304,8 @@ class BrokenNodes:
         not decode). A node whose record has gone or changed since (another process
         evicted it, or evicted and saved it again) is a plain miss instead."""
         if rec is not None and not self.index.read(
-            lambda txn: same_record(self.index, self.namespace, txn, h, rec)
+            lambda txn: same_record(self.index, self.namespace, txn, h, rec),
+            guarded=True,  # a search
         ):
             log.debug("kvstore: node %s went while it was read: a miss", h.hex()[:12])
             return

@@ -207,7 +207,8 @@ class ReadPath:
         return self.index.read(
             lambda txn: self.trie.walk(
                 txn, arr, limit=limit, full_only=full_only, root=root
-            )
+            ),
+            guarded=True,  # searches, and children ranges it covers
         )
 
     def stored_tokens(self, arr: np.ndarray, *, root: bytes) -> int:

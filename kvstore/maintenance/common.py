@@ -89,7 +89,7 @@ def write_disk_budget(index: Index, nbytes: Optional[int]) -> None:
 def read_disk_budget(index: Index, txn=None) -> Optional[int]:
     """The recorded disk budget in bytes, or None when none (or an unreadable one) is."""
     if txn is None:
-        return index.read(lambda t: read_disk_budget(index, t))
+        return index.read(lambda t: read_disk_budget(index, t), guarded=True)
     raw = txn.get(DISK_BUDGET_KEY, db=index.db["meta"])
     try:
         value = int(raw) if raw is not None else None

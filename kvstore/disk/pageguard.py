@@ -1,0 +1,179 @@
+"""Keeping liblmdb off damaged pages while the open store's full page check runs.
+
+A library open checks a bounded set of pages (:func:`kvstore.disk.mdbcheck.check_roots`).
+Below a large tree's root, a zeroed page met by a cursor stepping sideways ends the
+process in liblmdb's assertions. So every open that did not check every page starts a
+:class:`PageAudit`: :func:`~kvstore.disk.mdbcheck.check_file` in a thread of its own,
+inside a read transaction. Until it has passed:
+
+* the read path's cursor ranges are checked first (:meth:`PageAudit.cover`:
+  :func:`~kvstore.disk.mdbcheck.check_range`, each leaf once per process);
+* whole-index scans and write transactions wait for it (:meth:`PageAudit.wait`):
+  a write reads the free list (which must name no page in use) and a deletion
+  moves records between neighbouring pages.
+
+Once it has passed, every page this process can reach is one it checked or one LMDB
+wrote since (LMDB copies a page before changing it and writes every page it hands
+out), and nothing is checked or waited for any more. Damage written into the file
+afterwards is met by liblmdb itself (:meth:`kvstore.disk.index.Index.read`).
+"""
+
+import logging
+import os
+import threading
+from typing import Callable, Dict, Optional, Set, Tuple
+
+from ..platform import fsutil
+from . import mdbcheck
+
+log = logging.getLogger("kvstore")
+
+# After every key that starts with a given prefix (LMDB's keys: at most 511 bytes).
+_KEY_END = b"\xff" * 512
+# A pause every so many pages, for the process's other threads (see _tick).
+_PACE_PAGES, _PACE_SECONDS = 16, 0.0002
+_TRIES = 3  # full checks begun while two commits overwrote the transaction's meta page
+
+
+class PageAudit:
+    """The full page check of one open index, run once in the background.
+
+    Args:
+        data: The path of ``data.mdb``.
+        passed: Every page was checked at the open already (``check="full"``).
+    """
+
+    def __init__(self, data: str, *, passed: bool):
+        self._fd = fsutil.open_regular(data)
+        self.done = threading.Event()  # passed, failed or stopped
+        self.failure: Optional[str] = None  # why it did not pass: damage, or stopped
+        self.sound: Set[int] = set()  # leaves checked by cover()
+        self.branches: Dict[int, tuple] = {}  # branch pages cover() parsed
+        self._stop = threading.Event()
+        self._paced = 0  # pages the full check read
+        self._thread: Optional[threading.Thread] = None
+        # (txn id, its meta page, its named databases) of the last cover()
+        self._snapshot: Optional[Tuple[int, mdbcheck.MetaPage, Dict]] = None
+        if passed:
+            self.done.set()
+
+    @property
+    def passed(self) -> bool:
+        return self.done.is_set() and self.failure is None
+
+    def mark_passed(self) -> None:
+        """Every page was checked meanwhile (a full-check open of the same index)."""
+        self._stop.set()
+        self._join()
+        self._stop.clear()
+        self.failure = None
+        self.done.set()
+
+    def start(
+        self,
+        read: Callable[[Callable], object],
+        on_damage: Callable[[str], None],
+        *,
+        name: str,
+    ) -> None:
+        """Run the check in a daemon thread: ``read(fn)`` runs ``fn(txn)`` in a read
+        transaction (never waiting for this check); ``on_damage(problem)`` is called
+        with the first damage found."""
+        if self.done.is_set():
+            return
+
+        def run():
+            try:
+                self._stop.wait(_PACE_SECONDS)  # the opening thread goes on first
+                for _ in range(_TRIES):
+                    pages = read(self._check_all)
+                    if pages is not None:
+                        log.debug("kvstore: %s: %d index pages checked", name, pages)
+                        self.sound, self.branches = set(), {}  # not needed again
+                        return
+                raise mdbcheck.Damage("the index changed too fast to be checked")
+            except mdbcheck.Damage as e:
+                self.failure = str(e)
+                on_damage(self.failure)
+            except mdbcheck.Stopped:
+                self.failure = "stopped"
+            except Exception as e:  # the index met damage itself, or was closed
+                self.failure = f"{type(e).__name__}: {e}"
+            finally:
+                self.done.set()
+
+        self._thread = threading.Thread(
+            target=run, name="kvstore-page-check", daemon=True
+        )
+        self._thread.start()
+
+    def _check_all(self, txn) -> Optional[int]:
+        """Pages checked, or None: ``txn``'s meta page was overwritten meanwhile."""
+        meta = self._meta(txn)
+        if meta is None:
+            return None
+        size = os.fstat(self._fd).st_size
+        return mdbcheck.check_file(self._fd, meta, size, tick=self._tick)
+
+    def _tick(self) -> None:
+        """Before each page: end when stopped, and every ``_PACE_PAGES`` pages let
+        the process's other threads have the interpreter (Python hands it over only
+        every 5 ms to a thread that waits: a caller's generate loop would wait)."""
+        if self._stop.is_set():
+            raise mdbcheck.Stopped()
+        self._paced += 1
+        if self._paced % _PACE_PAGES == 0:
+            self._stop.wait(_PACE_SECONDS)  # a pause that close() cuts short
+
+    def wait(self) -> Optional[str]:
+        """Wait for the check; returns why it did not pass, or None."""
+        self.done.wait()
+        return self.failure
+
+    def cover(self, txn, name: str, prefix: bytes = b"") -> bool:
+        """Check the pages of database ``name`` that a cursor of ``txn`` confined to
+        keys starting with ``prefix`` can step onto (nothing once the full check
+        passed). False: ``txn``'s meta page is no longer in the file (two commits
+        since it began), so nothing could be checked: the caller must not step.
+
+        Raises:
+            mdbcheck.Damage: a damaged page.
+        """
+        if self.passed:
+            return True
+        txnid = txn.id()
+        snapshot = self._snapshot
+        if snapshot is None or snapshot[0] != txnid:
+            meta = self._meta(txn)
+            if meta is None:
+                return False
+            size = os.fstat(self._fd).st_size
+            snapshot = (txnid, meta, mdbcheck.named_databases(self._fd, meta, size))
+            self._snapshot = snapshot  # one tuple: threads may share it
+        _, meta, roots = snapshot
+        db = roots.get(name)
+        if db is not None:
+            hi = prefix + _KEY_END if prefix else None
+            size = os.fstat(self._fd).st_size
+            mdbcheck.check_range(
+                self._fd, meta, size, name, db, prefix, hi, self.sound, self.branches
+            )
+        return True
+
+    def _meta(self, txn) -> Optional[mdbcheck.MetaPage]:
+        """The meta page of ``txn``'s snapshot, or None (overwritten since)."""
+        metas = mdbcheck.read_meta_pages(self._fd)
+        mine = [m for m in metas if m is not None and m.txnid == txn.id()]
+        return mine[0] if mine else None
+
+    def _join(self) -> None:
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def close(self) -> None:
+        """Stop the check (before the environment closes) and release the file."""
+        self._stop.set()
+        self._join()
+        self.done.set()
+        os.close(self._fd)
