@@ -31,6 +31,7 @@ from ..publish import temp_writer
 from ..salts import GROUP_PREFIX
 from ..storecheck import check_store_dirs
 from . import lru
+from .walk import PageShedder
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 
@@ -189,13 +190,14 @@ def release_files(
     """
     keys = list(dict.fromkeys(keys))
     quarantine = quarantine or {}
-    out = Released()
+    out, shed = Released(), PageShedder(index)
     for i in range(0, len(keys), _RELEASE_BATCH):
         batch = keys[i : i + _RELEASE_BATCH]
 
         def release(txn):
             done = Released()
             for ns, h in batch:
+                shed.tick()  # each lookup maps pages all over the index
                 if txn.get(ns + h, db=index.db["nodes"]) is not None:
                     continue  # re-added meanwhile: the file is its again
                 size = blobs.size(ns, h)
@@ -384,12 +386,13 @@ def evict_to_budget(
             index.read(lambda txn: lru.pinned_lift(index, txn)) if pinned_last else None
         )
         cut = lru.threshold(index, result.excess, lift=lift)
-        evicted = 0
+        evicted, shed = 0, PageShedder(index)
         for batch in lru.victims(index, cut, lift=lift, sizes=_batch_sizes()):
 
             def evict(txn, batch=batch):
                 gone = []
                 for ns, h in batch:
+                    shed.tick()
                     try:
                         rec = index.get_node(ns, h, txn)
                     except CorruptRecord:

@@ -52,8 +52,10 @@ class _Due:
     def __init__(self, index: Index, lift: Optional[float]):
         self.index = index
         self.lift = lift
+        self.shed = PageShedder(index)  # a node's lookups are random pages
 
     def __call__(self, txn, ns: bytes, h: bytes) -> Tuple[float, int]:
+        self.shed.tick()
         try:
             rec = self.index.get_node(ns, h, txn)
         except CorruptRecord:

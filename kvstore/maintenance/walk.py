@@ -13,11 +13,11 @@ from typing import Iterator, List, Optional, Tuple
 from ..chunking import HASH_BYTES
 from ..index import Index
 
-# Records a scan reads between two releases of the index's pages: each record's
-# lookups (parent, edge, access time) touch a few random pages, and the kernel maps
-# up to 64 KiB of cached file around each page a fault touches (fault-around): 64
-# records hold ~15 MB at most (512 held ~70 MB at 100,000 nodes)
-SHED_EVERY = 64
+# Records (or walk steps) a scan reads between two releases of the index's pages:
+# each touches a few random pages, and a fault maps a stretch of the cached file
+# around the page (fault-around): at 100,000 nodes, 512 held ~70 MB at once, 16 about
+# 10 MB; a release costs ~50 us.
+SHED_EVERY = 16
 
 
 class PageShedder:
@@ -85,6 +85,7 @@ class TreeWalk:
         self.ns = ns
         self.path: List[list] = [[root, ns + root]]  # [hash, next edge key to seek]
         self.on_path = {root}
+        self.shed = PageShedder(index)  # a deep chain is many seeks before a node
 
     @property
     def done(self) -> bool:
@@ -99,6 +100,7 @@ class TreeWalk:
         while self.path and (limit is None or given < limit):
             top = self.path[-1]
             prefix = ns + top[0]
+            self.shed.tick()
             if cur.set_range(top[1]):
                 key = bytes(cur.key())
                 if key.startswith(prefix) and len(key) > tail:
