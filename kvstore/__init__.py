@@ -9,10 +9,10 @@ except ImportError as e:  # on Linux MLX's build is the user's to install
         "'kvstore[cuda12]' (NVIDIA GPUs); on macOS: pip install mlx"
     ) from e
 
-from .adapters import UnsupportedCacheError
+from .disk.adapters import UnsupportedCacheError
+from .disk.index import StoreError
+from .disk.salts import Tenant
 from .generate import stream_generate
-from .index import StoreError
-from .salts import Tenant
 from .store import KVStore
 
 __all__ = [

@@ -28,7 +28,7 @@ class CLIError(Exception):
 
 def _salt(text: str) -> str:
     """An argparse type: a cache salt (non-empty, at most 256 bytes)."""
-    from .salts import check_salt
+    from .disk.salts import check_salt
 
     try:
         check_salt(text, what="the salt")
@@ -53,7 +53,7 @@ def load_model(name: Optional[str]):
     if local and not os.path.isdir(os.path.expanduser(name)):
         raise CLIError(f"cannot load model {name!r}: no such directory")
     if name is None:
-        from .default_model import ensure_default_model
+        from .platform.default_model import ensure_default_model
 
         try:
             name = ensure_default_model()
@@ -68,7 +68,9 @@ def load_model(name: Optional[str]):
 def open_store(path: str, model, tokenizer, args, *, remote=None):
     """The store for ``args``' --chunk-tokens, --kv-bits / --kv-group-size and (where
     the command has them) --disk-bytes / --ram-bytes / --restore-room."""
-    from . import KVStore, StoreError, UnsupportedCacheError
+    from .disk.adapters import UnsupportedCacheError
+    from .disk.index import StoreError
+    from .store import KVStore
 
     sizes = {}
     if getattr(args, "ram_bytes", None) is not None:
@@ -367,12 +369,12 @@ def _decoders(store: str, model: Optional[str]) -> dict:
     """Token decoders for the namespaces whose vocabulary is the model's tokenizer's."""
     from mlx_lm.utils import load_tokenizer
 
-    from .index import Index
-    from .namespace import vocab_digest
+    from .disk.index import Index
+    from .disk.namespace import vocab_digest
 
     try:
         if model is None:
-            from .default_model import ensure_default_model
+            from .platform.default_model import ensure_default_model
 
             model = ensure_default_model()
         tokenizer = load_tokenizer(model)
@@ -409,6 +411,20 @@ def _print_node(node: dict, decode, indent: str) -> None:
         print(f"{indent}  ... {node['more']} more")
 
 
+def _print_salvage(done: dict) -> None:
+    """What ``verify --fix`` salvaged from a damaged index, and what was lost."""
+    for why in done["damage"]:
+        print(f"damage: {why}")
+    for lost in done["lost"]:
+        print(f"lost: node {lost['node']}: {lost['why']}")
+    print(
+        f"salvaged {done['nodes_kept']} of {done['nodes_found']} node records found "
+        f"({done['records_from_scan']} from pages the index no longer reached) into a "
+        f"new index; {done['orphan_files']} node files lost their record (orphans: "
+        f"`kvstore gc` removes them); the damaged index is at {done['moved_to']}"
+    )
+
+
 def cmd_verify(args) -> int:
     _guard_store(args.store)
     report = _maintenance().verify(args.store, fix=args.fix)
@@ -419,6 +435,8 @@ def cmd_verify(args) -> int:
             print(
                 f"{p['kind']}: {p.get('file') or p.get('node')}: {p.get('detail', '')}"
             )
+        if report.get("salvaged"):
+            _print_salvage(report["salvaged"])
         if not report["clean"]:
             print("problems found" + (" (fixed)" if args.fix else ""))
         elif report["orphans"]:
@@ -526,7 +544,7 @@ def _push_namespaces(args) -> Optional[List[bytes]]:
     """The namespaces ``--namespace`` and ``--model`` name; None (all) without them."""
     if not args.namespace and args.model is None:
         return None
-    from .index import Index
+    from .disk.index import Index
     from .maintenance.common import known_namespaces, resolve_namespace
 
     out = []
@@ -724,7 +742,11 @@ def _add_verify(sub) -> None:
     """``kvstore verify``."""
     p = sub.add_parser("verify", help="check every node's file; exit 0 only when clean")
     _common_options(p)
-    p.add_argument("--fix", action="store_true", help="quarantine what is broken")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="quarantine what is broken; salvage a damaged index into a new one",
+    )
     p.set_defaults(func=cmd_verify)
 
 
@@ -815,7 +837,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     import lmdb
 
-    from .index import StoreError
+    from .disk.index import StoreError
 
     try:
         return args.func(args)
@@ -831,6 +853,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             "index needs room for the commit that records the deletions (LMDB writes "
             "new pages before it frees old ones): free a few MiB on that file system, "
             "then run the command again",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    except lmdb.Error as e:  # damage the page check at open could not see
+        print(
+            f"kvstore {args.command}: {getattr(args, 'store', '')}: the index cannot be "
+            f"read "
+            f"({type(e).__name__}: {e}): `kvstore verify --fix` salvages what it can",
             file=sys.stderr,
         )
         return EXIT_ERROR

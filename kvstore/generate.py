@@ -1,5 +1,6 @@
 """``stream_generate`` with persistence: a one-line change for mlx-lm generate loops."""
 
+import math
 from typing import Generator, List, Union
 
 import mlx.core as mx
@@ -7,7 +8,7 @@ from mlx_lm import stream_generate as _mlx_stream_generate
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .salts import Salt
+from .disk.salts import Salt
 
 
 def encode_prompt(tokenizer, prompt: Union[str, mx.array, List[int]]) -> List[int]:
@@ -77,8 +78,9 @@ def stream_generate(
         if not measured:
             # mlx-lm's own prefill timing: what the store weighs restores against.
             measured = True
-            if response.prompt_tps > 0:
-                seconds = response.prompt_tokens / response.prompt_tps
+            tps = response.prompt_tps
+            if tps > 0 and math.isfinite(tps) and response.prompt_tokens / tps > 0:
+                seconds = response.prompt_tokens / tps
                 store.note_prefill(response.prompt_tokens, seconds)
         if not saved:
             # The cache now holds the whole prompt (and maybe the first new token).

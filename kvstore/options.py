@@ -12,7 +12,7 @@ def default_store() -> str:
     env = os.environ.get("KVSTORE_DIR")
     if env:
         return env
-    from .default_model import cache_root
+    from .platform.default_model import cache_root
 
     return os.path.join(cache_root(), "store")
 
@@ -75,7 +75,8 @@ def store_disk_budget(path: str, given: Optional[int]) -> Optional[int]:
     given (a store keeps its budget across runs, as ``kvstore gc`` does)."""
     if given is not None:
         return given
-    from . import StoreError, maintenance
+    from . import maintenance
+    from .disk.index import StoreError
 
     try:
         return maintenance.disk_budget(path)

@@ -14,10 +14,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .chunking import as_token_array
+from .disk.chunking import as_token_array
+from .disk.index import KINDS
+from .disk.salts import Salt, Tenant, check_salt
 from .generate import encode_prompt
-from .index import KINDS
-from .salts import Salt, Tenant, check_salt
 
 SHAPES = ("messages", "prompt", "tokens")
 OPTIONAL = ("id", "kind", "pin", "salt", "tenant")
@@ -37,7 +37,7 @@ class PromptLine:
     id: Optional[str] = None
     kind: str = "user"
     pin: bool = False
-    salt: Salt = None  # stored in this salt's tree (kvstore.salts)
+    salt: Salt = None  # stored in this salt's tree (kvstore.disk.salts)
     system_end: int = 0  # tokens of the system prompt (stored with kind "system")
     boundaries: List[int] = field(default_factory=list)
 

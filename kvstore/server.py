@@ -46,9 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import serve_metrics
-from .compat import check_server, server_refusal
-from .metrics import ServeMetrics
+from .disk.salts import parse_salt
 from .options import (
     add_remote_options,
     add_size_options,
@@ -57,8 +55,15 @@ from .options import (
     remote_options,
     store_disk_budget,
 )
-from .salts import parse_salt
-from .serve_salts import (
+from .platform.compat import check_server, server_refusal
+from .serve import listener as serve_metrics
+from .serve.metrics import ServeMetrics
+from .serve.prefetch import (
+    Prefetched,
+    Prefetcher,
+    prefetch_response_generator_class,
+)
+from .serve.request_salts import (
     UNKNOWN,
     SaltedCache,
     SaltPolicy,
@@ -66,6 +71,12 @@ from .serve_salts import (
     batch_generator_class,
     missing_hooks,
     response_generator_class,
+)
+from .serve.saves import SaveJob, SaveQueue, evaluate
+from .serve.timing import (
+    PrefillClock,
+    timed_batch_generator_class,
+    timed_response_generator_class,
 )
 
 log = logging.getLogger("kvstore.server")
@@ -83,9 +94,13 @@ _COUNTER_NAMES = (
     "tokens_reused_remote",
     "tokens_computed",
     "restore_seconds",
+    "restores_prefetched",
     "saves",
     "saves_skipped",
     "saves_unattributed",
+    "saves_deferred",
+    "saves_merged",
+    "saves_lost",
     "store_errors",
     "rejected_requests",
 )
@@ -146,11 +161,19 @@ class PersistentPromptCache:
         self.model_provider = model_provider
         self.store_kwargs = dict(store_kwargs or {})
         self._lru = LRUPromptCache(max_size, max_bytes)
+        # mlx-lm's LRU is the generation thread's; prefetch threads only search it.
+        self._lru_lock = threading.RLock()
         self._stores: Dict[Any, Any] = {}  # model key -> KVStore, or None (unusable)
         self._lock = threading.Lock()
         self._counters = {name: 0 for name in _COUNTER_NAMES}
         self.salts = salts
         self.metrics = ServeMetrics(self.stats)
+        # Started at each lookup: a sequential request's prefill is timed from here.
+        self.prefill_clock = PrefillClock()
+        # Restores started when requests arrive (kvstore serve sets one).
+        self.prefetcher: Optional[Prefetcher] = None
+        # Saves captured off the generation thread (kvstore serve sets one).
+        self.saves: Optional[SaveQueue] = None
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -172,7 +195,8 @@ class PersistentPromptCache:
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
     ):
-        self._lru.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+        with self._lru_lock:
+            self._lru.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
 
     def stats_by_type(self):
         return self._lru.stats_by_type()
@@ -212,27 +236,35 @@ class PersistentPromptCache:
                 tokens_computed=len(tokens),
             )
             return None, tokens
-        cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
+        pre = self.prefetcher.take() if self.prefetcher is not None else None
+        with self._lru_lock:
+            cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
         ram_n = len(tokens) - len(rest) if cache is not None else 0
-        source, n, seconds = ("ram" if ram_n else None), ram_n, 0.0
+        source, n, seconds, from_ram = ("ram" if ram_n else None), ram_n, 0.0, ram_n
+        prefetched = False
         # The store gives at most len(tokens) - 1 tokens: ask only when it may do better.
         store = self._store_for(model) if ram_n < len(tokens) - 1 else None
         if store is not None:
             remote_hits = _remote_hits(store)
             tic = time.perf_counter()
             try:
-                if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
-                    disk_cache, disk_n = None, 0  # no longer than RAM: no restore
-                else:
-                    disk_cache, disk_n = store.fetch(tokens, salt=salt)
+                tail, prefetched = _prefetched_tail(pre, model, tokens, ram_n, salt)
+                if not prefetched:
+                    tail = _stored_tail(store, tokens, ram_n, salt)
+                got = None
+                if tail is not None:
+                    got = _extended(store, tokens, cache, ram_n, tail, salt)
             except Exception:
                 log.exception("kvstore: store fetch failed; continuing without it")
                 self._count(store_errors=1)
-                disk_cache, disk_n = None, 0
+                got = None
             seconds = time.perf_counter() - tic
-            if disk_n > ram_n:
-                source = "remote" if _remote_hits(store) > remote_hits else "disk"
-                cache, rest, n = disk_cache, tokens[disk_n:], disk_n
+            if got is not None:
+                # The remote tier may have supplied the nodes on the prefetch thread.
+                remote = _remote_hits(store) > remote_hits
+                source = "remote" if remote or (prefetched and pre.remote) else "disk"
+                cache, n, from_ram = got
+                rest = tokens[n:]
                 self.metrics.restore_seconds.observe(seconds)
         self._count(
             requests=1,
@@ -242,20 +274,24 @@ class PersistentPromptCache:
             misses=source is None,
             tokens_requested=len(tokens),
             tokens_reused=n,
-            tokens_reused_ram=n if source == "ram" else 0,
-            tokens_reused_disk=n if source == "disk" else 0,
-            tokens_reused_remote=n if source == "remote" else 0,
+            tokens_reused_ram=from_ram,
+            tokens_reused_disk=n - from_ram if source == "disk" else 0,
+            tokens_reused_remote=n - from_ram if source == "remote" else 0,
             tokens_computed=len(rest),
             restore_seconds=seconds,
+            restores_prefetched=prefetched and source in ("disk", "remote"),
         )
         log.info(
-            "kvstore: prompt %d tokens: reused %d (%s), computing %d, restore %.1f ms",
+            "kvstore: prompt %d tokens: reused %d (%s%s), computing %d, restore %.1f ms%s",
             len(tokens),
             n,
             source or "miss",
+            f", {from_ram} of them from ram" if 0 < from_ram < n else "",
             len(rest),
             seconds * 1e3,
+            f" (prefetched in {pre.seconds * 1e3:.1f} ms)" if prefetched else "",
         )
+        self.prefill_clock.looked_up(len(rest))
         return cache, rest
 
     def insert_cache(
@@ -290,9 +326,10 @@ class PersistentPromptCache:
             self._count(saves_skipped=1, saves_unattributed=1)
             log.warning("kvstore: a cache of an unknown request was not kept")
             return
-        self._lru.insert_cache(
-            _ram_key(model, salt), tokens, prompt_cache, cache_type=cache_type
-        )
+        with self._lru_lock:
+            self._lru.insert_cache(
+                _ram_key(model, salt), tokens, prompt_cache, cache_type=cache_type
+            )
         store = self._store_for(model)
         if store is None:
             return
@@ -303,6 +340,14 @@ class PersistentPromptCache:
         # A cache that holds fewer tokens than its key (mlx-lm's sequential path keys
         # the cache with the last generated token, which was never fed) is saved for
         # the tokens it does hold.
+        if self.saves is not None:
+            evaluate(prompt_cache)  # here: the save thread reads finished arrays only
+            job = SaveJob(
+                store, model, list(tokens), held, prompt_cache, cache_type, salt
+            )
+            self.saves.put(job)
+            self._count(saves=1)
+            return
         try:
             store.save_prefix(
                 list(tokens[:held]), prompt_cache, kind=cache_type, salt=salt
@@ -311,6 +356,75 @@ class PersistentPromptCache:
         except Exception as e:
             log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
             self._count(saves_skipped=1, store_errors=1)
+
+    def prefetch(self, model_key, tokens: List[int], salt) -> Optional[Prefetched]:
+        """On a prefetch thread: restore what the store holds of ``tokens`` past
+        the RAM LRU's copy, for the request's lookup to take (see
+        :mod:`kvstore.serve.prefetch`). Only a store already open is read."""
+        tic = time.perf_counter()
+        salt = self._salt(salt, None)
+        with self._lock:
+            store = self._stores.get(model_key)
+        if store is None:
+            return None
+        held = self._ram_held(model_key, tokens, salt)
+        tail, remote_hits = None, _remote_hits(store)
+        if held < len(tokens) - 1:
+            tail = _stored_tail(store, tokens, held, salt)
+        seconds = time.perf_counter() - tic
+        remote = _remote_hits(store) > remote_hits  # counted where it is used
+        return Prefetched(model_key, salt, list(tokens), held, tail, seconds, remote)
+
+    def can_prefetch(self) -> bool:
+        """Whether this mlx-lm's LRU can be searched without copying a cache."""
+        trie = getattr(self._lru, "_trie", None)
+        return callable(getattr(trie, "search", None)) and callable(
+            getattr(trie, "get", None)
+        )
+
+    def _ram_held(self, model_key, tokens: List[int], salt) -> int:
+        """Tokens of ``tokens`` that the RAM LRU's ``fetch_nearest_cache`` would
+        give now, found without copying its cache (mlx-lm's trie, read under the
+        LRU's lock)."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        with self._lru_lock:
+            trie = self._lru._trie
+            found = trie.search(_ram_key(model_key, salt), tokens)
+            if found.exact is not None:
+                return len(tokens)
+            short = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > short:
+                entry = trie.get(found.model, found.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    return min(len(tokens) - 1, found.common_prefix)
+            return short
+
+    def use_threads(self, prefetcher: Prefetcher) -> bool:
+        """Restore on ``prefetcher``'s threads and save on a thread of this cache's
+        own (``kvstore serve``); False when this mlx-lm's LRU cannot be searched
+        (then both stay on the generation thread)."""
+        if not self.can_prefetch():
+            return False
+        self.prefetcher = prefetcher
+        self.saves = SaveQueue(in_ram=self._save_in_ram, count=self._count)
+        return True
+
+    def _save_in_ram(self, job: SaveJob) -> bool:
+        """Whether RAM still holds the tokens ``job`` saves (a deferred save)."""
+        return self._ram_held(job.model_key, job.tokens, job.salt) >= job.held
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """The server prefilled ``tokens`` prompt tokens in ``seconds``: the open
+        store learns the rate (and keeps it for the next process), so that
+        ``restore="auto"`` weighs restores against this server's own prefill."""
+        with self._lock:
+            stores = [s for s in self._stores.values() if s is not None]
+        for store in stores:
+            try:
+                store.note_prefill(tokens, seconds)
+            except Exception:
+                log.exception("kvstore: recording the prefill rate failed")
 
     @staticmethod
     def _salt(salt, from_request: Optional[Callable[[], Any]]):
@@ -376,6 +490,8 @@ class PersistentPromptCache:
 
     def flush(self) -> None:
         """Wait until every queued write of every open store is on disk."""
+        if self.saves is not None:
+            self.saves.flush()
         with self._lock:
             stores = [s for s in self._stores.values() if s is not None]
         for s in stores:
@@ -386,6 +502,10 @@ class PersistentPromptCache:
 
     def close(self) -> None:
         """Flush and close the stores. Idempotent."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.saves is not None:
+            self.saves.close()  # hands every queued save to its store's writer
         with self._lock:
             stores, self._stores = [
                 s for s in self._stores.values() if s is not None
@@ -425,6 +545,49 @@ def _remote_hits(store) -> int:
         return store.remote.stats().get("remote_hits", 0)
     except Exception:
         return 0
+
+
+def _prefetched_tail(pre: Optional[Prefetched], model, tokens, ram_n: int, salt):
+    """``(tail or None, True)`` when the prefetch ``pre`` of this very request
+    (model, salt, tokens) tells what the store adds to ``ram_n`` RAM tokens;
+    ``(None, False)`` when it cannot (none, or RAM lost tokens since)."""
+    if pre is None or pre.model_key != model or pre.salt != salt:
+        return None, False
+    if pre.tokens != list(tokens):
+        return None, False
+    tail = pre.tail
+    if tail is None:
+        return None, ram_n >= pre.held  # nothing past what RAM held, or not worth it
+    if tail.start > ram_n:
+        return None, False  # RAM lost the tokens the tail goes after
+    return (tail if tail.end > ram_n else None), True
+
+
+def _stored_tail(store, tokens: List[int], ram_n: int, salt):
+    """What the store holds of ``tokens`` past a RAM copy of ``ram_n`` of them (a
+    :class:`kvstore.engine.tail.Tail`: only the nodes past the copy are read), or None
+    when it holds no more or prefilling the difference is cheaper (by the
+    measured rates)."""
+    # The index alone tells whether the store holds more (a remote tier may).
+    if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
+        return None
+    tail = store.fetch_beyond(tokens, ram_n, salt=salt)
+    return tail if tail is not None and tail.end > ram_n else None
+
+
+def _extended(
+    store, tokens: List[int], cache, ram_n: int, tail, salt
+) -> Optional[Tuple[List[Any], int, int]]:
+    """The RAM copy ``cache`` (``ram_n`` tokens) with ``tail`` appended:
+    ``(cache, tokens held, tokens of them taken from the RAM copy)``."""
+    if tail.start == 0:
+        return tail.cache, tail.end, 0
+    try:
+        return store.join_tail(cache, tail, query=len(tokens)), tail.end, tail.start
+    except (TypeError, ValueError) as e:  # LayoutMismatch: a RAM copy of other layers
+        log.info("kvstore: RAM copy not extended (%s); restoring the prefix", e)
+    whole, n = store.fetch(tokens, salt=salt)
+    return (whole, n, 0) if n > ram_n else None
 
 
 def _held_tokens(store, cache: Sequence[Any]) -> int:
@@ -741,7 +904,9 @@ def _check_options(args) -> Tuple[List["re.Pattern"], str]:
     from .store import StoreError, check_store
 
     try:
-        check_store(store_dir)  # a bad --store fails now, before the model loads
+        # A bad --store fails now, before the model loads; every page of the index
+        # is checked once, so a damaged one is refused here, not met while serving.
+        check_store(store_dir, check="full")
     except StoreError as e:
         raise _BadOption(f"bad --store: {e}") from None
     if args.salt_header is not None and not _HEADER_NAME.fullmatch(args.salt_header):
@@ -806,10 +971,20 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             store_kwargs=store_kwargs,
             salts=router,
         )
+        cache.prefill_clock = clock
+        if not cache.use_threads(prefetcher):
+            log.warning(
+                "kvstore: this mlx-lm's LRU cannot be searched: restores and saves "
+                "run on the generation thread"
+            )
         caches.append(cache)
         return cache
 
-    router = SaltRouter()
+    def on_prefill(tokens: int, seconds: float) -> None:
+        if caches:
+            caches[-1].note_prefill(tokens, seconds)
+
+    router, clock = SaltRouter(), PrefillClock()
     policy = SaltPolicy(header=args.salt_header, required=args.require_salt)
     handler = make_handler_class(
         mls.APIHandler, patterns, policy, api_metrics=args.api_metrics
@@ -826,8 +1001,28 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     }
     mls.LRUPromptCache = prompt_cache_factory
     mls.ModelProvider = KVStoreModelProvider
-    mls.ResponseGenerator = response_generator_class(saved["ResponseGenerator"], router)
-    mls.BatchGenerator = batch_generator_class(saved["BatchGenerator"], router)
+    prefetcher = Prefetcher()
+
+    def prepare(model_key, tokens, salt):
+        cache = caches[-1] if caches else None
+        if cache is None or cache.prefetcher is not prefetcher:
+            return None
+        return cache.prefetch(model_key, tokens, salt)
+
+    generator = response_generator_class(
+        prefetch_response_generator_class(
+            saved["ResponseGenerator"], prefetcher, prepare
+        ),
+        router,
+    )
+    if getattr(mls, "Response", None) is not None:  # the sequential path's tokens
+        generator = timed_response_generator_class(
+            generator, mls.Response, clock, on_prefill
+        )
+    mls.ResponseGenerator = generator
+    mls.BatchGenerator = timed_batch_generator_class(
+        batch_generator_class(saved["BatchGenerator"], router), on_prefill
+    )
     mls._run_http_server = functools.partial(
         saved["_run_http_server"], handler_class=handler
     )

@@ -140,11 +140,17 @@ def smollm2(tmp_path_factory):
 
     from mlx_lm import load
 
-    from kvstore.default_model import ensure_default_model
+    from kvstore.platform.default_model import ensure_default_model
 
     home = os.environ.get("KVSTORE_HOME")
     root = home if home else str(tmp_path_factory.mktemp("kvstore-home"))
     return load(ensure_default_model(root=root))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default options): one worker per core, at most 4; tests that
+    spawn servers and writers need the cores they wait on."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def pytest_report_header(config):

@@ -1,4 +1,4 @@
-"""Unit tests for kvstore.assemble: destination arrays and where a node's bytes land."""
+"""Unit tests for kvstore.engine.assemble: destination arrays and where a node's bytes land."""
 
 import subprocess
 import sys
@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore import assemble
-from kvstore.assemble import AssemblyPlan, empty_arrays
-from kvstore.blobs import DATA_ALIGN, TensorEntry
+from kvstore.disk.blobs import DATA_ALIGN, TensorEntry
+from kvstore.engine import assemble
+from kvstore.engine.assemble import AssemblyPlan, empty_arrays
 
 # A quantized layer's rows next to float ones: three row shapes, two dtypes.
 ROWS = {
@@ -118,7 +118,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
-from kvstore.assemble import AssemblyPlan, PlanAllocator
+from kvstore.engine.assemble import AssemblyPlan, PlanAllocator
 
 # SmolLM2's row shape, 1K tokens with room: buffers of ~24 MiB.
 rows = {f"{i}.{kv}": ("float16", 3, 64) for i in range(30) for kv in ("keys", "values")}

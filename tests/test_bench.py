@@ -18,6 +18,8 @@ from kvstore.bench.measure import (
     timed_fetch,
 )
 
+pytestmark = pytest.mark.stress
+
 
 def _has_matplotlib() -> bool:
     try:
@@ -240,7 +242,8 @@ def test_page_cache_helpers(tmp_path):
 
 
 def test_probe_restores_what_it_wraps(model, tmp_path):
-    from kvstore import KVStore, assemble
+    from kvstore import KVStore
+    from kvstore.engine import assemble
 
     toks = random_tokens(40, seed=3)
     init = assemble.AssemblyPlan.__dict__["__init__"]

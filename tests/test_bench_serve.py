@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.stress
+
 TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_serve.py")
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for kvstore.blobs: chunk file writing, strict header parsing and verified reads."""
+"""Unit tests for kvstore.disk.blobs: chunk file writing, strict header parsing and verified reads."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.blobs import (
+from kvstore.disk.blobs import (
     DATA_ALIGN,
     MAX_HEADER_BYTES,
     Blobs,
@@ -21,7 +21,7 @@ from kvstore.blobs import (
     parse_header,
     serialize_node,
 )
-from kvstore.publish import write_one
+from kvstore.disk.publish import write_one
 
 NS = bytes(range(16))
 H = bytes(range(100, 116))
@@ -172,7 +172,7 @@ def test_read_staged_round_trip_reuses_staging(written, blobs):
 @pytest.mark.parametrize("split", [1, 3])
 def test_read_into_fills_the_targets(written, monkeypatch, split):
     """Data lands in the caller's buffers, also across several vectored reads."""
-    import kvstore.blobs as blobs_mod
+    import kvstore.disk.blobs as blobs_mod
 
     blobs, tensors, data, checksum, _ = written
     monkeypatch.setattr(blobs_mod, "_IOV_MAX", 2)  # 3 tensors x split: 2-5 calls

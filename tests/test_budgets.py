@@ -16,8 +16,8 @@ import pytest
 from conftest import compute_cache, random_tokens, tiny_llama
 
 from kvstore import KVStore
-from kvstore.blobs import Blobs
-from kvstore.index import Index
+from kvstore.disk.blobs import Blobs
+from kvstore.disk.index import Index
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ from conftest import greedy, next_logits, random_tokens, tiny_llama
 from families import WINDOW, build
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache
 
-import kvstore.restore
+import kvstore.engine.restore
 from kvstore import KVStore
-from kvstore.adapters import STATE, Layout
+from kvstore.disk.adapters import STATE, Layout
 
 C = 32  # chunk tokens
 SYSTEM = 40  # a message boundary: the "system prompt" ends here
@@ -133,7 +133,7 @@ def test_checkpoints_only_where_state_was_saved(family):
 
 def list_nodes(store):
     def scan(txn):
-        from kvstore.index import NodeRecord
+        from kvstore.disk.index import NodeRecord
 
         return [
             NodeRecord.decode(raw)
@@ -222,7 +222,7 @@ def test_state_file_corruption_is_a_fallback_not_wrong_output(tmp_path):
 def _state_file_of(store, end):
     def find(txn):
         for _, h, raw in store.index.iter_nodes(txn, store.namespace):
-            from kvstore.index import NodeRecord
+            from kvstore.disk.index import NodeRecord
 
             rec = NodeRecord.decode(raw)
             if rec.has_state and rec.end == end:
@@ -284,7 +284,7 @@ def test_quantized_store_refuses_plain_cache(tmp_path):
 def test_quantized_restore_has_room_and_writes_in_place(tmp_path, monkeypatch):
     """Like KVCache: the packed parts, scales and biases get room past the restore,
     in buffers of their own (the first update writes in place, copying nothing)."""
-    monkeypatch.setattr(kvstore.restore, "ROOM_MIN_BYTES", 0)  # room at any size
+    monkeypatch.setattr(kvstore.engine.restore, "ROOM_MIN_BYTES", 0)  # room at any size
     model = tiny_llama(0, hidden=128)
     with KVStore(
         tmp_path / "s", model, chunk_tokens=C, kv_bits=4, kv_group_size=32

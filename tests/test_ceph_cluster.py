@@ -9,6 +9,8 @@ import boto3
 import pytest
 from conftest import _load_tool
 
+pytestmark = pytest.mark.stress
+
 ceph_cluster = _load_tool("ceph_cluster")
 TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "ceph_cluster.py")
 

@@ -1,4 +1,4 @@
-"""Unit tests for kvstore.chunking: token validation, spans and the prefix hash chain."""
+"""Unit tests for kvstore.disk.chunking: token validation, spans and the prefix hash chain."""
 
 import struct
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.chunking import (
+from kvstore.disk.chunking import (
     HASH_BYTES,
     MAX_TOKEN,
     as_token_array,

@@ -167,6 +167,7 @@ def test_store_of_another_format_version_is_refused(tmp_path, tiny_model_dir):
     assert proc.returncode == 2 and "format version 999" in proc.stderr
 
 
+@pytest.mark.stress
 def test_killed_mid_file_then_rerun_completes(tmp_path, tiny_model_dir):
     rows = [{"tokens": random_tokens(200, 1000 + i)} for i in range(300)]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
@@ -313,7 +314,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 import mlx.core as mx
 from kvstore import KVStore
-from kvstore.default_model import ensure_default_model
+from kvstore.platform.default_model import ensure_default_model
 model, tok = load(ensure_default_model())
 msgs = [{{"role": "system", "content": {system!r}}}, {{"role": "user", "content": "Capital of Italy?"}}]
 tokens = tok.apply_chat_template(msgs, add_generation_prompt=True)

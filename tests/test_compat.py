@@ -10,8 +10,9 @@ import mlx_lm.server as mls
 import pytest
 from mlx_lm.models.cache import LRUPromptCache
 
-from kvstore import compat, server
-from kvstore.compat import SUPPORTED_RANGE
+from kvstore import server
+from kvstore.platform import compat
+from kvstore.platform.compat import SUPPORTED_RANGE
 from kvstore.server import PersistentPromptCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

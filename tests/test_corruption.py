@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens
 
-import kvstore.blobs
-import kvstore.restore
+import kvstore.disk.blobs
+import kvstore.engine.restore
 from kvstore import KVStore
-from kvstore.blobs import file_checksum
-from kvstore.index import KINDS, RECORD_VERSION, CorruptRecord, NodeRecord
+from kvstore.disk.blobs import file_checksum
+from kvstore.disk.index import KINDS, RECORD_VERSION, CorruptRecord, NodeRecord
 
 C = 32
 STORED = random_tokens(150, seed=3)  # 4 full chunks and a 22-token tail
@@ -40,7 +40,7 @@ def head_size(raw: bytes) -> int:
 
 def node_at(store, start):
     path = store.index.read(
-        lambda txn: store._walk(
+        lambda txn: store.parts.reads.trie.walk(
             txn, np.array(STORED, dtype=np.int32), limit=len(STORED)
         )
     )
@@ -151,7 +151,7 @@ def stored(tmp_path, model):
 
 
 class _Allocations:
-    """``bytearray`` for kvstore.restore and kvstore.blobs (where restores allocate the
+    """``bytearray`` for kvstore.engine.restore and kvstore.disk.blobs (where restores allocate the
     buffers whose size comes from the index or a file), recording the largest size asked
     for and refusing sizes beyond :data:`PEAK_BYTES`."""
 
@@ -169,8 +169,8 @@ class _Allocations:
 @pytest.fixture(autouse=True)
 def allocations(monkeypatch):
     watch = _Allocations()
-    monkeypatch.setattr(kvstore.restore, "bytearray", watch, raising=False)
-    monkeypatch.setattr(kvstore.blobs, "bytearray", watch, raising=False)
+    monkeypatch.setattr(kvstore.engine.restore, "bytearray", watch, raising=False)
+    monkeypatch.setattr(kvstore.disk.blobs, "bytearray", watch, raising=False)
     yield watch
     assert watch.largest <= PEAK_BYTES, f"a restore asked for {watch.largest} bytes"
 
@@ -243,7 +243,7 @@ def test_crash_in_a_node_read_is_a_miss_and_an_error(
     counts an error, and does not raise."""
     with KVStore(stored, model, chunk_tokens=C, ram_bytes=0) as s:
         victim = node_at(s, VICTIM)
-    Blobs = kvstore.blobs.Blobs
+    Blobs = kvstore.disk.blobs.Blobs
     real_open, real_read = Blobs.open_checked, Blobs.read_into
     victim_fds = set()
 
@@ -261,7 +261,7 @@ def test_crash_in_a_node_read_is_a_miss_and_an_error(
             raise RuntimeError("test: read crashed")
         return real_read(self, opened, **kwargs)
 
-    Source = kvstore.loadpath.FileSource  # the restore path CUDA takes
+    Source = kvstore.engine.loadpath.FileSource  # the restore path CUDA takes
     real_source_read = Source.read
 
     def source_read(self, pieces):
@@ -282,7 +282,7 @@ def test_crash_in_a_node_read_is_a_miss_and_an_error(
 
 def test_a_fetch_leaves_no_file_open(stored, model, monkeypatch):
     """Files opened ahead are closed, also for nodes cut off by a broken one."""
-    Blobs = kvstore.blobs.Blobs
+    Blobs = kvstore.disk.blobs.Blobs
     real_open = Blobs.open_checked
     opened = []
     monkeypatch.setattr(

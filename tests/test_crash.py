@@ -20,7 +20,7 @@ from conftest import compute_cache, random_tokens, tiny_llama
 
 from kvstore import KVStore, maintenance
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.stress
 
 C = 32
 PROMPTS = [random_tokens(96 + 16 * (i % 4), 5000 + i) for i in range(24)]
@@ -29,7 +29,7 @@ PROMPTS = [random_tokens(96 + 16 * (i % 4), 5000 + i) for i in range(24)]
 def _child(path: str, start: int, fault: str, forever: bool = True) -> None:
     """Prefill prompts in order from ``start``, then (``forever``) fresh ones until killed;
     optionally SIGKILL itself at a fault point."""
-    from kvstore import index, publish
+    from kvstore.disk import index, publish
 
     def die():
         # Mark that the fault point was reached: a child failing before it would

@@ -1,4 +1,4 @@
-"""Tests for kvstore.default_model: GGUF -> mlx-lm conversion and the offline default model."""
+"""Tests for kvstore.platform.default_model: GGUF -> mlx-lm conversion and the offline default model."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models import llama
 
-from kvstore import default_model as dm
+from kvstore.platform import default_model as dm
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS

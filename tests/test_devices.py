@@ -1,4 +1,4 @@
-"""The CUDA branches of kvstore.devices, namespace and saving, run on the CPU.
+"""The CUDA branches of kvstore.platform.devices, namespace and saving, run on the CPU.
 
 On CUDA, kvstore never reads the model's weights or the caller's live cache on the
 host: it reads device copies. Whether MLX moved a buffer cannot be seen on the CPU
@@ -12,7 +12,8 @@ import pytest
 from conftest import compute_cache, next_logits, random_tokens, tiny_llama
 
 import kvstore
-from kvstore import devices, namespace
+from kvstore.disk import namespace
+from kvstore.platform import devices
 
 C = 16
 
@@ -144,3 +145,33 @@ def test_a_checkpoint_only_save_clears_mlx_cache_as_on_cuda(
         s.flush()
         assert s.stats()["writes_failed"] == 0 and cleared
         assert s.lookup(prefix + [1]) == len(prefix)  # restorable there now
+
+
+def test_host_copy_in_slices_as_on_cuda(as_on_cuda, monkeypatch):
+    """Where host access moves arrays, saves reach the host a slice at a time (no
+    long GIL hold); the bytes are the array's, whatever the slice size."""
+    monkeypatch.setattr(devices, "HOST_SLICE_BYTES", 3 * 2 * 8 * 2)  # 3 tokens
+    a = mx.random.randint(0, 1 << 15, (1, 2, 10, 8)).astype(mx.uint16)
+    got = devices.host_copy(a)
+    assert got.dtype == np.uint16 and np.array_equal(got, np.array(a))
+    one = mx.zeros((1, 2, 1, 8), mx.uint32)
+    assert np.array_equal(devices.host_copy(one), np.zeros((1, 2, 1, 8), np.uint32))
+
+
+def test_saves_in_slices_write_the_same_files(tmp_path, monkeypatch):
+    model = tiny_llama(0)
+    tokens = random_tokens(5 * C + 3, 8)
+    cache = compute_cache(model, tokens)
+    files = {}
+    for label, on_cuda in (("in place", False), ("sliced", True)):
+        with monkeypatch.context() as mp:
+            mp.setattr(devices, "host_access_moves_arrays", lambda: on_cuda)
+            mp.setattr(devices, "HOST_SLICE_BYTES", 512)  # a few tokens a slice
+            path = tmp_path / label.replace(" ", "-")
+            with kvstore.KVStore(path, model, chunk_tokens=C) as s:
+                s.save(tokens, cache)
+                s.flush()
+                files[label] = sorted(
+                    _data(p.read_bytes()) for p in path.rglob("*.safetensors")
+                )
+    assert files["in place"] == files["sliced"] and len(files["sliced"]) == 6

@@ -8,7 +8,8 @@ import mlx.core as mx
 import pytest
 from conftest import compute_cache, random_tokens
 
-from kvstore import KVStore, fsutil
+from kvstore import KVStore
+from kvstore.platform import fsutil
 
 
 def test_open_regular_opens_a_file(tmp_path):
@@ -185,7 +186,7 @@ def test_lock_byte_excludes_another_process(tmp_path):
     try:
         assert fsutil.lock_byte(fd, 1, exclusive=False, blocking=True)
         probe = (
-            "import os, sys; from kvstore import fsutil; "
+            "import os, sys; from kvstore.platform import fsutil; "
             "fd = os.open(sys.argv[1], os.O_RDWR); "
             "print(fsutil.lock_byte(fd, 1, exclusive=True, blocking=False), "
             "fsutil.lock_byte(fd, 0, exclusive=True, blocking=False))"

@@ -22,7 +22,7 @@ import pytest
 from conftest import compute_cache, random_tokens, run_cli
 
 from kvstore import KVStore, maintenance, server
-from kvstore.index import FORMAT_VERSION, Index, StoreError
+from kvstore.disk.index import FORMAT_VERSION, Index, StoreError
 
 C = 8  # tokens per chunk
 PROMPTS = [random_tokens(40, seed) for seed in range(3)]
@@ -239,7 +239,7 @@ def world_readable_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_read_only_store(world_readable_dir, model, tiny_model_dir):
     pre = unprivileged()
     store = os.path.join(world_readable_dir, "store")
@@ -284,7 +284,7 @@ def test_read_only_store(world_readable_dir, model, tiny_model_dir):
 _HOLDER = textwrap.dedent("""
     import sys
     import numpy as np
-    from kvstore.index import Index, NodeRecord, StoreError
+    from kvstore.disk.index import Index, NodeRecord, StoreError
     idx = Index(sys.argv[1])
     ns, root = bytes(range(16)), bytes(16)
 
@@ -460,7 +460,7 @@ def test_failed_writes_fail_the_prompt(tmp_path, capsys, tiny_model_dir, monkeyp
     """Nothing stored (here: every file write fails) is not "1 prompts: 1 prefilled"."""
     import errno
 
-    from kvstore.publish import WriteBatch
+    from kvstore.disk.publish import WriteBatch
 
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -1,4 +1,4 @@
-"""Unit tests for kvstore.index: node records and the LMDB index."""
+"""Unit tests for kvstore.disk.index: node records and the LMDB index."""
 
 import os
 import struct
@@ -10,8 +10,8 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstore.chunking import common_prefix
-from kvstore.index import (
+from kvstore.disk.chunking import common_prefix
+from kvstore.disk.index import (
     CHILD_KEY_TOKENS,
     FORMAT_VERSION,
     KINDS,
@@ -499,7 +499,7 @@ def test_concurrent_index_in_other_process(tmp_path):
     small = a.env.info()["map_size"]
     child = textwrap.dedent(f"""
         import numpy as np
-        from kvstore.index import Index, NodeRecord
+        from kvstore.disk.index import Index, NodeRecord
         idx = Index({path!r}, create=False, map_size=128 << 10)
         ns, root = bytes(range(16)), bytes(16)
         assert idx.get_node(ns, bytes.fromhex({hsh(1).hex()!r})).tokens.tolist() == [1, 2, 3]

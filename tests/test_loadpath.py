@@ -1,4 +1,4 @@
-"""The restore path MLX's CUDA backend takes (kvstore.loadpath), run on the CPU.
+"""The restore path MLX's CUDA backend takes (kvstore.engine.loadpath), run on the CPU.
 
 The whole store and corruption suites also run through it in CI
 (``KVSTORE_RESTORE_IO=load``); these tests pin what is particular to it: segments
@@ -14,8 +14,8 @@ import pytest
 from conftest import compute_cache, next_logits, random_tokens, tiny_llama
 
 import kvstore
-from kvstore import loadpath
-from kvstore.loadpath import Failures, FileSource, MemorySource, RestoreFile
+from kvstore.engine import loadpath
+from kvstore.engine.loadpath import Failures, FileSource, MemorySource, RestoreFile
 
 C = 16
 
@@ -45,7 +45,7 @@ def test_load_path_restores_what_assemble_does(
     tokens = random_tokens(150, 3)
     _stored(tmp_path, model, tokens)
     monkeypatch.setattr(loadpath, "SEGMENT_NODES", segment_nodes)
-    monkeypatch.setattr(kvstore.restore, "ROOM_MIN_BYTES", 0)
+    monkeypatch.setattr(kvstore.engine.restore, "ROOM_MIN_BYTES", 0)
     out = {}
     for io_path in ("assemble", "load"):
         monkeypatch.setenv("KVSTORE_RESTORE_IO", io_path)
@@ -69,8 +69,10 @@ def test_load_path_restores_what_assemble_does(
 def _node_sources(store, tokens):
     """The whole nodes of ``tokens``' restore, opened as the load path opens them."""
     arr = np.array(tokens, np.int32)
-    path = store.index.read(lambda txn: store._walk(txn, arr, limit=len(arr)))
-    return path, [store._node_source(step) for step in path]
+    path = store.index.read(
+        lambda txn: store.parts.reads.trie.walk(txn, arr, limit=len(arr))
+    )
+    return path, [store.parts.reads._node_source(step) for step in path]
 
 
 def _restore_file(store, path, sources, failures, *, threads=2):
@@ -122,7 +124,7 @@ def test_reads_out_of_order_are_placed_right_and_verified_again(tmp_path, model)
             byte = f.read(1)
             f.seek(-3, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0xFF]))
-        with pytest.raises(kvstore.blobs.CorruptBlob, match="checksum"):
+        with pytest.raises(kvstore.disk.blobs.CorruptBlob, match="checksum"):
             sources[2].verify()
         for src in sources:
             src.close()
@@ -149,7 +151,7 @@ def test_a_failed_node_stops_the_reads_after_it(tmp_path, model):
 
 def test_memory_sources_copy_only_the_rows_taken():
     data = bytes(range(48))  # one tensor, 2 heads of 4 rows of 6 bytes
-    entry = kvstore.blobs.TensorEntry("U8", (1, 2, 4, 6), 0, 48)
+    entry = kvstore.disk.blobs.TensorEntry("U8", (1, 2, 4, 6), 0, 48)
     src = MemorySource(data, {"t": entry})
     out = bytearray(12)
     src.read([(0, memoryview(out)[:6]), (24, memoryview(out)[6:])])

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens, run_cli
 
-from kvstore import KVStore, mdbfile
-from kvstore.storecheck import StoreError, check_data_file
+from kvstore import KVStore
+from kvstore.disk import mdbfile
+from kvstore.disk.storecheck import StoreError, check_data_file
+
+pytestmark = pytest.mark.stress
 
 C = 8  # tokens per chunk
 
@@ -44,7 +47,9 @@ def shrunk(tmp_path, model, capsys):
         s.flush()
         for tokens, at in zip(prompts, (1, 3)):
             walk = s.index.read(
-                lambda txn, t=tokens: s._walk(txn, np.array(t), limit=len(t))
+                lambda txn, t=tokens: s.parts.reads.trie.walk(
+                    txn, np.array(t), limit=len(t)
+                )
             )
             with open(s.blobs.path(s.namespace, walk[at].h), "r+b") as f:
                 f.seek(-4, os.SEEK_END)
@@ -104,7 +109,7 @@ def test_truncation_of_pages_lmdb_reads_is_still_refused(shrunk, tmp_path):
     assert refused and accepted[-1].endswith(f"cut-{full}")
     script = textwrap.dedent("""
         import sys
-        from kvstore.index import Index
+        from kvstore.disk.index import Index
         for path in sys.argv[1:]:
             idx = Index(path + "/index", create=False, readonly=True)
             def every(txn):
@@ -177,7 +182,7 @@ def test_transient_error_is_a_miss_and_an_error(saved, model, monkeypatch, code,
     path, tokens = saved
     import errno
 
-    from kvstore import blobs as blobs_module
+    from kvstore.disk import blobs as blobs_module
 
     with KVStore(path, model, chunk_tokens=C, ram_bytes=0) as s:
         nodes = s.stats()["nodes"]
@@ -206,7 +211,8 @@ def test_transient_error_is_a_miss_and_an_error(saved, model, monkeypatch, code,
         s.flush()
         stats = s.stats()
         assert stats["corrupt"] == 0 and stats["errors"] == 1
-        assert stats["nodes"] == nodes and not s._broken  # nothing deleted or skipped
+        # nothing deleted or skipped
+        assert stats["nodes"] == nodes and not s.parts.broken
         cache, n = s.fetch(tokens)  # the next fetch restores it all
         assert n == len(tokens) - 1
         same_kv(cache, compute_cache(model, tokens[:n]), n)
@@ -271,7 +277,7 @@ def test_node_evicted_by_another_process_mid_fetch_is_a_plain_miss(
         assert evicted[0] > 0 and n < len(tokens) - 1
         stats = s.stats()
         assert stats["corrupt"] == 0 and stats["quarantined"] == []
-        assert not s._broken
+        assert not s.parts.broken
         # Saved again (by this or another process): reused at once, not skipped for
         # the process's lifetime.
         s.save(tokens, compute_cache(model, tokens))
@@ -291,7 +297,9 @@ def test_quarantine_spares_a_node_saved_again_meanwhile(saved, model):
 
     path, tokens = saved
     with KVStore(path, model, chunk_tokens=C, ram_bytes=0) as s:
-        victim = s.index.read(lambda txn: s._walk(txn, np.array(tokens), limit=800))[50]
+        victim = s.index.read(
+            lambda txn: s.parts.reads.trie.walk(txn, np.array(tokens), limit=800)
+        )[50]
         with open(s.blobs.path(s.namespace, victim.h), "r+b") as f:
             f.seek(-5, os.SEEK_END)
             f.write(b"XXXXX")  # a flipped tail: checksum mismatch
@@ -317,7 +325,7 @@ def test_verify_fix_and_gc_never_remove_a_file_they_cannot_open_now(
     import errno
 
     from kvstore import maintenance
-    from kvstore.blobs import Blobs
+    from kvstore.disk.blobs import Blobs
 
     path, _ = saved
     real = Blobs.open_file
@@ -453,8 +461,8 @@ def test_opening_adopts_a_map_another_process_grew_meanwhile(tmp_path, monkeypat
     """Another process grows the map between this one's LMDB open and its first
     transaction: the open adopts the new size (it was an lmdb.MapResizedError, or
     "not a kvstore store" when it came in open_db)."""
-    from kvstore import storecheck
-    from kvstore.index import Index
+    from kvstore.disk import storecheck
+    from kvstore.disk.index import Index
 
     path = str(tmp_path / "index")
     Index(path, map_size=64 << 10).close()
@@ -483,7 +491,7 @@ def test_map_gate_resize_waits_for_transactions_and_holds_new_ones_back():
     import threading
     import time
 
-    from kvstore.mapgate import MapGate, NestedResize
+    from kvstore.disk.mapgate import MapGate, NestedResize
 
     gate, events = MapGate(), []
     inside, leave = threading.Event(), threading.Event()
@@ -649,7 +657,9 @@ def gc_store_files(tmp_path, model):
             s.flush()
             time.sleep(0.05)
         walk = s.index.read(
-            lambda txn: s._walk(txn, np.array(random_tokens(800, 1)), limit=800)
+            lambda txn: s.parts.reads.trie.walk(
+                txn, np.array(random_tokens(800, 1)), limit=800
+            )
         )
         files = [s.blobs.path(s.namespace, step.h) for step in reversed(walk)]
     blobs = os.path.join(path, "blobs")
@@ -663,7 +673,7 @@ def all_files(root) -> list:
 def test_eviction_goes_on_past_files_it_cannot_remove(tmp_path, model, monkeypatch):
     """A budgeted save's eviction, with unlink refused for some victims (a stand-in
     for another user's files: root ignores permissions, so os.unlink is mocked)."""
-    from kvstore import fsutil
+    from kvstore.platform import fsutil
 
     path = str(tmp_path / "store")
     refused = []
@@ -704,13 +714,13 @@ def test_gc_removes_temp_files_of_dead_writers_at_once(saved, capsys):
     import signal
 
     from kvstore import maintenance
-    from kvstore.publish import temp_name, temp_writer
+    from kvstore.disk.publish import temp_name, temp_writer
 
     path, _ = saved
     directory = os.path.dirname(next(p for p in all_files(os.path.join(path, "blobs"))))
     script = textwrap.dedent(f"""
         import os, sys, time
-        from kvstore.publish import temp_name
+        from kvstore.disk.publish import temp_name
         p = os.path.join({directory!r}, temp_name(b"\\x01" * 16))
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(fd, b"half a node")
@@ -742,8 +752,8 @@ def test_gc_removes_temp_files_of_dead_writers_at_once(saved, capsys):
 
 
 def test_temp_names_are_unique_and_say_who_writes():
-    from kvstore import reservations
-    from kvstore.publish import temp_name, temp_writer
+    from kvstore.disk import reservations
+    from kvstore.disk.publish import temp_name, temp_writer
 
     names = {temp_name(b"\x05" * 16) for _ in range(1000)}
     assert len(names) == 1000
@@ -753,7 +763,7 @@ def test_temp_names_are_unique_and_say_who_writes():
 
 
 def test_spare_room_is_kept_whole_and_leftovers_go(tmp_path):
-    from kvstore import spare
+    from kvstore.disk import spare
 
     index = str(tmp_path)
     leftover = tmp_path / ".spare.1.abcd"
@@ -811,7 +821,7 @@ def test_reader_beside_an_evicting_writer_process_reports_no_corruption(
         stats = s.stats()
         assert int(out) > 0 and fetches > 20  # it evicted while this one read
         assert stats["corrupt"] == 0 and stats["quarantined"] == [], stats
-        assert not s._broken
+        assert not s.parts.broken
     assert quarantined(path) == []
 
 
@@ -820,7 +830,7 @@ def test_open_adopts_a_map_grown_while_lmdb_opened_it(tmp_path, model, monkeypat
     map at that moment (1 open in ~38,000 under the soak): the open is tried again."""
     import lmdb
 
-    from kvstore import storecheck
+    from kvstore.disk import storecheck
 
     with KVStore(tmp_path, model, chunk_tokens=C) as s:
         s.save(random_tokens(3 * C, 1), compute_cache(model, random_tokens(3 * C, 1)))

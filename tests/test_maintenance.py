@@ -13,9 +13,9 @@ from conftest import compute_cache, random_tokens
 
 from kvstore import KVStore, StoreError
 from kvstore import maintenance as m
-from kvstore.blobs import Blobs
-from kvstore.chunking import chain_hashes, root_hash, split_spans
-from kvstore.index import _OPEN, FORMAT_VERSION, Index
+from kvstore.disk.blobs import Blobs
+from kvstore.disk.chunking import chain_hashes, root_hash, split_spans
+from kvstore.disk.index import _OPEN, FORMAT_VERSION, Index
 
 C = 64
 A = random_tokens(300, seed=21)  # 4 full chunks and a 44-token tail: nodes a[0..4]
@@ -534,7 +534,7 @@ def test_gc_drops_a_namespace_and_nothing_else(store, model, other_model):
     def leftovers(idx, txn):
         return [
             name
-            for name in Index._DBS
+            for name in Index.DATABASES
             for k, _ in txn.cursor(db=idx.db[name])
             if bytes(k).startswith(store.other)
         ]

@@ -1,4 +1,4 @@
-"""kvstore.memutil: prefaulting fresh pages, and the fallback where it is missing."""
+"""kvstore.platform.memutil: prefaulting fresh pages, and the fallback where it is missing."""
 
 import mmap
 import sys
@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvstore import memutil
-from kvstore.assemble import AssemblyPlan
+from kvstore.engine.assemble import AssemblyPlan
+from kvstore.platform import memutil
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -60,7 +60,7 @@ def test_plan_prefaults_the_rows_of_every_head(monkeypatch):
 
 
 def test_bands_cover_every_node_in_order():
-    from kvstore.restore import BAND_NODES, _band_size, _bands
+    from kvstore.engine.restore import BAND_NODES, _band_size, _bands
 
     for nodes, readers in [(1, 2), (3, 2), (8, 2), (9, 2), (128, 2), (100, 3)]:
         size = _band_size(nodes, readers)
@@ -72,7 +72,7 @@ def test_bands_cover_every_node_in_order():
 
 
 def test_prefaulted_bands_are_long_enough_for_big_calls():
-    from kvstore.restore import PREFAULT_CALL_BYTES, _band_size
+    from kvstore.engine.restore import PREFAULT_CALL_BYTES, _band_size
 
     node_row = 256 * 128  # 256 tokens of 64 float16 values: 32 KiB per head
     want = PREFAULT_CALL_BYTES // node_row

@@ -18,9 +18,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 
-import kvstore.namespace as namespace
-from kvstore import KVStore, adapters, maintenance
-from kvstore.index import FORMAT_VERSION, MODEL_KEY_PREFIX
+import kvstore.disk.namespace as namespace
+from kvstore import KVStore, maintenance
+from kvstore.disk import adapters
+from kvstore.disk.index import FORMAT_VERSION, MODEL_KEY_PREFIX
 
 C = 16
 

@@ -1,4 +1,4 @@
-"""Restore only when it pays (kvstore.payoff): the choice, its counters, its rates."""
+"""Restore only when it pays (kvstore.engine.payoff): the choice, its counters, its rates."""
 
 import mlx.core as mx
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from conftest import compute_cache, random_tokens, tiny_llama
 
 import kvstore
-from kvstore import payoff
-from kvstore.payoff import EXPLORE_EVERY, Rates, RestorePolicy
+from kvstore.engine import payoff
+from kvstore.engine.payoff import EXPLORE_EVERY, Rates, RestorePolicy
 
 C = 16
 
@@ -114,16 +114,20 @@ def test_a_store_restores_its_ram_tier_and_recomputes_the_rest(tmp_path, model):
         short = tokens[: 2 * C] + [1]
         assert s.fetch(short)[1] == 2 * C  # puts nothing in RAM by itself
         arr = np.array(tokens, np.int32)
-        path = s.index.read(lambda txn: s._walk(txn, arr, limit=len(arr)))
+        path = s.index.read(
+            lambda txn: s.parts.reads.trie.walk(txn, arr, limit=len(arr))
+        )
         for step in path[:2]:  # as a pinned prefix preloaded at open would be
             data = s.blobs.read_all(
                 s.namespace,
                 step.h,
                 nbytes=step.rec.nbytes,
                 checksum=step.rec.checksum,
-                expected=s._expected(step.rec.ntokens),
+                expected=s.parts.shapes.expected(step.rec.ntokens),
             )
-            s.ram.put(step.h, kvstore.ram.RamEntry(data[0], data[1], "user", False))
+            s.ram.put(
+                step.h, kvstore.engine.ram.RamEntry(data[0], data[1], "user", False)
+            )
         # 96 tokens: 9.6 ms to prefill; the RAM part costs the fixed 2 ms and the rest
         # 6.4 ms of prefill; a node file takes seconds to read.
         s.policy.rates.prefill = 1e4
@@ -159,8 +163,9 @@ def test_the_rates_are_kept_for_the_next_process_on_this_host(tmp_path, model):
         s.note_prefill(5000, 2.0)
         assert s.fetch(tokens + [1])[1] == len(tokens)
         s.flush()
-        s._rates_kept = None  # as if PERSIST_EVERY_S had passed
-        s.note_prefill(1e9, 1.0)  # now faster than any read
+        s.parts.accesses.rates_kept = None  # as if PERSIST_EVERY_S had passed
+        for _ in range(40):  # now faster than any read (one sample moves it 1.9x)
+            s.note_prefill(1e9, 1.0)
     with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
         stats = s.stats()
         assert stats["prefill_tokens_per_s"] > 1e8
@@ -178,3 +183,82 @@ def test_generate_loops_and_prefill_feed_the_rate(tmp_path, model, tokenizer):
     with kvstore.KVStore(tmp_path / "p", model, tokenizer, chunk_tokens=C) as s:
         s.prefill(random_tokens(80, 4))
         assert s.stats()["prefill_tokens_per_s"] > 0
+
+
+# -- wrong arguments and outliers -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens, seconds, name",
+    [
+        (64, float("nan"), "seconds"),
+        (64, float("inf"), "seconds"),
+        (64, 0.0, "seconds"),
+        (64, -1.0, "seconds"),
+        (float("nan"), 1.0, "tokens"),
+        (float("inf"), 1.0, "tokens"),
+        (-5, 1.0, "tokens"),
+        (True, 1.0, "tokens"),
+        ("64", 1.0, "tokens"),
+        (64, 5e-324, "seconds"),  # 64 / 5e-324 overflows to inf
+    ],
+)
+def test_wrong_prefill_arguments_are_value_errors_naming_them(
+    tmp_path, model, tokens, seconds, name
+):
+    """Taken as measurements, they make the rate inf or NaN, kept for every later
+    process of the model."""
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
+        s.note_prefill(1000, 1.0)
+        with pytest.raises(ValueError, match=name):
+            s.note_prefill(tokens, seconds)
+        assert s.stats()["prefill_tokens_per_s"] == pytest.approx(1000)
+
+
+@pytest.mark.parametrize("kept", ["Infinity", "NaN", "-Infinity", "-3", "0", "true"])
+def test_a_kept_rate_that_is_not_finite_and_positive_is_ignored(tmp_path, model, kept):
+    """A kept Infinity (one bogus measurement, or a hand edit) would keep restores
+    off in every later process until someone deleted the key."""
+    tokens = random_tokens(4 * C, 11)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
+        key = payoff.rates_key(s.namespace)
+        raw = f'{{"prefill": {kept}, "restore": {kept}, "at": 0}}'.encode()
+        s.index.write(lambda txn: txn.put(key, raw, db=s.index.db["meta"]))
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, restore="auto") as s:
+        stats = s.stats()
+        assert stats["prefill_tokens_per_s"] is None
+        assert stats["restore_bytes_per_s"] is None
+        assert s.fetch(tokens + [1])[1] == len(tokens)  # no rate: restored
+
+
+def test_one_outlier_cannot_switch_restores_off_for_long(tmp_path, model):
+    """With a plain running mean, note_prefill(10**15, 1.0) makes the rate 3e14
+    tokens/s and ~70 real prefills wash it out; every fetch meanwhile recomputes (bar
+    the 1-in-16 exploration)."""
+    tokens = random_tokens(6 * C, 12)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(
+        tmp_path, model, chunk_tokens=C, ram_bytes=0, restore="auto"
+    ) as s:
+        for _ in range(5):
+            s.note_prefill(1000, 1.0)  # 1,000 tokens/s: every restore pays
+        s.policy.rates.restore = 1e9
+        assert s.fetch(tokens + [1])[1] == len(tokens)
+        s.note_prefill(10**15, 1.0)
+        assert s.stats()["prefill_tokens_per_s"] < 2 * 1000  # moved 1.9x at most
+        for _ in range(2):
+            s.note_prefill(1000, 1.0)
+        assert s.stats()["prefill_tokens_per_s"] < 1.5 * 1000
+        restored = [s.fetch(tokens + [1])[1] for _ in range(8)]
+        assert restored == [len(tokens)] * 8
+
+
+def test_a_real_change_of_rate_is_followed_within_a_few_samples():
+    rates = Rates()
+    rates.note_prefill(1000, 1.0)
+    for n in range(1, 20):
+        rates.note_prefill(100_000, 1.0)  # the machine is 100x faster now
+        if rates.prefill > 50_000:
+            break
+    assert n <= 8, n

@@ -11,8 +11,10 @@ import time
 import pytest
 from conftest import compute_cache, random_tokens
 
-from kvstore import KVStore, blobs, fsutil, memutil, reservations
-from kvstore.publish import write_one
+from kvstore import KVStore
+from kvstore.disk import blobs, reservations
+from kvstore.disk.publish import write_one
+from kvstore.platform import fsutil, memutil
 
 MACOS_MODE = os.environ.get("KVSTORE_TEST_PLATFORM") == "macos"
 NS = bytes(16)
@@ -212,7 +214,7 @@ def test_macos_mode_hides_linux_calls_here_and_in_children(tmp_path, model):
         [
             sys.executable,
             "-c",
-            "import os, fcntl; from kvstore import fsutil, memutil; "
+            "import os, fcntl; from kvstore.platform import fsutil, memutil; "
             "print(hasattr(os, 'preadv'), os.path.exists('/proc/self'), "
             "fcntl.F_FULLFSYNC, fsutil.sync_file_range, memutil.prefault_supported())",
         ],

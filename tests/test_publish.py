@@ -1,5 +1,5 @@
 """A save's files written from the arrays' own memory and made durable together
-(:mod:`kvstore.publish`, :class:`kvstore.blobs.NodeFile`, the fsutil write primitives):
+(:mod:`kvstore.disk.publish`, :class:`kvstore.disk.blobs.NodeFile`, the fsutil write primitives):
 the file bytes, the order of the durability steps on Linux, with the Linux-only
 ``sync_file_range`` hidden (the fallback), and with ``F_FULLFSYNC`` (macOS's path),
 and the bound on open descriptors."""
@@ -17,11 +17,11 @@ import pytest
 from conftest import compute_cache, random_tokens
 from safetensors.numpy import load
 
-import kvstore.fsutil as fsutil
-import kvstore.publish as publish
+import kvstore.disk.publish as publish
+import kvstore.platform.fsutil as fsutil
 from kvstore import KVStore
-from kvstore.blobs import DATA_ALIGN, NodeFile, _blocks, parse_header
-from kvstore.index import Index
+from kvstore.disk.blobs import DATA_ALIGN, NodeFile, _blocks, parse_header
+from kvstore.disk.index import Index
 
 C = 32
 META = {"format": "KVSTORE", "namespace": "00" * 16}
@@ -362,6 +362,8 @@ def test_ram_tier_keeps_the_last_nodes_of_a_save_bigger_than_it(tmp_path, model)
         store.flush()
         assert len(store.ram) == 2 and store.ram.nbytes == 2 * node
         path = store.index.read(
-            lambda txn: store._walk(txn, np.array(tokens), limit=len(tokens))
+            lambda txn: store.parts.reads.trie.walk(
+                txn, np.array(tokens), limit=len(tokens)
+            )
         )
         assert [s.h in store.ram for s in path] == [False] * 4 + [True] * 2

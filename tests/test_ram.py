@@ -1,11 +1,11 @@
-"""Unit tests for kvstore.ram.RamTier: byte budget and eviction order."""
+"""Unit tests for kvstore.engine.ram.RamTier: byte budget and eviction order."""
 
 import threading
 
 import pytest
 
-from kvstore.policy import RAM_ORDER
-from kvstore.ram import RamEntry, RamTier
+from kvstore.disk.policy import RAM_ORDER
+from kvstore.engine.ram import RamEntry, RamTier
 
 
 def entry(

@@ -34,8 +34,8 @@ from conftest import (
 )
 
 from kvstore import KVStore, maintenance, server
-from kvstore.blobs import node_metadata, serialize_node
-from kvstore.chunking import chain_hash
+from kvstore.disk.blobs import node_metadata, serialize_node
+from kvstore.disk.chunking import chain_hash
 from kvstore.remote import RemoteTier, decode_manifest, encode_manifest, parse_url
 
 C = 64  # chunk tokens
@@ -71,7 +71,9 @@ class Backend:
         self.cluster = cluster  # the CephCluster, for the gateway's
 
 
-@pytest.fixture(scope="module", params=["moto", "ceph"])
+@pytest.fixture(
+    scope="module", params=["moto", pytest.param("ceph", marks=pytest.mark.stress)]
+)
 def backend(request):
     """Each test of the module runs against moto and against Ceph's S3 gateway (a
     real RADOS cluster on this machine; skipped, saying why, without Ceph), with the
@@ -582,9 +584,38 @@ def test_pull_reports_a_broken_manifest_and_skips_what_is_below(
     assert_clean(tmp_path / "b")
 
 
+@pytest.mark.parametrize("stray", ["f" * 32, "0" * 32])
+def test_a_stray_manifest_copy_hides_nothing_from_a_pull(
+    tmp_path, model, shared, s3, stray
+):
+    """SYSTEM's second node's manifest copied under a made-up parent: if the
+    listing's last key won, the pull would keep the made-up parent and never reach
+    the real node and what hangs below it. The node is reported as listed twice and
+    pulled from under its real parent, whichever parent the listing gives first."""
+    url = shared
+    with KVStore(tmp_path / "b", model, chunk_tokens=C, remote=fast(url)) as b:
+        mkey, base, h1 = _second_node(b, url)
+        bucket = bucket_of(url)
+        s3.copy_object(
+            Bucket=bucket,
+            Key=f"{base}/nodes/{stray}/{h1.hex()}.json",
+            CopySource={"Bucket": bucket, "Key": mkey},
+        )
+        report = b.remote.pull()
+        assert report["remote_nodes"] == 3 and report["pulled"] == 3, report
+        assert report["unreachable"] == 0 and report["invalid"] == 0, report
+        assert len(report["problems"]) == 1, report["problems"]
+        assert (
+            h1.hex() in report["problems"][0] and "2 parents" in report["problems"][0]
+        )
+        assert b.stats()["nodes"] == 3
+        assert b.fetch(PROMPT)[1] == len(SYSTEM)
+    assert_clean(tmp_path / "b")
+
+
 def test_manifest_decoder_is_strict(tmp_path, model):
     """Round trip, then a fuzz of single-byte changes: a record or RemoteCorrupt."""
-    from kvstore.index import NodeRecord
+    from kvstore.disk.index import NodeRecord
     from kvstore.remote import RemoteCorrupt
 
     ns, parent = b"\x05" * 16, b"\x06" * 16
@@ -780,7 +811,7 @@ def test_error_answers_are_described(code, message, said):
     assert "None" not in _describe(code, message)
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_two_servers_share_a_system_prompt(tmp_path, tiny_model_dir, url):
     """``kvstore serve --remote`` as real processes on two stores: B answers with the
     system prompt A computed, restored through the remote."""
@@ -1112,6 +1143,7 @@ def test_a_listing_that_never_ends_is_bounded(monkeypatch, stub, bounds, match):
     assert server.pages <= 8 + 4  # both listings
 
 
+@pytest.mark.stress
 def test_pull_and_push_end_against_an_endless_listing(
     tmp_path, tiny_model_dir, monkeypatch, capsys
 ):

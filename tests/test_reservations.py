@@ -1,4 +1,4 @@
-"""Disk reservations of saves in flight (:mod:`kvstore.reservations`): a save reserves
+"""Disk reservations of saves in flight (:mod:`kvstore.disk.reservations`): a save reserves
 its files' bytes before writing them and drops the reservation when it commits or
 fails; reservations of dead processes, this process's leftovers and old ones are
 dropped; a store made before the reservations DB existed opens."""
@@ -15,9 +15,10 @@ import pytest
 from conftest import compute_cache, random_tokens
 
 import kvstore.maintenance as m
-from kvstore import KVStore, reservations
-from kvstore.index import Index
-from kvstore.publish import WriteBatch
+from kvstore import KVStore
+from kvstore.disk import reservations
+from kvstore.disk.index import Index
+from kvstore.disk.publish import WriteBatch
 
 C = 32
 LINUX = os.path.isdir("/proc/self")
@@ -205,7 +206,7 @@ def test_store_made_before_the_reservations_db_opens(tmp_path, model):
     path = tmp_path / "s"
     with KVStore(path, model, chunk_tokens=C) as s:
         tokens = save(s, model, 1, 2 * C)
-    env = lmdb.open(str(path / "index"), max_dbs=len(Index._DBS))
+    env = lmdb.open(str(path / "index"), max_dbs=len(Index.DATABASES))
     with env.begin(write=True) as txn:
         txn.drop(env.open_db(b"reservations", txn=txn), delete=True)
     with env.begin() as txn:

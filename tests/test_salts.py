@@ -11,9 +11,8 @@ from conftest import compute_cache, greedy, next_logits, random_tokens
 
 import kvstore
 from kvstore import maintenance
-from kvstore.chunking import root_hash
-from kvstore.prompts import PromptError, parse_line
-from kvstore.salts import (
+from kvstore.disk.chunking import root_hash
+from kvstore.disk.salts import (
     MAX_SALT_BYTES,
     SECRET_KEY,
     check_salt,
@@ -21,6 +20,7 @@ from kvstore.salts import (
     store_secret,
     tree_roots,
 )
+from kvstore.prompts import PromptError, parse_line
 
 
 def store_files(path):
@@ -367,7 +367,9 @@ def test_tenants_and_plain_salts_never_share_a_tree(tmp_path, model, tokenizer):
                 want = 300 if trees.index(other) <= trees.index(saved) else 0
                 assert store.lookup(query, salt=other) == want, (saved, other)
         assert store.fetch(query, salt=kvstore.Tenant("A", "s"))[1] == 300
-        roots = {store._tree_of(kvstore.salts.parse_salt(t))[0] for t in trees}
+        roots = {
+            store.parts.tree_of(kvstore.disk.salts.parse_salt(t))[0] for t in trees
+        }
         assert len(roots | {store.root}) == len(trees) + 1
     for bad, error, match in (
         (kvstore.Tenant(""), ValueError, "salt tenant must be a non-empty"),
@@ -430,9 +432,9 @@ def test_tenant_quota_counts_its_narrowed_trees(tmp_path, model, tokenizer):
 
 
 def test_tenant_groups_are_hashes_kept_only_while_needed(tmp_path, model, tokenizer):
-    from kvstore.index import Index
+    from kvstore.disk.index import Index
+    from kvstore.disk.salts import GROUP_PREFIX
     from kvstore.maintenance.common import prefixed_items
-    from kvstore.salts import GROUP_PREFIX
 
     def groups(path):
         index = Index(os.path.join(path, "index"), create=False)

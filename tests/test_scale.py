@@ -17,12 +17,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvstore import KVStore, fsutil, maintenance, memutil
+from kvstore import KVStore, maintenance
 from kvstore.bench.models import tiny_model
-from kvstore.index import Index
+from kvstore.disk.index import Index
+from kvstore.disk.policy import disk_victims
+from kvstore.engine.ram import RamEntry, RamTier
 from kvstore.maintenance import common, lru
-from kvstore.policy import disk_victims
-from kvstore.ram import RamEntry, RamTier
+from kvstore.platform import fsutil, memutil
+
+pytestmark = pytest.mark.stress
 
 CHUNK = 4
 PER_PROMPT = 50  # nodes per saved prompt: chains 50 deep

@@ -278,7 +278,7 @@ def test_metrics_stay_off_the_api_port(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_metrics_listener_takes_ipv4_and_ipv6_hosts(host):
-    from kvstore.serve_metrics import MetricsListener
+    from kvstore.serve.listener import MetricsListener
 
     if host == "::1":
         try:

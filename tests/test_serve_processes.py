@@ -70,7 +70,7 @@ def write_prompts(path, system, user):
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory):
     """The converted SmolLM2 directory (under $KVSTORE_HOME when set, like ``smollm2``)."""
-    from kvstore.default_model import ensure_default_model
+    from kvstore.platform.default_model import ensure_default_model
 
     home = os.environ.get("KVSTORE_HOME")
     root = home if home else str(tmp_path_factory.mktemp("kvstore-home"))

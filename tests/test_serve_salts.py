@@ -12,8 +12,8 @@ from mlx_lm.generate import BatchGenerator
 from prometheus_client.parser import text_string_to_metric_families
 from serving import KEY, provider
 
-from kvstore.salts import Tenant
-from kvstore.serve_salts import (
+from kvstore.disk.salts import Tenant
+from kvstore.serve.request_salts import (
     UNKNOWN,
     SaltedCache,
     SaltPolicy,
@@ -74,7 +74,7 @@ def test_header_salt():
     assert p.salt_of({}, headers(("x-tenant", "acme"))) == Tenant("acme")
     assert p.salt_of({}, headers()) is None
     # A body salt narrows the tenant's tree; without the header it is a plain salt,
-    # which never reaches a tenant's tree (another domain: kvstore.salts).
+    # which never reaches a tenant's tree (another domain: kvstore.disk.salts).
     assert p.salt_of({"cache_salt": "s"}, headers(("X-Tenant", "acme"))) == Tenant(
         "acme", "s"
     )

@@ -3,10 +3,12 @@
 import glob
 import os
 import re
+import time
 
+import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import compute_cache, random_tokens
+from conftest import compute_cache, next_logits, random_tokens
 from mlx_lm.models.cache import LRUPromptCache
 from serving import KEY, SYSTEM, Server, answer, chat_body, provider
 
@@ -72,6 +74,46 @@ def test_ram_or_disk_whichever_is_longer(tmp_path, model, tokenizer):
 
     pc2.insert_cache(KEY, [1, 2, 3], [RotatingKVCache(max_size=8)])
     assert pc2.stats()["saves_skipped"] == 1
+    pc2.close()
+
+
+def test_ram_copy_extended_by_the_stored_tail(tmp_path, model, tokenizer, monkeypatch):
+    """RAM holds most of a stored prompt: only the stored nodes past the RAM copy
+    are read, appended to it; or none when prefilling the difference is cheaper."""
+    tokens = random_tokens(600, seed=21)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    pc.close()
+
+    pc2 = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    store = pc2.open_store(KEY)
+    tails = []
+    real = store.fetch_beyond
+    monkeypatch.setattr(
+        store,
+        "fetch_beyond",
+        lambda *a, **kw: tails.append(real(*a, **kw)) or tails[-1],
+    )
+    pc2._lru.insert_cache(KEY, tokens[:270], compute_cache(model, tokens[:270]))
+    query = tokens + [1, 2, 3]
+    got, rest = pc2.fetch_nearest_cache(KEY, query)
+    assert rest == [1, 2, 3] and all(c.offset == 600 for c in got)
+    assert (tails[0].start, tails[0].end) == (256, 600)  # nodes [256, 512), [512, 600)
+    s = pc2.stats()
+    assert (s["disk_hits"], s["tokens_reused_ram"], s["tokens_reused_disk"]) == (
+        1,
+        256,
+        344,
+    )
+    want = next_logits(model, compute_cache(model, []), query)
+    assert mx.allclose(next_logits(model, got, rest), want, atol=1e-4).item()
+
+    # Prefilling 330 tokens is cheaper than reading two nodes: RAM and prefill.
+    store.policy.mode = "auto"
+    store.policy.rates.prefill = 1e9
+    got, rest = pc2.fetch_nearest_cache(KEY, query)
+    assert len(rest) == 333 and got[0].offset == 270
+    assert pc2.stats()["ram_hits"] == 1 and store.stats()["recomputes_chosen"] == 1
     pc2.close()
 
 
@@ -207,12 +249,16 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
         assert answer(s1.chat(first)) == want_first
         stats = s1.stats()
         assert stats["misses"] == 1 and stats["saves"] >= 1
+        # The server timed its own prefill of the prompt.
+        assert stats["stores"][0]["prefill_tokens_per_s"] > 0
     finally:
         assert s1.stop() == 0, s1.output()
     assert "stores flushed and closed" in s1.output()
 
     s2 = Server(kv, tmp_path / "run2.log")  # a restart: nothing in RAM
     try:
+        # The rate measured before the restart decides the first fetch.
+        assert _settled(s2)["stores"][0]["prefill_tokens_per_s"] > 0
         r = s2.chat(second)
         stats = s2.stats()
     finally:
@@ -246,6 +292,16 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
     assert stats["disk_hits"] == 0 and stats["misses"] == 1
 
 
+def _settled(server, timeout=30):
+    """The server's stats once its store is open (the model loads after /health)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if stats["stores"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
 def test_serve_strip_pattern(tmp_path, tiny_model_dir):
     kv = [
         "kvstore.server",
@@ -276,3 +332,69 @@ def test_serve_strip_pattern(tmp_path, tiny_model_dir):
         stats["requests"] == 2
         and stats["tokens_reused"] >= a["usage"]["prompt_tokens"] - 1
     )
+
+
+# -- the prefill rate, from the server's own requests -------------------------------
+
+
+def test_batch_steps_report_their_prompt_tokens():
+    import contextlib
+    from types import SimpleNamespace
+
+    from kvstore.serve.timing import timed_batch_generator_class
+
+    class Base:
+        def __init__(self):
+            self.steps = [(512, 0.25), (0, 0.0), (3, 0.01)]
+
+        @contextlib.contextmanager
+        def stats(self):
+            window = SimpleNamespace(prompt_tokens=0, prompt_time=0.0)
+            yield window
+            window.prompt_tokens, window.prompt_time = self.current
+
+        def next(self):
+            self.current = self.steps.pop(0)
+            return [], []
+
+    seen = []
+    gen = timed_batch_generator_class(Base, lambda t, s: seen.append((t, s)))()
+    for _ in range(3):
+        assert gen.next() == ([], [])
+    assert seen == [(512, 0.25), (3, 0.01)]
+
+    # A failing callback is logged, never raised into the generation loop.
+    def boom(tokens, seconds):
+        raise RuntimeError("no store")
+
+    gen = timed_batch_generator_class(Base, boom)()
+    assert gen.next() == ([], [])
+
+
+def test_sequential_request_timed_from_lookup_to_first_token():
+    import queue
+
+    from kvstore.serve.timing import PrefillClock, timed_response_generator_class
+
+    class Response:
+        pass
+
+    clock, seen = PrefillClock(), []
+
+    class Base:
+        def _serve_single(self, request, stream):
+            rqueue = request[0]
+            rqueue.put("ctx")
+            clock.looked_up(120)  # the prompt cache's lookup
+            rqueue.put((60, 120))  # progress
+            rqueue.put(Response())
+            rqueue.put(Response())
+            rqueue.put(None)
+
+    cls = timed_response_generator_class(
+        Base, Response, clock, lambda t, s: seen.append((t, s))
+    )
+    q = queue.Queue()
+    cls()._serve_single((q, "request", "args"), None)
+    assert [t for t, _ in seen] == [120] and seen[0][1] >= 0
+    assert q.qsize() == 5

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.stress
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "soak.py")
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import compute_cache, random_tokens
 
 from kvstore import KVStore
-from kvstore.index import Index
+from kvstore.disk.index import Index
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ C = 32
 
 _HOLD_READ = """
 import sys, time
-from kvstore.index import Index
+from kvstore.disk.index import Index
 
 index = Index(sys.argv[1], create=False)
 
@@ -74,7 +74,7 @@ def test_stale_slot_is_cleared_when_another_process_opens(tmp_path, model):
             [
                 sys.executable,
                 "-c",
-                "import sys; from kvstore.index import Index; "
+                "import sys; from kvstore.disk.index import Index; "
                 "Index(sys.argv[1], create=False).close()",
                 os.path.join(path, "index"),
             ],

@@ -18,7 +18,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache
 
 import kvstore
-import kvstore.memutil
+import kvstore.platform.memutil
 from kvstore import KVStore, StoreError, UnsupportedCacheError
 
 C = 64  # chunk tokens in these tests
@@ -64,7 +64,7 @@ def test_restored_cache_has_room_for_the_rest_of_the_prompt(
     """The next forward pass writes in place: no layer is copied to grow, and none is
     copied because its buffer is shared (MLX copies an array whose buffer is not its
     own on the first update, as it did when restored rows shared stacked buffers)."""
-    monkeypatch.setattr(kvstore.restore, "ROOM_MIN_BYTES", 0)  # room at any size
+    monkeypatch.setattr(kvstore.engine.restore, "ROOM_MIN_BYTES", 0)  # room at any size
     cache, n = store.fetch(prompt)
     assert n == expect_n
     step = KVCache.step
@@ -89,9 +89,9 @@ def test_restore_with_and_without_prefaulting(model, store, monkeypatch, prefaul
     """Prefaulting the rows ahead of the readers (forced here: the arrays look fresh)
     and its fallback (no MADV_POPULATE_WRITE) restore the same exact KV."""
     if prefault == "always":
-        monkeypatch.setattr(kvstore.memutil, "resident", lambda address: False)
+        monkeypatch.setattr(kvstore.platform.memutil, "resident", lambda address: False)
     else:
-        monkeypatch.setattr(kvstore.memutil._LIBC, "populate", False)
+        monkeypatch.setattr(kvstore.platform.memutil._LIBC, "populate", False)
     assert_same_as_cold(model, store, STORED + FRESH[:30], len(STORED), steps=5)
     assert_same_as_cold(model, store, STORED[:100] + FRESH[:10], 100, steps=5)
 
@@ -99,8 +99,8 @@ def test_restore_with_and_without_prefaulting(model, store, monkeypatch, prefaul
 def test_small_restores_are_exactly_full(model, store):
     """Below ROOM_MIN_BYTES of KV the arrays get no room (growing them on the first
     forward pass copies less than the room's buffers cost), and stay exact."""
-    n_bytes = len(STORED) * store._token_bytes
-    assert n_bytes < kvstore.restore.ROOM_MIN_BYTES
+    n_bytes = len(STORED) * store.parts.shapes.token_bytes
+    assert n_bytes < kvstore.engine.restore.ROOM_MIN_BYTES
     cache, n = store.fetch(STORED + FRESH[:50])
     assert [c.keys.shape[2] for c in cache] == [n] * len(cache)
     assert_same_as_cold(model, store, STORED + FRESH[:30], len(STORED), steps=5)
@@ -110,7 +110,7 @@ def test_small_restores_are_exactly_full(model, store):
 def test_room_after_a_restore_is_bounded(tmp_path, model, room, monkeypatch):
     """A long prompt sharing a short prefix gets ``restore_room`` rows of room, not
     the whole prompt's; 0 restores exactly full arrays (and the results stay exact)."""
-    monkeypatch.setattr(kvstore.restore, "ROOM_MIN_BYTES", 0)  # room at any size
+    monkeypatch.setattr(kvstore.engine.restore, "ROOM_MIN_BYTES", 0)  # room at any size
     long_prompt = STORED[:100] + random_tokens(3000, seed=9)
     with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
         store.save(STORED, compute_cache(model, STORED))
@@ -360,7 +360,7 @@ def test_broken_file_is_a_miss_and_a_report(tmp_path, model, damage):
 
 def _node_at(store, tokens, start):
     path = store.index.read(
-        lambda txn: store._walk(
+        lambda txn: store.parts.reads.trie.walk(
             txn, np.array(tokens, dtype=np.int32), limit=len(tokens)
         )
     )
@@ -652,7 +652,7 @@ def test_walk_takes_a_whole_node_with_more_below_over_a_longer_partial_sibling(
 
 
 def _records(store):
-    from kvstore.index import NodeRecord
+    from kvstore.disk.index import NodeRecord
 
     return store.index.read(
         lambda txn: [

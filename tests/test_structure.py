@@ -1,4 +1,5 @@
-"""The package's import structure: no import cycle, no private name across modules.
+"""The package's import structure: no import cycle, folders that import downward only,
+no private name across modules (imported, or used on another module's objects).
 
 Every import statement counts, also those inside functions and ``if TYPE_CHECKING``
 blocks: an import deferred into a function still ties the two modules together, it
@@ -11,6 +12,8 @@ import pathlib
 import subprocess
 import sys
 from typing import Dict, Iterable, List, Set, Tuple
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "kvstore"
@@ -181,6 +184,187 @@ def test_no_private_names_across_modules():
     assert not lines, "private names used across modules:\n" + "\n".join(lines)
 
 
+# The package's folders and top-level modules, lowest layer first. A module imports
+# only from its own folder or from those listed before it; a new folder or module
+# directly in kvstore/ must be given its place here. "" is the package itself
+# (``kvstore/__init__.py``), which re-exports the public names.
+LAYERS = [
+    "platform",  # operating system, devices, mlx-lm: nothing of kvstore's below
+    "disk",  # what is on disk: index, node files, chunking, namespaces, salts
+    "maintenance",  # stats, verify, gc, pins; the eviction and deletion rules
+    "engine",  # the read and write paths, removal, the RAM tier
+    "remote",  # the shared S3 tier
+    "store",  # KVStore: the façade composing the engine's parts
+    "generate",  # kvstore.stream_generate
+    "prompts",  # prompt files
+    "options",  # options of the commands and serve
+    "bench",  # kvstore bench
+    "serve",  # what kvstore serve is built from: request salts, metrics
+    "server",  # kvstore serve (also python -m kvstore.server)
+    "cli",  # the kvstore command
+    "__main__",  # python -m kvstore
+    "",
+]
+
+
+def unit(module: str) -> str:
+    """The folder (or top-level module) of ``module``: ``kvstore.disk.index`` -> disk."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def folder_edges(edges: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
+    """The import graph between folders (and top-level modules)."""
+    out: Dict[str, Set[str]] = {}
+    for m, targets in edges.items():
+        out.setdefault(unit(m), set()).update(unit(t) for t in targets)
+    for u, targets in out.items():
+        targets.discard(u)
+    return out
+
+
+def upward_imports(
+    edges: Dict[str, Set[str]], layers: List[str]
+) -> List[Tuple[str, str]]:
+    """``(module, imported module)`` for each import of a folder listed after the
+    importer's own in ``layers``, or of (or by) a folder ``layers`` does not list."""
+    rank = {u: i for i, u in enumerate(layers)}
+    out = []
+    for m, targets in sorted(edges.items()):
+        for t in sorted(targets):
+            a, b = unit(m), unit(t)
+            if a != b and not rank.get(b, len(layers)) < rank.get(a, -1):
+                out.append((m, t))
+    return out
+
+
+def test_layer_check_finds_upward_imports():
+    edges = {
+        "kvstore.disk.index": {"kvstore.platform.fsutil"},
+        "kvstore.platform.fsutil": {"kvstore.engine.ram"},
+        "kvstore.engine.ram": {"kvstore.disk.index", "kvstore.engine.writer"},
+        "kvstore.engine.writer": set(),
+        "kvstore.stray.x": {"kvstore.disk.index"},
+    }
+    assert upward_imports(edges, LAYERS) == [
+        ("kvstore.platform.fsutil", "kvstore.engine.ram"),
+        ("kvstore.stray.x", "kvstore.disk.index"),
+    ]
+    assert cycles(folder_edges(edges)) == [["disk", "engine", "platform"]]
+
+
+def test_every_folder_has_a_layer():
+    units = {unit(m) for m in package_modules()}
+    assert units <= set(LAYERS), f"place {sorted(units - set(LAYERS))} in LAYERS"
+
+
+def test_folders_import_downward_only():
+    edges, _ = imports(package_modules())
+    found = upward_imports(edges, LAYERS)
+    lines = [f"{m} imports {t} ({unit(t)} is not below {unit(m)})" for m, t in found]
+    assert not lines, "imports up the layers:\n" + "\n".join(lines)
+    assert cycles(folder_edges(edges)) == []
+
+
+# Names starting with "_" on other libraries' objects that kvstore uses, and why each
+# is safe to use. No kvstore module may define one of them.
+FOREIGN_PRIVATE = {
+    "_replace": "collections.namedtuple's public API",
+    "_exit": "os._exit",
+    "_idx": "mlx-lm's RotatingKVCache write position, part of the state it saves",
+    "_run_http_server": "mlx_lm.server, checked at start-up (kvstore.platform.compat)",
+    "_trie": "mlx-lm's LRUPromptCache trie, searched only where can_prefetch found it",
+}
+
+
+def _defined(tree: ast.AST) -> Set[str]:
+    """The names a module defines: functions, classes, assigned names, and attributes
+    it assigns on its own objects (``self._x = ...``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and _own(node.value)
+        ):
+            out.add(node.attr)
+    return out
+
+
+def _own(value: ast.AST) -> bool:
+    """``self``, ``cls`` or ``super()``: the object's own class hierarchy."""
+    if isinstance(value, ast.Name):
+        return value.id in ("self", "cls")
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "super"
+    )
+
+
+def private_attributes(
+    modules: Dict[str, pathlib.Path],
+) -> Tuple[List[Tuple[str, int, str]], Dict[str, Set[str]]]:
+    """Every ``x._name`` a module uses where ``x`` is not its own object (``self``,
+    ``cls``, ``super()``) and ``_name`` is not defined in that module: another
+    module's private attribute or method.
+
+    Returns:
+        ``(module, line, expression)`` of each use not in :data:`FOREIGN_PRIVATE`,
+        and the names each module defines.
+    """
+    found, defined = [], {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        defined[module] = own = _defined(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and not _own(node.value)
+                and node.attr not in own
+                and node.attr not in FOREIGN_PRIVATE
+            ):
+                found.append((module, node.lineno, ast.unparse(node)))
+    return found, defined
+
+
+def test_private_attribute_scan(tmp_path):
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "one.py").write_text(
+        "class A:\n"
+        "    def __init__(self):\n        self._mine = 1\n"
+        "    def _helper(self, other):\n        return other._mine + self._theirs\n"
+    )
+    (pkg / "two.py").write_text(
+        "def f(a, b):\n"
+        "    a._helper(b)\n    b._mine = 2\n    super()._x\n    return a._peek\n"
+    )
+    found, _ = private_attributes(package_modules(tmp_path))
+    # one.py defines _mine and _helper; two.py defines none of them
+    assert sorted(found) == [
+        ("kvstore.two", 2, "a._helper"),
+        ("kvstore.two", 3, "b._mine"),
+        ("kvstore.two", 5, "a._peek"),
+    ]
+
+
+def test_no_private_attributes_across_modules():
+    """No module reaches into another module's objects: what a part offers the
+    others is its public interface."""
+    found, defined = private_attributes(package_modules())
+    lines = [f"{m}:{line} uses {expr}" for m, line, expr in sorted(found)]
+    assert not lines, "private attributes used across modules:\n" + "\n".join(lines)
+    ours = {m: set(FOREIGN_PRIVATE) & names for m, names in defined.items()}
+    assert not any(ours.values()), f"kvstore defines a FOREIGN_PRIVATE name: {ours}"
+
+
 _IMPORT_EACH = """
 import importlib, sys, traceback
 failed = []
@@ -196,6 +380,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.stress
 def test_every_module_imports_first():
     """Each module imported before any other kvstore module works: an order that
     only works when some other module happens to be loaded first fails here."""

@@ -18,9 +18,9 @@ import pytest
 from conftest import compute_cache, random_tokens
 from serving import KEY, provider
 
-import kvstore.blobs
-import kvstore.fsutil
-import kvstore.publish
+import kvstore.disk.blobs
+import kvstore.disk.publish
+import kvstore.platform.fsutil
 from kvstore import KVStore
 from kvstore.server import PersistentPromptCache
 
@@ -38,7 +38,7 @@ def files(root, pattern):
 
 
 def failing_os(op: str, err: int, at_node: int):
-    """A stand-in for ``os`` in kvstore.blobs, kvstore.publish and kvstore.fsutil whose
+    """A stand-in for ``os`` in kvstore.disk.blobs, kvstore.disk.publish and kvstore.platform.fsutil whose
     ``op`` fails with ``err`` for the ``at_node``-th file of the save (1-based): that
     file's write, fsync or link, or the fsync of its directory; everything else is
     real. Files are told apart by descriptor and path, not by the moment: a save
@@ -145,13 +145,14 @@ def test_write_error(tmp_path, model, monkeypatch, caplog, op, err, at_node, how
         store.flush()
         before = snapshot(store)
         fake, state = failing_os(op, err, at_node)
-        monkeypatch.setattr(kvstore.blobs, "os", fake)
-        monkeypatch.setattr(kvstore.publish, "os", fake)
-        monkeypatch.setattr(kvstore.fsutil, "os", fake)  # fsyncs go through fsutil
-        full = getattr(kvstore.fsutil.fcntl, "F_FULLFSYNC", None)
+        monkeypatch.setattr(kvstore.disk.blobs, "os", fake)
+        monkeypatch.setattr(kvstore.disk.publish, "os", fake)
+        # fsyncs go through fsutil
+        monkeypatch.setattr(kvstore.platform.fsutil, "os", fake)
+        full = getattr(kvstore.platform.fsutil.fcntl, "F_FULLFSYNC", None)
         if full is not None:  # macOS (or the tests' macOS mode): fsync is this fcntl
             monkeypatch.setattr(
-                kvstore.fsutil,
+                kvstore.platform.fsutil,
                 "fcntl",
                 SimpleNamespace(F_FULLFSYNC=full, fcntl=lambda fd, cmd: fake.fsync(fd)),
             )
@@ -228,7 +229,7 @@ def test_disk_full_at_write_time(tmp_path, model, tokenizer, monkeypatch, caplog
     assert before["nodes"] >= 1 and before["writes_failed"] == 0
     files_before = files(root, "*.safetensors")
 
-    # Writes of chunk files (kvstore.fsutil): a few bytes land, then the disk is full.
+    # Writes of chunk files (kvstore.platform.fsutil): a few bytes land, then the disk is full.
     real_os, calls = os, {"n": 0}
 
     def full_write(fd, data):
@@ -244,7 +245,7 @@ def test_disk_full_at_write_time(tmp_path, model, tokenizer, monkeypatch, caplog
         **{k: getattr(real_os, k) for k in dir(real_os) if not k.startswith("__")}
     )
     fake_os.write, fake_os.writev = full_write, full_writev
-    monkeypatch.setattr(kvstore.fsutil, "os", fake_os)
+    monkeypatch.setattr(kvstore.platform.fsutil, "os", fake_os)
 
     tokens = random_tokens(300, seed=11)
     cache = compute_cache(model, tokens)

@@ -39,7 +39,9 @@ def hold_writer(store) -> threading.Event:
 def atime(store, tokens) -> float:
     """The access time the index holds for the last node of stored ``tokens``."""
     path = store.index.read(
-        lambda txn: store._walk(txn, tokens, limit=len(tokens), full_only=True)
+        lambda txn: store.parts.reads.trie.walk(
+            txn, tokens, limit=len(tokens), full_only=True
+        )
     )
     raw = store.index.read(
         lambda txn: txn.get(store.namespace + path[-1].h, db=store.index.db["atime"])
@@ -82,7 +84,9 @@ def test_second_large_save_while_one_is_pending_is_dropped_once(store, model, ca
     store.save(OTHER, compute_cache(model, OTHER))
     store.flush()
     first = store.index.read(
-        lambda txn: store._walk(txn, OTHER, limit=len(OTHER), full_only=True)
+        lambda txn: store.parts.reads.trie.walk(
+            txn, OTHER, limit=len(OTHER), full_only=True
+        )
     )[0].h
     assert "200-token prompt" in line and first.hex()[:12] in line
 
@@ -106,12 +110,14 @@ def test_quarantine_during_a_large_save_is_not_refused(store, model):
     store.save(SMALL, compute_cache(model, SMALL))
     store.flush()
     path = store.index.read(
-        lambda txn: store._walk(txn, SMALL, limit=len(SMALL), full_only=True)
+        lambda txn: store.parts.reads.trie.walk(
+            txn, SMALL, limit=len(SMALL), full_only=True
+        )
     )
     broken, rec = path[-1].h, path[-1].rec
     gate = hold_writer(store)
     store.save(BIG, compute_cache(model, BIG))
-    store._report_broken(broken, "test: checksum mismatch", rec)
+    store.parts.broken.report(broken, "test: checksum mismatch", rec)
     gate.set()
     store.flush()
     assert store.index.get_node(store.namespace, broken) is None  # quarantined

@@ -397,7 +397,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
 
 
 def main(argv=None) -> int:
-    from kvstore.compat import mlx_lm_version
+    from kvstore.platform.compat import mlx_lm_version
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(

@@ -4,8 +4,10 @@ without kvstore's open, save and restore.
 
 Random weights of a real model's shape (mlx-lm's own classes, bf16, built in each
 process: speed does not depend on weight values). Every case runs in a fresh
-child process, the cases rotated, after the same warm-up (one short forward, as a
-server does before its first request):
+child process after the same warm-up (one short forward, as a server does before
+its first request); the cases' order is a Latin square over the repeats
+(``case_order``: with as many repeats as cases, every case runs once in every
+position at each length):
 
 - ``cold``: the whole prompt prefilled (``generate_step``, 2,048-token steps) to
   the first token, then 64 tokens decoded;
@@ -182,7 +184,7 @@ def child(spec: dict) -> dict:
         cache = load_prompt_cache(spec["lpc"])
         n = len(tokens) - 1
     else:
-        from kvstore import loadpath
+        from kvstore.engine import loadpath
 
         cache, n = store.fetch(tokens)
         out["fetch_s"] = time.perf_counter() - t0
@@ -266,6 +268,23 @@ def setup(spec: dict) -> dict:
     return out
 
 
+def case_order(cases: list, row: int) -> list:
+    """Row ``row`` (mod the number of cases) of a Latin square of ``cases``: over as
+    many repeats as cases, every case runs once in every position at each length
+    (rows start one further on per length, so no case opens every length of a
+    repeat). The first row is Williams' (0, 1, n-1, 2, n-2, ...): for an even number
+    of cases each case also follows every other once."""
+    n = len(cases)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    return [cases[(i + row) % n] for i in first]
+
+
 def spawn(spec: dict) -> dict:
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
@@ -323,13 +342,16 @@ def main(argv=None) -> int:
     )
     print(f"setup {time.perf_counter() - t0:.1f} s: {json.dumps(info)}", flush=True)
     samples = []
+    if args.repeats < len(args.cases):
+        print(
+            f"note: {args.repeats} repeats of {len(args.cases)} cases: not every case "
+            f"runs in every position (that takes {len(args.cases)} repeats)",
+            flush=True,
+        )
     for rep in range(args.repeats):
-        for length in args.lengths:
-            order = (
-                args.cases[rep % len(args.cases) :]
-                + args.cases[: rep % len(args.cases)]
-            )
-            for case in order:
+        for li, length in enumerate(args.lengths):
+            order = case_order(args.cases, rep + li)
+            for position, case in enumerate(order):
                 scratch = os.path.join(args.dir, f"scratch-{length}-{rep}")
                 spec = {
                     "shape": args.shape,
@@ -342,7 +364,7 @@ def main(argv=None) -> int:
                 if args.cold_disk:
                     spec["page_cache_dropped"] = drop_page_cache()
                 r = spawn(spec)
-                r.update(case=case, length=length, repeat=rep)
+                r.update(case=case, length=length, repeat=rep, position=position)
                 if args.cold_disk:
                     r["page_cache_dropped"] = spec["page_cache_dropped"]
                 samples.append(r)

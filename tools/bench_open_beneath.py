@@ -26,8 +26,9 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from conftest import compute_cache, random_tokens, tiny_llama  # noqa: E402
 
-from kvstore import KVStore, fsutil  # noqa: E402
-from kvstore.blobs import Blobs  # noqa: E402
+from kvstore import KVStore
+from kvstore.disk.blobs import Blobs
+from kvstore.platform import fsutil
 
 
 def main() -> None:

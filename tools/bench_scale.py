@@ -167,7 +167,7 @@ def _skip_fsync() -> None:
     build then runs at the speed of kvstore's own work per save, which is what may
     grow with the store (and 1M nodes take minutes, not hours); the index's LMDB
     commits still sync, and save + flush is measured durable in fresh processes."""
-    from kvstore import fsutil
+    from kvstore.platform import fsutil
 
     fsutil.fsync = lambda fd, *, device=True: None
     fsutil.fsync_dir = lambda path, *, device=True: None

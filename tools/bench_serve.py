@@ -120,14 +120,26 @@ def free_port() -> int:
 
 
 class Server:
-    """A server process (``python -m ...``) on a free port, ready when it answers."""
+    """A server process (``python -m ...``) on a free port, ready when it answers.
 
-    def __init__(self, name: str, module_args: List[str], log_dir: str):
+    ``launcher`` replaces ``python -m`` in front of ``module_args`` (e.g. a script
+    that sets up the interpreter, then runs the module's main).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module_args: List[str],
+        log_dir: str,
+        *,
+        launcher: Optional[List[str]] = None,
+    ):
         self.name = name
         self.port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.log = open(os.path.join(log_dir, f"{name}.log"), "ab")
-        cmd = [sys.executable, "-m", *module_args, "--port", str(self.port)]
+        launcher = launcher or [sys.executable, "-m"]
+        cmd = [*launcher, *module_args, "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd + ["--host", "127.0.0.1"],
             stdout=self.log,
@@ -224,7 +236,7 @@ def stream(port: int, body: dict) -> dict:
         raise RuntimeError("the server kept resetting the connection")
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-    times, cached, prompt = [], None, None
+    times, cached, prompt, completion, text = [], None, None, None, []
     for line in resp:
         if not line.startswith(b"data: {"):
             continue
@@ -233,10 +245,13 @@ def stream(port: int, body: dict) -> dict:
         usage = event.get("usage")
         if usage:
             prompt = usage.get("prompt_tokens")
+            completion = usage.get("completion_tokens")
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         choices = event.get("choices") or []
-        if choices and (choices[0].get("delta") or {}).get("content"):
+        content = choices and (choices[0].get("delta") or {}).get("content")
+        if content:
             times.append(now)
+            text.append(content)
     conn.close()
     end = time.perf_counter()
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -248,6 +263,10 @@ def stream(port: int, body: dict) -> dict:
         "gaps": gaps,
         "cached": cached,
         "prompt": prompt,
+        "completion": completion,
+        "text": "".join(text),
+        "first_at": times[0] if times else None,
+        "last_at": times[-1] if times else None,
         "retries": retries,
     }
 
@@ -436,7 +455,7 @@ def _run(args, work: str) -> int:
                 flush=True,
             )
     out["restart"] = {
-        name: [{k: v for k, v in r.items() if k != "gaps"} for r in rs]
+        name: [{k: v for k, v in r.items() if k not in ("gaps", "text")} for r in rs]
         for name, rs in restart.items()
     }
 

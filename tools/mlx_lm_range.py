@@ -12,9 +12,9 @@ first use), ``pip install -e ".[cpu,test]" mlx-lm==VERSION`` (this checkout; a v
 outside ``pyproject.toml``'s range is forced in afterwards, to see what breaks), then ``python -m pytest`` of the
 suites below with ``-m "not model"`` (the real model's tests do not depend on the
 mlx-lm version more than the tiny models' do, and take minutes), and ``kvstore
-serve``'s start-up check (:mod:`kvstore.compat`) run in that venv. Prints one row per
+serve``'s start-up check (:mod:`kvstore.platform.compat`) run in that venv. Prints one row per
 version; nothing is asserted. The default versions are the ends of
-:data:`kvstore.compat.SUPPORTED_RANGE`. This is a tool, not a test: pytest never
+:data:`kvstore.platform.compat.SUPPORTED_RANGE`. This is a tool, not a test: pytest never
 collects it.
 """
 
@@ -40,7 +40,7 @@ DEFAULT_TESTS = [
 # The check `kvstore serve` runs at start, printed as one JSON line.
 _PROBE = """
 import json, importlib.metadata as md
-from kvstore import compat
+from kvstore.platform import compat
 from kvstore.server import PersistentPromptCache
 problems = compat.server_problems(cache_class=PersistentPromptCache)
 print(json.dumps({
@@ -65,7 +65,7 @@ def make_venv(path: str, version: str, log) -> str:
         p = run([sys.executable, "-m", "venv", path], log=log)
         if p.returncode:
             raise RuntimeError(f"venv {path}: {p.stderr.strip()}")
-    from kvstore.compat import SUPPORTED_RANGE
+    from kvstore.platform.compat import SUPPORTED_RANGE
 
     pip = [python, "-m", "pip", "install", "-q"]
     if SUPPORTED_RANGE.contains(version):
@@ -87,7 +87,7 @@ def summary(output: str) -> str:
 
 
 def main(argv=None) -> int:
-    from kvstore.compat import SUPPORTED_RANGE
+    from kvstore.platform.compat import SUPPORTED_RANGE
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--versions", nargs="+", default=list(SUPPORTED_RANGE.tested))

@@ -130,7 +130,7 @@ def same_kv(model, cache, tokens: List[int], n: int) -> bool:
 def small_map(nbytes: int) -> None:
     """Open every index of this process, and of the processes it starts, with an LMDB
     map of ``nbytes`` (it grows)."""
-    from kvstore.index import INITIAL_MAP_ENV
+    from kvstore.disk.index import INITIAL_MAP_ENV
 
     os.environ[INITIAL_MAP_ENV] = str(nbytes)
 
@@ -1113,7 +1113,7 @@ class Soak:
         """Every stored prompt (a leaf of the trie) restored and compared with recomputed
         KV, its tree's salt found by ``lookup`` among the salts the soak used; each
         tenant's trees (its own and those its requests narrowed) against its quota."""
-        from kvstore.index import NodeRecord
+        from kvstore.disk.index import NodeRecord
 
         index = store.index
         nodes = index.read(

@@ -271,7 +271,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "command": "kvstore bench "
         + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": environment(),
-        "model": args.model or "SmolLM2-135M-Instruct (kvstore.default_model)",
+        "model": args.model or "SmolLM2-135M-Instruct (kvstore.platform.default_model)",
         "settings": {k: getattr(args, k) for k in _SETTINGS},
         "page_cache_conditions": conditions,
         "temp_dir": tmp,

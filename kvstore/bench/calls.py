@@ -26,12 +26,13 @@ from typing import Dict, List
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstore import KVStore
 from kvstore.bench.cases import STANDIN, standin_model
 from kvstore.bench.durable import filled_cache
 from kvstore.bench.kvfiles import kv_bytes_per_token
 from kvstore.bench.measure import med
-from kvstore.chunking import as_token_array, chain_hashes, root_hash, split_spans
+
+from ..disk.chunking import as_token_array, chain_hashes, root_hash, split_spans
+from ..store import KVStore
 
 TARGET_MISS_S = 0.002  # a fetch that finds nothing, 32K-token prompt
 TARGET_HASH_S = 0.005  # the hash chain of 100K tokens

@@ -91,12 +91,13 @@ def _forward(model, cache, token: int) -> float:
 
 
 def _kvstore(spec: dict) -> dict:
-    from kvstore import KVStore
     from kvstore.bench.measure import timed_fetch
+
+    from ..store import KVStore
 
     model = standin_model(spec["dtype"])
     if spec.get("prefault") is False:  # measure without prefaulting fresh rows
-        from kvstore import memutil
+        from ..platform import memutil
 
         memutil.disable_prefault()
     store = KVStore(
@@ -220,8 +221,9 @@ def _floor(spec: dict) -> dict:
 
 
 def _open(spec: dict) -> dict:
-    from kvstore import KVStore
     from kvstore.bench.models import load
+
+    from ..store import KVStore
 
     model, tokenizer = load(spec["model"])
     got = {}

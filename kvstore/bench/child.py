@@ -18,9 +18,10 @@ def run(spec: dict) -> dict:
     t_start = time.perf_counter()
     import mlx.core as mx
 
-    from kvstore import KVStore
     from kvstore.bench.measure import minor_faults, timed_fetch
     from kvstore.bench.models import first_token, load
+
+    from ..store import KVStore
 
     t_import = time.perf_counter()
     model, tokenizer = load(spec["model"])

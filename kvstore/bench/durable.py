@@ -26,9 +26,11 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from kvstore import KVStore, fsutil
 from kvstore.bench.cases import STANDIN, standin_model
 from kvstore.bench.kvfiles import kv_bytes_per_token
+
+from ..platform import fsutil
+from ..store import KVStore
 
 TARGET = 0.8  # save until durable >= this x the speed of one file + one fsync
 WRITE_PIECE = 8 << 20  # bytes per os.write of the disk cases

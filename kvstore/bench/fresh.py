@@ -19,8 +19,9 @@ from kvstore.bench import child
 from kvstore.bench.cases import FLOOR_THREADS
 from kvstore.bench.kvfiles import KVFiles, make_kv_files
 from kvstore.bench.measure import set_page_cache
-from kvstore.memutil import prefault_supported
-from kvstore.restore import ROOM_MIN_BYTES
+
+from ..engine.restore import ROOM_MIN_BYTES
+from ..platform.memutil import prefault_supported
 
 DEFAULT_ROOM = 2048  # KVStore's default restore_room
 

@@ -11,9 +11,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import save_prompt_cache
 
-from kvstore import KVStore
 from kvstore.bench.cases import STANDIN, standin_model
 from kvstore.bench.measure import files_under, synthetic_cache
+
+from ..store import KVStore
 
 
 @dataclass

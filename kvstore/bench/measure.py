@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache
 
-from .. import fsutil
+from ..platform import fsutil
 
 GB = 1e9
 MB = 1e6
@@ -372,7 +372,7 @@ class FetchProbe:
     }
 
     def __init__(self, store):
-        from kvstore import assemble
+        from ..engine import assemble
 
         self._targets = [
             (store.index, "read", "index.read", True),

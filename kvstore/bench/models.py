@@ -15,7 +15,7 @@ def model_path(name: Optional[str]) -> str:
     converted locally on first use)."""
     if name is not None:
         return name
-    from kvstore.default_model import ensure_default_model
+    from ..platform.default_model import ensure_default_model
 
     return ensure_default_model()
 

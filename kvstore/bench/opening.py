@@ -17,8 +17,9 @@ import shutil
 import time
 from typing import Dict, Sequence
 
-from kvstore import KVStore
 from kvstore.bench import child
+
+from ..store import KVStore
 
 TARGET_S = 0.050  # opening for a known model
 LABELS = {"known": "model seen before", "new": "model never seen (new store)"}
@@ -57,8 +58,9 @@ def bench_open(
 
 def split_known_open(store: str, model, tok) -> dict:
     """Where a known model's open goes (in this process, after one warm-up open)."""
-    from kvstore import index, namespace, reservations
     from kvstore import store as store_module
+
+    from ..disk import index, namespace, reservations
 
     times = collections.Counter()
     patched = []
@@ -126,7 +128,7 @@ def big_model_case(gb: float, root: str) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from kvstore import namespace
+    from ..disk import namespace
 
     model = synthetic_llama(gb)
     params = tree_flatten(model.parameters())

@@ -19,7 +19,6 @@ import mlx.core as mx
 import xxhash
 from tqdm import tqdm
 
-from kvstore import KVStore
 from kvstore.bench.cases import FLOOR_THREADS, read_floor, read_into, standin_model
 from kvstore.bench.kvfiles import make_kv_files
 from kvstore.bench.measure import (
@@ -28,6 +27,8 @@ from kvstore.bench.measure import (
     timed_fetch,
     warm_page_cache,
 )
+
+from ..store import KVStore
 
 LABELS = {
     "kvstore": "kvstore fetch",

@@ -11,7 +11,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from tqdm import tqdm
 
-from kvstore import KVStore
 from kvstore.bench import child
 from kvstore.bench.measure import (
     add_restore,
@@ -31,6 +30,8 @@ from kvstore.bench.measure import (
 )
 from kvstore.bench.ttft import Prompts, add_child_sample, store_files
 from kvstore.store import DEFAULT_RAM_BYTES
+
+from ..store import KVStore
 
 RAW_BUFFER_BYTES = 256 << 20  # reused: a raw read pays no page faults
 

@@ -16,9 +16,10 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from tqdm import tqdm
 
-from kvstore import KVStore
 from kvstore.bench.measure import med, timed_fetch
 from kvstore.bench.models import tiny_model
+
+from ..store import KVStore
 
 CHUNK = 4  # tokens per chunk: many nodes from little KV
 PER_PROMPT = 100  # chunks per saved prompt (one writer job and LMDB commit each)

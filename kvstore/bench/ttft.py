@@ -9,7 +9,6 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from kvstore import KVStore
 from kvstore.bench import child
 from kvstore.bench.measure import (
     add_restore,
@@ -23,6 +22,8 @@ from kvstore.bench.measure import (
 )
 from kvstore.bench.models import first_token, prefill, vocab_size
 from kvstore.store import DEFAULT_RAM_BYTES
+
+from ..store import KVStore
 
 
 class Prompts:

@@ -21,15 +21,15 @@ from typing import (
     Tuple,
 )
 
-from .. import reservations
-from ..adapters import Layout
-from ..blobs import DTYPES, Blobs
-from ..chunking import HASH_BYTES
-from ..index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
-from ..policy import DiskNode, disk_victims
-from ..publish import temp_writer
-from ..salts import GROUP_PREFIX
-from ..storecheck import check_store_dirs
+from ..disk import reservations
+from ..disk.adapters import Layout
+from ..disk.blobs import DTYPES, Blobs
+from ..disk.chunking import HASH_BYTES
+from ..disk.index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
+from ..disk.policy import DiskNode, disk_victims
+from ..disk.publish import temp_writer
+from ..disk.salts import GROUP_PREFIX
+from ..disk.storecheck import check_store_dirs
 from . import lru
 from .walk import PageShedder
 
@@ -53,10 +53,14 @@ _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
 def opened(path, *, readonly: bool = False) -> Iterator[Tuple[Index, Blobs]]:
     """The store's index (never created here) and chunk files; the index is closed
     after. ``readonly``: nothing is written (LMDB's read-only mode, no directory made).
+    Every page of the index is checked first (a scan of the whole index follows, and
+    a damaged page would end the process in liblmdb: :mod:`kvstore.mdbcheck`).
     """
     path = os.fspath(path)
     check_store_dirs(path)
-    index = Index(os.path.join(path, "index"), create=False, readonly=readonly)
+    index = Index(
+        os.path.join(path, "index"), create=False, readonly=readonly, check="full"
+    )
     try:
         blobs = Blobs(
             os.path.join(path, "blobs"),

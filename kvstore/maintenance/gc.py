@@ -4,9 +4,9 @@ import os
 import time
 from typing import Any, Dict, Iterable, List, Optional, Set
 
-from .. import reservations, spare
-from ..chunking import HASH_BYTES, root_hash
-from ..index import CorruptRecord, Index, StoreError
+from ..disk import reservations, spare
+from ..disk.chunking import HASH_BYTES, root_hash
+from ..disk.index import CorruptRecord, Index, StoreError
 from .common import (
     Eviction,
     cannot_remove,

@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
-from ..index import CorruptRecord, Index
+from ..disk.index import CorruptRecord, Index
 from .walk import PageShedder, TreeWalk, tree_roots
 
 BINS = 4096  # histogram bins per walk

@@ -3,10 +3,10 @@
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..adapters import Layout
-from ..blobs import DTYPES, Blobs
-from ..chunking import root_hash
-from ..index import CHILD_KEY_TOKENS, CorruptRecord, Index, NodeRecord
+from ..disk.adapters import Layout
+from ..disk.blobs import DTYPES, Blobs
+from ..disk.chunking import root_hash
+from ..disk.index import CHILD_KEY_TOKENS, CorruptRecord, Index, NodeRecord
 from .common import (
     check_int,
     description_layout,

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
-from ..adapters import Layout
-from ..blobs import (
+from ..disk.adapters import Layout
+from ..disk.blobs import (
     DELTA_PART,
     STATE_PART,
     Blobs,
@@ -24,9 +24,9 @@ from ..blobs import (
     metadata_matches,
     parse_header,
 )
-from ..chunking import HASH_BYTES, chain_hash, root_hash
-from ..fsutil import NotRegularFile
-from ..index import CorruptRecord, Index, NodeRecord, child_key
+from ..disk.chunking import HASH_BYTES, chain_hash, root_hash
+from ..disk.index import CorruptRecord, Index, NodeRecord, child_key
+from ..platform.fsutil import NotRegularFile
 from .common import (
     Key,
     delete_namespace,
@@ -38,6 +38,7 @@ from .common import (
     release_namespace_files,
     writer_alive,
 )
+from .salvage import salvage_if_damaged, with_salvage
 from .walk import PageShedder
 
 # Findings that are reported but do not make a store unclean: leftovers of crashes and
@@ -648,7 +649,10 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
             directory and their descendants' files are unlinked; the nodes of a
             namespace without a usable description are dropped; edges, access times,
             pins and counters are rewritten from the records. Orphan and temp files
-            are left to :func:`gc`.
+            are left to :func:`gc`. A damaged index (one that fails the page check
+            of :mod:`kvstore.mdbcheck`) is first salvaged into a new one
+            (:mod:`.salvage`): the report then has ``salvaged``, and the damage as
+            its first problem (kind ``index``).
 
     Returns:
         ``{"path", "clean", "errors", "orphans", "temp_files",
@@ -667,8 +671,12 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
+    # A damaged index is rebuilt first, its node files checked as here.
+    salvaged = salvage_if_damaged(path, check_file=_check_file) if fix else None
     with opened(path, readonly=not fix) as (index, blobs):
         report = verify_open_store(
             index, blobs, fix=fix, check_data=True, walk_files=True, now=time.time()
         )
+    if salvaged is not None:
+        report = with_salvage(report, salvaged)
     return {"path": path, **report}

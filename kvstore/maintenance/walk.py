@@ -10,8 +10,8 @@ touches from piling up in the process (see :func:`kvstore.memutil.release_file_p
 
 from typing import Iterator, List, Optional, Tuple
 
-from ..chunking import HASH_BYTES
-from ..index import Index
+from ..disk.chunking import HASH_BYTES
+from ..disk.index import Index
 
 # Records (or walk steps) a scan reads between two releases of the index's pages:
 # each touches a few random pages, and a fault maps a stretch of the cached file

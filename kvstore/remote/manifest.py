@@ -12,7 +12,7 @@ from typing import List, Tuple
 import numpy as np
 import xxhash
 
-from ..blobs import (
+from ..disk.blobs import (
     DELTA_PART,
     STATE_PART,
     CorruptBlob,
@@ -20,8 +20,8 @@ from ..blobs import (
     metadata_matches,
     parse_header,
 )
-from ..chunking import MAX_TOKEN, chain_hash
-from ..index import KINDS, NodeRecord
+from ..disk.chunking import MAX_TOKEN, chain_hash
+from ..disk.index import KINDS, NodeRecord
 from .errors import RemoteCorrupt
 
 MANIFEST_FORMAT = "kvstore-node"

@@ -8,7 +8,7 @@ from typing import Any, Optional, Set, Tuple
 
 import numpy as np
 
-from ..index import NodeRecord
+from ..disk.index import NodeRecord
 from .client import LIST_PAGE, S3Client
 from .errors import NotFound, RemoteCorrupt
 from .manifest import CHILD_KEY, decode_manifest, manifest_limit

@@ -3,29 +3,32 @@ namespace's remote nodes that ``kvstore pull`` (:meth:`RemoteTier.pull`) walks."
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
-from ..blobs import Blobs, CorruptBlob
-from ..chunking import root_hash
-from ..index import CorruptRecord, Index, NodeRecord
+from ..disk.blobs import Blobs, CorruptBlob
+from ..disk.chunking import root_hash
+from ..disk.index import CorruptRecord, Index, NodeRecord
+from ..disk.salts import tree_roots
+from ..disk.storecheck import check_store_dirs
 from ..maintenance.common import description_layout, namespace_descriptions
-from ..salts import tree_roots
-from ..storecheck import check_store_dirs
 from .client import S3Client
 from .manifest import CHILD_KEY, HEX32
 
 
-def list_nodes(s3: S3Client, ns: bytes) -> Dict[bytes, bytes]:
-    """``hash -> parent`` of every manifest of namespace ``ns`` on the remote."""
+def list_nodes(s3: S3Client, ns: bytes) -> Dict[bytes, Tuple[bytes, ...]]:
+    """``hash -> parents`` (sorted) of every manifest of namespace ``ns`` on the
+    remote. A node has one parent; a manifest copied under another one (a stray, or
+    a hostile writer) lists it twice, and the listing's order must not pick one."""
     prefix = s3.key(ns, "nodes") + "/"
-    out = {}
+    out: Dict[bytes, Set[bytes]] = {}
     for key in s3.list_keys(prefix):
         parts = key[len(prefix) :].split("/")
         if len(parts) == 2 and HEX32.fullmatch(parts[0]):
             m = CHILD_KEY.fullmatch(parts[1])
             if m:
-                out[bytes.fromhex(m.group(1))] = bytes.fromhex(parts[0])
-    return out
+                h = bytes.fromhex(m.group(1))
+                out.setdefault(h, set()).add(bytes.fromhex(parts[0]))
+    return {h: tuple(sorted(parents)) for h, parents in out.items()}
 
 
 def push(
@@ -48,7 +51,9 @@ def push(
         namespaces: Which namespaces (ids); None: every namespace with nodes.
     """
     check_store_dirs(path)
-    index = Index(os.path.join(path, "index"), create=False, readonly=True)
+    index = Index(  # every page checked: a scan of the whole index follows
+        os.path.join(path, "index"), create=False, readonly=True, check="full"
+    )
     report = {"namespaces": 0, "nodes": 0, "uploaded": 0, "present": 0}
     report.update({"skipped": 0, "problems": []})
     try:
@@ -87,7 +92,7 @@ def push(
 
             def one(item):
                 h, rec = item
-                if known.get(h) == rec.parent and not rec.has_state:
+                if rec.parent in known.get(h, ()) and not rec.has_state:
                     return "present"
                 try:
                     sent = tier.upload_node(blobs, ns, h, rec, layout, head=h in known)

@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from ..blobs import CorruptBlob
-from ..chunking import chain_hash, chain_hashes, common_prefix
-from ..index import CorruptRecord, NodeRecord
-from ..saving import NewNode
+from ..disk.blobs import CorruptBlob
+from ..disk.chunking import chain_hash, chain_hashes, common_prefix
+from ..disk.index import CorruptRecord, NodeRecord
+from ..engine.saving import NewNode
 from .client import (
     LIST_MAX_KEYS,
     LIST_TIMEOUT,
@@ -202,8 +202,16 @@ class RemoteTier:
 
     # -- binding to a store ----------------------------------------------------
 
+    @property
+    def bound(self) -> bool:
+        """Whether a ``KVStore`` uses this tier already."""
+        return self._store is not None
+
     def bind(self, store) -> None:
-        """Attach to ``store`` (done by ``KVStore``): start the uploader."""
+        """Attach to ``store`` (done by ``KVStore``): start the uploader. The tier
+        walks the store's trie (``store.parts.reads``), checks records
+        (``store.parts.shapes``) and commits what it downloads
+        (``store.parts.writes``)."""
         if self._store is not None:
             raise ValueError(f"{self!r} already serves another KVStore")
         self._store = store
@@ -247,9 +255,7 @@ class RemoteTier:
         if store is None or self._closing.is_set() or len(arr) < 2:
             return
         try:
-            path = store.index.read(
-                lambda txn: store._walk(txn, arr, limit=len(arr), full_only=True)
-            )
+            path = store.parts.reads.find(arr, limit=len(arr), full_only=True)
         except Exception:  # the fetch itself reports a broken index
             return
         pos = sum(step.take for step in path)
@@ -414,7 +420,8 @@ class RemoteTier:
         store = self._store
         ns = store.namespace
         try:
-            store._check_sizes(rec)  # before downloading: a manifest cannot cost RAM
+            # Before downloading: a manifest cannot cost RAM.
+            store.parts.shapes.check_sizes(rec)
         except CorruptRecord as e:
             raise RemoteCorrupt(f"{self._s3.manifest_key(ns, rec.parent, h)}: {e}")
         if rec.has_state and not store.layout.has_state:
@@ -525,7 +532,7 @@ class RemoteTier:
         with self._downloading() as added:
             for kind, group in itertools.groupby(nodes, key=lambda item: item[0]):
                 # Like a second writer process: LMDB serializes the commits.
-                store._write_nodes(
+                store.parts.writes.write_nodes(
                     [node for _, node in group], kind=kind, pin=False, existing=[]
                 )
         return len(added)
@@ -558,8 +565,9 @@ class RemoteTier:
 
     # -- sync: pull (push is in sync) -----------------------------------------------------
 
-    def list_nodes(self, ns: bytes) -> Dict[bytes, bytes]:
-        """``hash -> parent`` of every manifest of namespace ``ns`` on the remote."""
+    def list_nodes(self, ns: bytes) -> Dict[bytes, Tuple[bytes, ...]]:
+        """``hash -> parents`` of every manifest of namespace ``ns`` on the remote
+        (:func:`kvstore.remote.sync.list_nodes`)."""
         return list_nodes(self._s3, ns)
 
     def pull(self, *, progress: Optional[Callable[[int], None]] = None) -> dict:
@@ -573,10 +581,20 @@ class RemoteTier:
         ns, C = store.namespace, store.chunk_tokens
         nodes = self.list_nodes(ns)
         children = defaultdict(list)
-        for h, parent in nodes.items():
-            children[parent].append(h)
+        for h, parents in nodes.items():
+            for parent in parents:
+                children[parent].append(h)
         report = {"remote_nodes": len(nodes), "pulled": 0, "present": 0}
         report.update({"invalid": 0, "unreachable": 0, "problems": []})
+        for h, parents in sorted(nodes.items()):
+            if len(parents) > 1:  # one at most can hash to h: the pull finds which
+                problem = (
+                    f"node {h.hex()} is listed under {len(parents)} parents "
+                    f"({', '.join(p.hex()[:12] for p in parents)}): the copy under a "
+                    "reachable parent that its hash proves is pulled"
+                )
+                self._reader.report_corrupt(problem)
+                report["problems"].append(problem)
 
         def manifest(h, parent):
             return self._reader.manifest(
@@ -589,11 +607,14 @@ class RemoteTier:
         # downloaded together and committed parents first (a child of a node that
         # could not be had is skipped by the commit's parent check).
         order, at = [(h, store.root) for h in sorted(children[store.root])], 0
+        listed = set(order)  # each (node, parent) once: listings may loop
         while at < len(order):
-            order += [(c, order[at][0]) for c in sorted(children[order[at][0]])]
+            below = [(c, order[at][0]) for c in sorted(children[order[at][0]])]
+            order += [pair for pair in below if pair not in listed]
+            listed.update(below)
             at += 1
         ends = {store.root: 0}  # where each kept node ends
-        reached = 0
+        reached = set()
         for lo in range(0, len(order), _PULL_WAVE_NODES):
             wave = order[lo : lo + _PULL_WAVE_NODES]
             jobs = [(h, p, self._io.submit(manifest, h, p)) for h, p in wave]
@@ -606,9 +627,9 @@ class RemoteTier:
                 except BaseException:  # the remote failed: the pull ends here
                     _cancel(jobs)
                     raise
-                if parent not in ends:
-                    continue  # below a node that is missing or invalid: unreachable
-                reached += 1
+                if parent not in ends or h in ends:
+                    continue  # below a node that is missing or invalid, or had
+                reached.add(h)
                 wrong = None if rec is None else wrong_start(rec, ends[parent])
                 if wrong is not None:
                     problem = f"{self._s3.manifest_key(ns, parent, h)}: {wrong}"
@@ -620,7 +641,7 @@ class RemoteTier:
                     good.append((h, rec))
                     ends[h] = rec.end
             self._pull_wave(good, report, progress)
-        report["unreachable"] += len(nodes) - reached
+        report["unreachable"] += len(nodes) - len(reached)
         report["bytes_down"] = self.stats()["bytes_down"]
         return report
 
@@ -652,5 +673,5 @@ def _cancel(jobs) -> None:
 
 
 def _new_node(h: bytes, rec: NodeRecord, raw: Dict[str, bytes]):
-    """A node for ``KVStore._write_nodes`` whose files are the downloaded bytes."""
+    """A node for ``WritePath.write_nodes`` whose files are the downloaded bytes."""
     return NewNode(h, rec.parent, rec.start, rec.tokens, None, raw=raw)

@@ -7,8 +7,8 @@ import time
 from collections import OrderedDict
 from typing import Iterable, Optional, Set
 
-from ..blobs import CorruptBlob
-from ..index import NodeRecord
+from ..disk.blobs import CorruptBlob
+from ..disk.index import NodeRecord
 from .client import S3Client
 from .errors import RemoteError
 from .manifest import check_node_file, encode_manifest, node_parts
@@ -130,7 +130,7 @@ class Uploader:
                 # send. A broken one is the store's to report.
                 self._counters.add(uploads_skipped=1)
                 if isinstance(e, CorruptBlob):
-                    store._report_broken(h, f"before upload: {e}", rec)
+                    store.parts.broken.report(h, f"before upload: {e}", rec)
                 return
             except RemoteError:
                 if attempt == self.attempts - 1:

@@ -92,8 +92,8 @@ def _no_madvise(memutil) -> None:
 # Modules binding Linux-only libc calls through ctypes, and how each is made to take
 # its macOS path right after it is imported.
 LINUX_LIBC_CALLS = {
-    "kvstore.fsutil": _unbind_sync_file_range,
-    "kvstore.memutil": _no_madvise,
+    "kvstore.platform.fsutil": _unbind_sync_file_range,
+    "kvstore.platform.memutil": _no_madvise,
 }
 
 

@@ -1,37 +1,34 @@
-"""The read path of ``KVStore``: walking the trie, reading and checking node files.
+"""The read path of ``KVStore``: walking the trie (:mod:`.walk`), reading and checking
+node files.
 
-``ReadPath`` is a mixin of :class:`kvstore.store.KVStore`; its methods use the
-store's index, chunk files, RAM tier and layout, and report broken nodes.
+:class:`ReadPath` owns its trie walk, its reader threads and the thread allocating a
+restore's arrays; it is given the index, node files, RAM tier, layout and the parts it
+shares with the write path and removal.
 """
 
 import functools
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .assemble import AssemblyPlan
-from .blobs import (
-    DTYPES,
-    MAX_HEADER_BYTES,
-    STATE_PART,
-    CorruptBlob,
-    OpenFile,
-    metadata_matches,
-)
-from .chunking import chain_hash
-from .index import CHILD_KEY_TOKENS, CorruptRecord, NodeRecord
+from ..disk.adapters import Layout
+from ..disk.blobs import STATE_PART, Blobs, CorruptBlob, OpenFile
+from ..disk.index import CorruptRecord, Index, IndexDamaged
+from .accesses import Accesses
+from .assemble import AssemblyPlan, PlanAllocator
+from .counters import Counters
 from .loadpath import Failures, FileSource, MemorySource, load_arrays
-from .payoff import Decision
-from .ram import RamEntry
+from .payoff import Decision, RestorePolicy
+from .ram import RamEntry, RamTier
+from .shapes import NodeShapes
+from .walk import Step, TrieWalk
 
 log = logging.getLogger("kvstore")
 
@@ -43,15 +40,6 @@ MLX_LOCK = threading.RLock()
 OPEN_AHEAD = 64
 
 _Opened = Union[OpenFile, BaseException, None]  # a node's file, opened ahead or not
-
-
-@dataclass
-class Step:
-    """One node on a walked path and how many of its tokens are used."""
-
-    h: bytes
-    rec: NodeRecord
-    take: int
 
 
 # Restores of less KV than this get no room: room needs a buffer of its own per tensor
@@ -109,10 +97,145 @@ def state_key(h: bytes) -> bytes:
 
 
 class ReadPath:
-    """Restores of :class:`kvstore.store.KVStore`: the trie walk, the parallel node
-    reads into an :class:`~kvstore.assemble.AssemblyPlan`, and broken-node reports."""
+    """Restores of one namespace of a store: the trie walk, the parallel node reads
+    into an :class:`~kvstore.engine.assemble.AssemblyPlan` (or through ``mx.load``,
+    :mod:`kvstore.engine.loadpath`), checked against the index; broken nodes go to
+    ``broken``.
 
-    def _fetch(
+    Args:
+        index: The store's index.
+        blobs: The store's node files.
+        ram: The RAM tier, read first.
+        layout: The namespace's cache layout.
+        namespace: The namespace's id.
+        root: The namespace's root (its unsalted tree).
+        chunk_tokens: Tokens per node at most.
+        shapes: The node files' expected tensors and sizes.
+        broken: The broken nodes (skipped; where a failed read is reported).
+        accesses: Where restored nodes' accesses and the rates are noted.
+        counters: Where fetches are counted.
+        policy: Whether a restore pays (:mod:`kvstore.engine.payoff`); it records
+            each restore's rate.
+        restore_room: Tokens of room past a restore (see ``KVStore``).
+        read_threads: Threads reading node files, this one included.
+        restore_io: ``"assemble"`` or ``"load"`` (:func:`default_restore_io`).
+    """
+
+    def __init__(
+        self,
+        *,
+        index: Index,
+        blobs: Blobs,
+        ram: RamTier,
+        layout: Layout,
+        namespace: bytes,
+        root: bytes,
+        chunk_tokens: int,
+        shapes: NodeShapes,
+        broken,
+        accesses: Accesses,
+        counters: Counters,
+        policy: RestorePolicy,
+        restore_room: int,
+        read_threads: int,
+        restore_io: str,
+    ):
+        self.index = index
+        self.blobs = blobs
+        self.ram = ram
+        self.layout = layout
+        self.namespace = namespace
+        self.root = root
+        self.chunk_tokens = chunk_tokens
+        self.shapes = shapes
+        self.broken = broken
+        self.accesses = accesses
+        self.counters = counters
+        self.policy = policy
+        self.restore_room = restore_room
+        self.read_threads = read_threads
+        self.restore_io = restore_io
+        self.trie = TrieWalk(
+            index=index,
+            namespace=namespace,
+            root=root,
+            chunk_tokens=chunk_tokens,
+            layout=layout,
+            broken=broken,
+        )
+        self._readers = ThreadPoolExecutor(
+            self.read_threads, thread_name_prefix="kvstore-read"
+        )
+        # A restore's arrays: see kvstore.engine.assemble.
+        self._allocator = PlanAllocator()
+        self._staging = threading.local()  # per reader thread: one node file at a time
+
+    def close(self) -> None:
+        """Stop the reader threads and the allocating thread."""
+        self._readers.shutdown()
+        self._allocator.close()
+
+    def fetch(
+        self, arr: np.ndarray, *, root: Callable[[], bytes], started: float
+    ) -> Tuple[List[Any], int]:
+        """Restore the longest stored prefix of ``arr`` in the tree whose root
+        ``root()`` gives, and count the fetch (begun at ``started``, a
+        ``perf_counter``). Never raises for a broken store (a damaged salt secret
+        too): the error is logged and counted, and the fetch is a miss."""
+        try:
+            cache, n = self.restore(arr, root=root())
+        except IndexDamaged:  # logged once by the index: a miss from now on
+            self.counters.add(errors=1)
+            cache, n = self.layout.make_cache(), 0
+        except Exception:
+            log.exception("kvstore: fetch failed; treating it as a miss")
+            self.counters.add(errors=1)
+            cache, n = self.layout.make_cache(), 0
+        self.counters.fetched(len(arr), n, time.perf_counter() - started)
+        return cache, n
+
+    def find(
+        self,
+        arr: np.ndarray,
+        *,
+        limit: int,
+        full_only: bool = False,
+        root: Optional[bytes] = None,
+    ) -> List[Step]:
+        """The stored nodes along ``arr[:limit]`` (:meth:`TrieWalk.walk`), in a read
+        transaction of its own."""
+        return self.index.read(
+            lambda txn: self.trie.walk(
+                txn, arr, limit=limit, full_only=full_only, root=root
+            )
+        )
+
+    def stored_tokens(self, arr: np.ndarray, *, root: bytes) -> int:
+        """How many tokens of ``arr`` a fetch would restore now (index only; 0 when
+        the index is damaged, which the index logged once)."""
+        try:
+            path = self.find(arr, limit=len(arr) - 1, root=root)
+        except IndexDamaged:
+            self.counters.add(errors=1)
+            return 0
+        return sum(step.take for step in path)
+
+    def all_stored(self, arr: np.ndarray, *, root: bytes) -> Optional[List[Step]]:
+        """The nodes holding all of ``arr`` (with the checkpoint at its end that a
+        layout with state layers needs), their files read back whole, their access
+        noted; None if any is missing or broken (a broken one is reported)."""
+        stored = self.find(arr, limit=len(arr), full_only=True, root=root)
+        complete = sum(step.take for step in stored) == len(arr)
+        if (
+            complete
+            and (not self.layout.has_state or stored[-1].rec.has_state)
+            and self.intact(stored)
+        ):
+            self.accesses.touch(step.h for step in stored)
+            return stored
+        return None
+
+    def restore(
         self,
         arr: np.ndarray,
         retries: int = 2,
@@ -120,12 +243,12 @@ class ReadPath:
         root: Optional[bytes] = None,
         decision: Optional[Decision] = None,
     ) -> Tuple[List[Any], int]:
-        path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr) - 1, root=root)
-        )
+        """:meth:`fetch` without the counting: ``(cache, n)``. ``decision``: one
+        made already (a tail read's), else the policy decides."""
+        path = self.find(arr, limit=len(arr) - 1, root=root)
         if not path:
-            return self.new_cache(), 0
-        costs = self._read_costs(path)
+            return self.layout.make_cache(), 0
+        costs = self.read_costs(path)
         if decision is None:
             decision = self.policy.decide(
                 [s.take for s in path], costs, cuttable=not self.layout.has_state
@@ -141,7 +264,7 @@ class ReadPath:
                         decision.restore_s * 1e3,
                         decision.recompute_s * 1e3,
                     )
-                return self.new_cache(), 0
+                return self.layout.make_cache(), 0
         if decision.nodes is not None:  # the first nodes only: cheaper than all
             log.info(
                 "kvstore: restoring the first %d of %d stored tokens; the rest is "
@@ -152,39 +275,38 @@ class ReadPath:
             path, costs = path[: decision.nodes], costs[: decision.nodes]
         nbytes = sum(costs)
         tic = time.perf_counter()
-        read = self._load_path if self.restore_io == "load" else self._read_path
-        failures, state_job, delta = read(path, len(arr))
+        failures, state_job, delta = self.read(path, len(arr))
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
             step = path[failed]
-            self._read_failed(step.h, failures.errors[failed], step.rec)
+            self.broken.read_failed(step.h, failures.errors[failed], step.rec)
         state = None
         if state_job is not None:
             if failed < len(path):
                 # The checkpoint's path is broken: look again (broken nodes are skipped
                 # now) for the next best checkpoint.
                 return (
-                    self._fetch(arr, retries - 1, root=root, decision=decision)
+                    self.restore(arr, retries - 1, root=root, decision=decision)
                     if retries
-                    else (self.new_cache(), 0)
+                    else (self.layout.make_cache(), 0)
                 )
             state = state_job.result()
         complete = failed >= len(path)
         path = path[:failed]  # a broken node: keep only what precedes it
         n = sum(step.take for step in path)
         if n == 0:
-            return self.new_cache(), 0
-        self._touch(step.h for step in path)
+            return self.layout.make_cache(), 0
+        self.accesses.touch(step.h for step in path)
         with MLX_LOCK:
             cache = self.layout.build(delta, state or {}, n)
         # A restore cut short says nothing of the rate: counted, not measured.
         seconds = time.perf_counter() - tic
         self.policy.record(decision, nbytes=nbytes if complete else 0, seconds=seconds)
         if complete:
-            self._keep_rates()
+            self.accesses.keep_rates()
         return cache, n
 
-    def _read_costs(self, path: List[Step]) -> List[int]:
+    def read_costs(self, path: List[Step]) -> List[int]:
         """Bytes of node (and checkpoint) files a restore of each node of ``path``
         reads: the RAM tier's nodes cost no read."""
         costs = [0 if s.h in self.ram else s.rec.nbytes for s in path]
@@ -192,6 +314,15 @@ class ReadPath:
         if self.layout.has_state and state_key(last.h) not in self.ram:
             costs[-1] += last.rec.state_nbytes
         return costs
+
+    def read(
+        self, path: List[Step], query: int
+    ) -> Tuple["Failures", Optional[Future], Dict[str, Any]]:
+        """Read the nodes of ``path`` for a ``query``-token prompt into new arrays:
+        ``(failures, state job or None, delta arrays by name)`` (:meth:`_read_path`,
+        or :meth:`_load_path` through ``mx.load`` where ``restore_io`` is load)."""
+        read = self._load_path if self.restore_io == "load" else self._read_path
+        return read(path, query)
 
     def _read_path(
         self, path: List[Step], query: int
@@ -210,7 +341,7 @@ class ReadPath:
             state_job = self._readers.submit(self._read_state, path[-1])
             jobs.append((len(path) - 1, state_job))
         opened: Dict[int, _Opened] = {}  # by index in path
-        capacity = _capacity(n, query, self.restore_room, self._token_bytes)
+        capacity = _capacity(n, query, self.restore_room, self.shapes.token_bytes)
         try:
             # The arrays are allocated on the allocator's thread while this one opens
             # the first node files. The lock is held here, for the allocating thread.
@@ -255,7 +386,7 @@ class ReadPath:
     def _load_path(
         self, path: List[Step], query: int
     ) -> Tuple["Failures", Optional[Future], Dict[str, Any]]:
-        """:meth:`_read_path` through ``mx.load`` (see :mod:`kvstore.loadpath`):
+        """:meth:`_read_path` through ``mx.load`` (see :mod:`kvstore.engine.loadpath`):
         on CUDA, the arrays reach device memory in one host-to-device copy."""
         n = sum(step.take for step in path)
         failures = Failures(len(path))
@@ -265,7 +396,9 @@ class ReadPath:
         delta: Dict[str, Any] = {}
         try:
             if self.layout.rows:
-                capacity = _capacity(n, query, self.restore_room, self._token_bytes)
+                capacity = _capacity(
+                    n, query, self.restore_room, self.shapes.token_bytes
+                )
                 offsets = list(itertools.accumulate((s.take for s in path), initial=0))
                 with MLX_LOCK:
                     delta = load_arrays(
@@ -284,7 +417,7 @@ class ReadPath:
         return failures, state_job, delta
 
     def _node_source(self, step: Step):
-        """Where :func:`kvstore.loadpath.load_arrays` reads ``step``'s node from: the
+        """Where :func:`kvstore.engine.loadpath.load_arrays` reads ``step``'s node from: the
         RAM tier, the open file of a whole node, or a node cut short read whole."""
         rec = step.rec
         entry = self.ram.get(step.h)
@@ -293,228 +426,31 @@ class ReadPath:
         if step.take == rec.ntokens:
             opened = self._open_node(step)
             try:
-                self._check_meta(opened.metadata)
+                self.shapes.check_meta(opened.metadata)
             except BaseException:
                 opened.close()
                 raise
             return FileSource(opened, checksum=rec.checksum)
-        self._check_sizes(rec)
+        self.shapes.check_sizes(rec)
         data, tensors, meta = self.blobs.read_staged(
             self.namespace,
             step.h,
             nbytes=rec.nbytes,
             checksum=rec.checksum,
-            expected=self._expected(rec.ntokens),
+            expected=self.shapes.expected(rec.ntokens),
             staging=bytearray(rec.nbytes),
         )
-        self._check_meta(meta)
+        self.shapes.check_meta(meta)
         return MemorySource(data, tensors)
-
-    def _walk(
-        self,
-        txn,
-        arr: np.ndarray,
-        *,
-        limit: int,
-        full_only: bool = False,
-        root: Optional[bytes] = None,
-    ) -> List[Step]:
-        """Follow stored nodes along ``arr[:limit]``, checking every node's tokens.
-
-        With ``full_only`` the walk stops before a node that is not wholly used. A
-        layout with state layers restores only at a node holding a checkpoint: its
-        fetch walk returns the longest such path. ``root``: the tree's root (a
-        salted one), else the namespace's.
-        """
-        checkpoints = self.layout.has_state and not full_only
-        parent = self.root if root is None else root
-        return self._walk_from(
-            txn,
-            arr,
-            parent,
-            0,
-            limit=limit,
-            full_only=full_only or checkpoints,
-            checkpoints=checkpoints,
-            look_aside=True,
-        )
-
-    def _walk_from(
-        self,
-        txn,
-        arr: np.ndarray,
-        parent: bytes,
-        pos: int,
-        *,
-        limit: int,
-        full_only: bool,
-        checkpoints: bool,
-        look_aside: bool,
-    ) -> List[Step]:
-        """:meth:`_walk` from node ``parent``, which ends at ``pos``.
-
-        The walk takes the longest match at each level. With ``look_aside`` it then
-        walks below the longest whole sibling it passed over at each level (without
-        looking aside again) and keeps a path that goes further: a system prompt's
-        node with the prompt's rest below it, beside a sibling that shares a few more
-        tokens and ends. Siblings that both match are rare (chunks are found by
-        hash), so this costs nothing in the common case.
-        """
-        start = pos
-        path: List[Step] = []
-        best: List[Step] = []  # the longest path ending at a checkpoint
-        best_end = 0
-        passed = []  # (index in path, position, whole sibling not taken there)
-        C = self.chunk_tokens
-        while pos < limit:
-            usable = [
-                step
-                for step in self._candidates(
-                    txn, parent, arr[pos : pos + C], checkpoints
-                )
-                if step.rec.start == pos
-            ]
-            for step in usable:
-                step.take = min(step.take, limit - pos)
-            # On a tie, a node used whole first: the walk can go on below it.
-            usable.sort(key=lambda step: (-step.take, step.take < step.rec.ntokens))
-            if full_only:
-                usable = [step for step in usable if step.take == step.rec.ntokens]
-            if checkpoints:
-                for step in usable:
-                    if step.rec.has_state and pos + step.take > best_end:
-                        best, best_end = path + [step], pos + step.take
-            if not usable:
-                break
-            step = usable[0]
-            whole = [s for s in usable[1:] if s.take == s.rec.ntokens]
-            if look_aside and whole and not checkpoints:
-                passed.append((len(path), pos, whole[0]))
-            path.append(step)
-            if step.take < step.rec.ntokens:
-                break
-            parent, pos = step.h, pos + step.take
-        if checkpoints:
-            return best
-        end, greedy = start + sum(step.take for step in path), path
-        for at, where, other in passed:
-            below = self._walk_from(
-                txn,
-                arr,
-                other.h,
-                where + other.take,
-                limit=limit,
-                full_only=full_only,
-                checkpoints=False,
-                look_aside=False,
-            )
-            other_end = where + other.take + sum(step.take for step in below)
-            if other_end > end:
-                path, end = greedy[:at] + [other] + below, other_end
-        return path
-
-    def _candidates(
-        self, txn, parent: bytes, query: np.ndarray, checkpoints: bool
-    ) -> List[Step]:
-        """Children of ``parent`` matching a prefix of ``query``, longest match first.
-
-        With ``checkpoints``, every child whose tokens are a prefix of the query: a
-        shorter sibling may hold the only checkpoint (a system prompt's tail stored
-        after a longer prompt without that boundary).
-        """
-        out = []
-        if len(query) == self.chunk_tokens:  # the common case: found by its hash
-            h = chain_hash(parent, query)
-            rec = self._get_node(txn, h)
-            if rec is not None and np.array_equal(rec.tokens, query):
-                out.append(Step(h, rec, len(query)))
-                if not checkpoints:
-                    return out
-        out += [
-            Step(h, rec, common)
-            for h, rec, common in self.index.nearest_children(
-                self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
-            )
-            if h not in self._broken
-        ]
-        if checkpoints:
-            out += self._shorter_children(txn, parent, query)
-        elif out:
-            # The best match is a sibling that goes on past the query: a child holding
-            # exactly those tokens (a system prompt's end, with the rest of this prompt
-            # below it) may sit away from the query in key order. Racing saves leave
-            # such siblings.
-            best = max(step.take for step in out)
-            if best < CHILD_KEY_TOKENS and all(
-                step.take < step.rec.ntokens for step in out if step.take == best
-            ):
-                out += self._shorter_children(txn, parent, query[: best + 1])
-        unique = {step.h: step for step in reversed(out)}  # keep the first of each
-        return sorted(unique.values(), key=lambda step: -step.take)
-
-    def _shorter_children(self, txn, parent: bytes, query: np.ndarray) -> List[Step]:
-        """Children whose tokens are a strict prefix of ``query`` (found by hash)."""
-        out = []
-        for h, rec in self.index.prefix_children(
-            self.namespace, parent, query, txn, on_corrupt=self._corrupt_record
-        ):
-            if h not in self._broken and np.array_equal(
-                rec.tokens, query[: rec.ntokens]
-            ):
-                out.append(Step(h, rec, rec.ntokens))
-        return out
-
-    def _get_node(self, txn, h: bytes) -> Optional[NodeRecord]:
-        if h in self._broken:
-            return None
-        try:
-            return self.index.get_node(self.namespace, h, txn)
-        except CorruptRecord as e:
-            self._corrupt_record(h, e)
-            return None
-
-    def _corrupt_record(self, h: bytes, error: CorruptRecord) -> None:
-        self._report_broken(h, f"index record: {error}")
-
-    def _check_sizes(self, rec: NodeRecord) -> None:
-        """Refuse a record whose sizes no node file of this store has, before anything
-        is allocated for it: a corrupt record must not cost gigabytes of memory."""
-        if rec.ntokens > self.chunk_tokens:
-            raise CorruptRecord(
-                f"record holds {rec.ntokens} tokens, nodes hold at most "
-                f"{self.chunk_tokens}"
-            )
-        _, data = self._node_file(rec.ntokens)
-        if not data + 8 < rec.nbytes <= data + 8 + MAX_HEADER_BYTES:
-            raise CorruptRecord(
-                f"record says the file has {rec.nbytes} bytes; a node of "
-                f"{rec.ntokens} tokens has {data} bytes of data and a header"
-            )
-
-    def _expected(self, ntokens: int) -> Dict[str, Tuple[str, Tuple]]:
-        """The tensors of a node file of ``ntokens`` tokens (one shared dict per size)."""
-        return self._node_file(ntokens)[0]
-
-    def _node_file(self, ntokens: int) -> Tuple[Dict[str, Tuple[str, Tuple]], int]:
-        """``(tensors, data bytes)`` of a node file of ``ntokens`` tokens, cached."""
-        known = self._node_files.get(ntokens)
-        if known is None:
-            expected = self.layout.delta_tensors(ntokens)
-            data = sum(
-                math.prod(shape) * DTYPES[dtype][1]
-                for dtype, shape in expected.values()
-            )
-            known = self._node_files[ntokens] = (expected, data)
-        return known
 
     def _open_node(self, step: Step) -> OpenFile:
         """Open a whole node's file, its record and header checked."""
-        self._check_sizes(step.rec)
+        self.shapes.check_sizes(step.rec)
         return self.blobs.open_checked(
             self.namespace,
             step.h,
             nbytes=step.rec.nbytes,
-            expected=self._expected(step.rec.ntokens),
+            expected=self.shapes.expected(step.rec.ntokens),
         )
 
     def _open_ahead(self, path: List[Step], opened: Dict[int, _Opened]) -> None:
@@ -591,10 +527,10 @@ class ReadPath:
                     plan.node_targets, offset=offset, node_tokens=rec.ntokens
                 ),
             )
-            self._check_meta(meta)
+            self.shapes.check_meta(meta)
             return
         else:
-            self._check_sizes(rec)
+            self.shapes.check_sizes(rec)
             staging = getattr(self._staging, "buf", None)
             if staging is None or len(staging) < rec.nbytes:
                 # A new buffer rather than a resize: an earlier view may still be alive.
@@ -604,10 +540,10 @@ class ReadPath:
                 key,
                 nbytes=rec.nbytes,
                 checksum=rec.checksum,
-                expected=self._expected(rec.ntokens),
+                expected=self.shapes.expected(rec.ntokens),
                 staging=staging,
             )
-            self._check_meta(meta)
+            self.shapes.check_meta(meta)
         plan.copy_node(
             data, tensors, offset=offset, take=step.take, node_tokens=rec.ntokens
         )
@@ -630,74 +566,11 @@ class ReadPath:
                 expected=None,
                 part=STATE_PART,
             )
-            self._check_meta(meta)
+            self.shapes.check_meta(meta)
             data = memoryview(data)
         return self.layout.decode_state(data, tensors, rec.end)
 
-    def _check_meta(self, meta: dict) -> None:
-        if not metadata_matches(meta, self.namespace):
-            raise CorruptBlob("file belongs to another namespace")
-
-    def _read_failed(
-        self, h: bytes, error: BaseException, rec: Optional[NodeRecord]
-    ) -> None:
-        """A node's files could not be read for a fetch (or a prefill, a preload).
-
-        Only evidence that the data is bad (:class:`CorruptBlob`: checksum, header,
-        size, a missing file; :class:`CorruptRecord`) reports the node broken, and
-        only while the index still holds the record it was read for. Any other
-        ``OSError`` (out of descriptors or memory, an interrupted call, EIO) is a
-        miss and a counted error: nothing is removed, the next fetch tries again.
-        """
-        if isinstance(error, (CorruptBlob, CorruptRecord)):
-            self._report_broken(h, str(error), rec)
-            return
-        if isinstance(error, OSError):
-            log.warning(
-                "kvstore: cannot read node %s now (%s); a miss, nothing removed",
-                h.hex()[:12],
-                error,
-            )
-        else:
-            log.error("kvstore: reading node failed", exc_info=error)
-        with self._lock:
-            self._counters.errors += 1
-
-    def _same_record(self, txn, h: bytes, rec: Optional[NodeRecord]) -> bool:
-        """Whether node ``h``'s record in ``txn`` is still ``rec`` (the same files);
-        with ``rec`` None, whether it is still a record that does not decode."""
-        try:
-            now = self.index.get_node(self.namespace, h, txn)
-        except CorruptRecord:
-            return rec is None
-        return now is not None and rec is not None and now.same_files(rec)
-
-    def _report_broken(
-        self, h: bytes, reason: str, rec: Optional[NodeRecord] = None
-    ) -> None:
-        """Report node ``h`` broken (a miss from it on) and have the writer quarantine
-        it: ``rec`` is the record its files were read for (None: a record that does
-        not decode). A node whose record has gone or changed since (another process
-        evicted it, or evicted and saved it again) is a plain miss instead."""
-        if rec is not None and not self.index.read(
-            lambda txn: self._same_record(txn, h, rec)
-        ):
-            log.debug("kvstore: node %s went while it was read: a miss", h.hex()[:12])
-            return
-        with self._lock:
-            if h in self._broken:
-                return
-            self._broken.add(h)
-            self._counters.corrupt += 1
-        log.warning(
-            "kvstore: node %s is broken (%s); treating it as a miss",
-            h.hex()[:12],
-            reason,
-        )
-        self._forget(h)
-        self.writer.submit(lambda: self._quarantine(h, reason, rec))
-
-    def _preload_pinned(self) -> None:
+    def preload_pinned(self) -> None:
         """Load pinned nodes' files into the RAM tier (as far as its budget allows)."""
         if self.ram.max_bytes == 0:
             return
@@ -710,8 +583,10 @@ class ReadPath:
                     or self.ram.nbytes + rec.total_bytes > self.ram.max_bytes
                 ):
                     continue
-                self._check_sizes(rec)
-                parts = [(h, rec.nbytes, rec.checksum, "", self._expected(rec.ntokens))]
+                self.shapes.check_sizes(rec)
+                parts = [
+                    (h, rec.nbytes, rec.checksum, "", self.shapes.expected(rec.ntokens))
+                ]
                 if rec.has_state:
                     parts.append(
                         (
@@ -731,9 +606,36 @@ class ReadPath:
                         expected=expected,
                         part=part,
                     )
-                    self._check_meta(meta)
+                    self.shapes.check_meta(meta)
                     if part == STATE_PART:
                         self.layout.decode_state(memoryview(data), tensors, rec.end)
                     self.ram.put(key, RamEntry(data, tensors, rec.kind, True))
             except (CorruptBlob, CorruptRecord, OSError) as e:
-                self._read_failed(h, e, rec)
+                self.broken.read_failed(h, e, rec)
+
+    def intact(self, steps: List[Step]) -> bool:
+        """Whether the stored nodes' files read back whole (checksums), so a prefill
+        may skip them; the first broken one is reported and quarantined as a fetch
+        would, and the prefill computes it again."""
+        for step in steps:
+            rec = step.rec
+            parts = [("", rec.nbytes, rec.checksum, self.shapes.expected(rec.ntokens))]
+            if rec.has_state:
+                parts.append((STATE_PART, rec.state_nbytes, rec.state_checksum, None))
+            try:
+                for part, nbytes, checksum, expected in parts:
+                    if part == "" and step.h in self.ram:
+                        continue  # checked when it was loaded
+                    meta = self.blobs.read_all(
+                        self.namespace,
+                        step.h,
+                        nbytes=nbytes,
+                        checksum=checksum,
+                        expected=expected,
+                        part=part,
+                    )[2]
+                    self.shapes.check_meta(meta)
+            except (CorruptBlob, OSError) as e:
+                self.broken.read_failed(step.h, e, rec)
+                return False
+        return True

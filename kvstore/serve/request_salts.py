@@ -23,7 +23,7 @@ import unicodedata
 from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
-from .salts import Salt, Tenant, check_salt
+from ..disk.salts import Salt, Tenant, check_salt
 
 UNKNOWN = object()  # a cache whose request cannot be told: never stored
 
@@ -44,7 +44,7 @@ class SaltPolicy:
 
     Args:
         header: ``--salt-header``: the header's value is the request's tenant
-            (:class:`~kvstore.salts.Tenant`, set by a gateway), whose trees are apart
+            (:class:`~kvstore.disk.salts.Tenant`, set by a gateway), whose trees are apart
             from every ``cache_salt``'s. A ``cache_salt`` in the body then narrows the
             tenant's tree (``Tenant(header, cache_salt)``, within the tenant's
             quota); without the header it is a plain salt, as on a server without

@@ -131,6 +131,30 @@ SERVER_METRICS = (
         "saves_skipped",
     ),
     (
+        "kvstore_saves_deferred",
+        "counter",
+        "Saves that waited for the background writer to have room",
+        "saves_deferred",
+    ),
+    (
+        "kvstore_saves_merged",
+        "counter",
+        "Queued saves covered by a later save of the same prompt",
+        "saves_merged",
+    ),
+    (
+        "kvstore_saves_lost",
+        "counter",
+        "Deferred saves whose prefix left RAM before the writer had room",
+        "saves_lost",
+    ),
+    (
+        "kvstore_restores_prefetched",
+        "counter",
+        "Restores started when their request arrived and taken by its lookup",
+        "restores_prefetched",
+    ),
+    (
         "kvstore_store_errors",
         "counter",
         "Store operations that failed (logged; the request went on)",

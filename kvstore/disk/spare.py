@@ -5,7 +5,7 @@ frees the old ones only once it is durable. So deleting records needs disk space
 on a full file system ``kvstore gc`` could free nothing: its first commit failed with
 ENOSPC. Every writable open keeps ``index/spare``, a file of :data:`SPARE_BYTES`
 written in full (real blocks, not a sparse file); a commit that frees space and
-finds the disk full deletes it and tries again (:meth:`kvstore.index.Index.write`).
+finds the disk full deletes it and tries again (:meth:`kvstore.disk.index.Index.write`).
 Eviction starts with small commits (:func:`kvstore.maintenance.evict_to_budget`), so
 that room is enough for the first one; the node files it unlinks make room for the
 rest. ``gc`` makes the spare again when it is done.

@@ -13,6 +13,15 @@ server decides its first fetch by what earlier processes measured.
 A fetch may also restore only the first nodes of a prefix, when they are in memory
 and the rest is faster to prefill than to read.
 
+The rates are running means in which one sample moves the mean by at most a factor
+(:data:`MAX_STEP`): a sample farther than that from the mean counts as if it were
+that far (a winsorized mean). A bogus sample (a wrong timing passed by a caller, a
+stall) then cannot switch restores off for long: a prefill rate 3e14 tokens/s from
+one bad call raises the mean 1.9-fold instead of to 1e14, and the next two real
+prefills bring it within 1.5-fold of the truth, where a plain running mean needs ~70.
+A real change (another machine's kept rate, a model that got faster) is followed
+1.9-fold a sample. Kept rates that are not finite and positive are ignored.
+
 Until a prefill rate is known, every stored prefix is restored (as before any
 measurement, the store cannot know better). A prefix chosen to be recomputed is
 still restored once in :data:`EXPLORE_EVERY` decisions, so the restore rate
@@ -20,6 +29,7 @@ follows a page cache that warms up.
 """
 
 import json
+import math
 import socket
 import threading
 import time
@@ -35,6 +45,8 @@ MIN_PREFILL_TOKENS = 32
 # A restore's fixed cost beyond its bytes (opening files, building caches).
 RESTORE_OVERHEAD_S = 0.002
 EXPLORE_EVERY = 16
+# How far (a factor) a sample may be from the running rate and still count in full.
+MAX_STEP = 4.0
 # The meta key under which a namespace's rates on a host are kept, and how often.
 RATES_KEY = b"rates/"
 PERSIST_EVERY_S = 30.0
@@ -70,21 +82,54 @@ class Rates:
 
     @staticmethod
     def _mix(old: Optional[float], new: float) -> float:
-        return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+        if old is None:
+            return new
+        new = min(max(new, old / MAX_STEP), old * MAX_STEP)  # one outlier moves little
+        return (1 - SMOOTHING) * old + SMOOTHING * new
 
-    def note_prefill(self, tokens: int, seconds: float) -> bool:
-        """Record a prefill of ``tokens`` in ``seconds``; False if too small to say."""
-        if tokens < MIN_PREFILL_TOKENS or seconds <= 0:
+    def note_prefill(self, tokens: float, seconds: float) -> bool:
+        """Record a prefill of ``tokens`` in ``seconds``; False if too small to say.
+
+        Raises:
+            ValueError: ``tokens`` is not a finite number >= 0, ``seconds`` not a
+                finite number > 0, or their rate is not finite.
+        """
+        _check_number("tokens", tokens, positive=False)
+        _check_number("seconds", seconds, positive=True)
+        if tokens < MIN_PREFILL_TOKENS:
             return False
+        rate = tokens / seconds
+        if not math.isfinite(rate):
+            raise ValueError(
+                f"seconds={seconds!r} for tokens={tokens!r} gives a rate that is not "
+                "finite"
+            )
         with self._lock:
-            self.prefill = self._mix(self.prefill, tokens / seconds)
+            self.prefill = self._mix(self.prefill, rate)
         return True
 
     def note_restore(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds <= 0:
-            return
+        if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes / seconds)):
+            return  # a timer that did not move: no rate
         with self._lock:
             self.restore = self._mix(self.restore, nbytes / seconds)
+
+
+def _check_number(name: str, value, *, positive: bool) -> None:
+    """ValueError naming ``name`` unless ``value`` is a finite real number, > 0 with
+    ``positive`` (else >= 0)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        want = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {want}, got {value!r}")
+
+
+def usable_rate(value) -> Optional[float]:
+    """``value`` as a rate: a finite number > 0, else None (a kept rate edited by
+    hand, or ``Infinity`` from one bogus measurement)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) and value > 0 else None
 
 
 class RestorePolicy:
@@ -183,12 +228,14 @@ def read_rates(txn, db, namespace: bytes) -> Rates:
         prefill, restore = kept.get("prefill"), kept.get("restore")
     except (ValueError, AttributeError):
         return rates
-    for name, value in (("prefill", prefill), ("restore", restore)):
-        if isinstance(value, (int, float)) and value > 0:
-            setattr(rates, name, float(value))
+    rates.prefill, rates.restore = usable_rate(prefill), usable_rate(restore)
     return rates
 
 
 def write_rates(txn, db, namespace: bytes, rates: Rates) -> None:
-    value = {"prefill": rates.prefill, "restore": rates.restore, "at": time.time()}
+    value = {
+        "prefill": usable_rate(rates.prefill),
+        "restore": usable_rate(rates.restore),
+        "at": time.time(),
+    }
     txn.put(rates_key(namespace), json.dumps(value).encode(), db=db)

@@ -7,7 +7,7 @@ step for all its files before the next step, so that their durability is one pie
 of work instead of one per file:
 
 1. every file is written to its temp file, and the kernel is told to start writing
-   it to the device at once (:func:`kvstore.fsutil.start_writeback`), so the disk
+   it to the device at once (:func:`kvstore.platform.fsutil.start_writeback`), so the disk
    works while the next file is written;
 2. every temp file is fsynced, by ``SYNC_THREADS`` threads at once (the oldest ones
    while later ones are written, to keep at most ``OPEN_FILES`` descriptors);
@@ -19,7 +19,7 @@ files and 100 directories cost 228 flushes, and while other processes write, eac
 waits for their writes too (measured: 0.5-0.9 s of a 32K-token save). Issued
 concurrently, the file system joins them into shared journal commits and the block
 layer merges their flushes. On macOS the drive's cache is flushed once per step
-instead, by the last ``fsync`` (``F_FULLFSYNC``; see :func:`kvstore.fsutil.fsync`).
+instead, by the last ``fsync`` (``F_FULLFSYNC``; see :func:`kvstore.platform.fsutil.fsync`).
 
 Why this order is as safe as one file at a time: a file gets its final name only
 after its bytes are durable (2 before 3), and the caller commits the index only
@@ -41,7 +41,8 @@ from typing import Dict, List, Optional, Tuple
 
 import xxhash
 
-from . import fsutil, reservations
+from ..platform import fsutil
+from . import reservations
 from .blobs import (
     DELTA_PART,
     HASH_BATCH_BYTES,
@@ -62,7 +63,7 @@ _LINK_ATTEMPTS = 5  # publishing races with other processes' evictions of that f
 
 def temp_name(h: bytes) -> str:
     """A new temp file name for node ``h``: ``.<h>.<pid>.<start>.<random>.tmp``. The
-    writer's pid and start time (:mod:`kvstore.reservations`) tell ``gc`` whether it
+    writer's pid and start time (:mod:`kvstore.disk.reservations`) tell ``gc`` whether it
     is gone; the random part keeps names of one process apart (the file is created
     with ``O_EXCL`` anyway)."""
     pid, start = reservations.own_identity()

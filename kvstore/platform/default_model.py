@@ -14,7 +14,7 @@ consults before quantizing each module.
 Typical use::
 
     from mlx_lm import load
-    from kvstore.default_model import ensure_default_model
+    from kvstore.platform.default_model import ensure_default_model
 
     model, tokenizer = load(ensure_default_model())
 """

@@ -11,7 +11,7 @@ So on CUDA a restore loads a safetensors file that exists only in memory
 (:class:`RestoreFile`): its header lists the restore's arrays, and each of its
 ``readinto`` calls reads the matching rows of every node file straight into MLX's
 host buffer, on the reader threads. On the CPU backend the same file reads straight
-into the arrays (one copy, as :mod:`kvstore.assemble` does).
+into the arrays (one copy, as :mod:`kvstore.engine.assemble` does).
 
 Checksums: a node's checksum covers its file front to back. The restore's tensors
 are listed in the node files' order and evaluated one at a time in that order, so
@@ -29,9 +29,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import mlx.core as mx
 import xxhash
 
-from . import devices, fsutil
+from ..disk.blobs import DTYPES, CorruptBlob, OpenFile, TensorEntry
+from ..platform import devices, fsutil
 from .assemble import VirtualFile
-from .blobs import DTYPES, CorruptBlob, OpenFile, TensorEntry
 
 # Node files one RestoreFile reads from: all of them stay open while it loads, so
 # longer restores are loaded in segments of at most this many nodes, joined on the
@@ -48,7 +48,7 @@ READ_SECONDS = [0.0]
 
 def default_restore_io() -> str:
     """How restores reach their arrays: ``"load"`` (this module) with MLX's CUDA
-    backend, ``"assemble"`` (:mod:`kvstore.assemble`) on the CPU and Metal, where
+    backend, ``"assemble"`` (:mod:`kvstore.engine.assemble`) on the CPU and Metal, where
     the CPU writes an array's memory in place. ``KVSTORE_RESTORE_IO`` overrides it
     (the test suite runs both paths on the CPU)."""
     forced = os.environ.get("KVSTORE_RESTORE_IO", "")

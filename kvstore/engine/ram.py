@@ -5,8 +5,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, Hashable, Optional
 
-from .blobs import TensorEntry
-from .policy import RAM_ORDER
+from ..disk.blobs import TensorEntry
+from ..disk.policy import RAM_ORDER
 
 
 @dataclass(frozen=True)

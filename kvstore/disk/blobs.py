@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 from safetensors import TensorSpec, serialize
 
-from . import fsutil
+from ..platform import fsutil
 
 MAX_HEADER_BYTES = 1 << 20
 # Buffers per preadv call (the kernel refuses more: EINVAL).
@@ -84,7 +84,7 @@ class CorruptBlob(Exception):
 
 @dataclass(frozen=True)
 class Published:
-    """The file at a node's path after a publish (:mod:`kvstore.publish`)."""
+    """The file at a node's path after a publish (:mod:`kvstore.disk.publish`)."""
 
     nbytes: int
     checksum: int
@@ -128,7 +128,7 @@ class OpenFile:
 @dataclass(frozen=True)
 class NodeFile:
     """A node file's bytes as its header and views of the tensors' own memory, in
-    file order: written with vectored writes (:class:`kvstore.publish.WriteBatch`),
+    file order: written with vectored writes (:class:`kvstore.disk.publish.WriteBatch`),
     never first serialized into one copy (a save's copy of every KV byte cost as much
     as writing it to the page cache).
 
@@ -345,7 +345,7 @@ class Blobs:
     """Content-addressed chunk files under ``<root>/<ns>/<h[:2]>/<h>.safetensors``.
 
     A node may also have a state file, ``<h>.state.safetensors``: the checkpoint of
-    the layers whose state does not concatenate (see :mod:`kvstore.adapters`).
+    the layers whose state does not concatenate (see :mod:`kvstore.disk.adapters`).
 
     No symlink below ``root`` is followed: files are read through
     :func:`fsutil.open_regular_beneath`; a node whose directories are not real ones

@@ -1,7 +1,7 @@
 """The write path of ``KVStore``: capturing a cache's nodes, then (writer thread)
 serializing, reserving disk bytes, publishing the files and committing their nodes.
 
-``WritePath`` is a mixin of :class:`kvstore.store.KVStore`.
+:class:`WritePath` is given the parts it shares with the read path and removal.
 """
 
 import logging
@@ -12,14 +12,29 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import devices, maintenance, reservations, salts
-from .blobs import DELTA_PART, STATE_PART, NodeFile, node_metadata, parse_header
-from .chunking import chain_hashes, split_spans
-from .index import NodeRecord
-from .policy import stronger_kind
-from .publish import WriteBatch
-from .ram import RamEntry
-from .restore import MLX_LOCK, state_key
+from .. import maintenance
+from ..disk import reservations, salts
+from ..disk.adapters import Layout, LayoutMismatch
+from ..disk.blobs import (
+    DELTA_PART,
+    STATE_PART,
+    Blobs,
+    NodeFile,
+    node_metadata,
+    parse_header,
+)
+from ..disk.chunking import chain_hashes, split_spans
+from ..disk.index import Index, IndexDamaged, NodeRecord
+from ..disk.policy import stronger_kind
+from ..disk.publish import WriteBatch
+from ..platform import devices
+from .accesses import Accesses
+from .counters import Counters
+from .ram import RamEntry, RamTier
+from .removal import BrokenNodes, Budgets, Removal
+from .restore import MLX_LOCK, ReadPath, state_key
+from .shapes import NodeShapes
+from .writer import BackgroundWriter
 
 log = logging.getLogger("kvstore")
 
@@ -30,7 +45,7 @@ class HeldTokens:
     On the CPU and Metal these are views of the cache's own buffers (no copy, and
     immune to the caller's updates: while a view holds a buffer, MLX copies it to
     update it). With CUDA they are device copies, read on the host only on the
-    writer thread (:mod:`kvstore.devices`): the caller's live cache stays in
+    writer thread (:mod:`kvstore.platform.devices`): the caller's live cache stays in
     device memory, and ``save()`` does not wait for the copy to reach the host.
     """
 
@@ -43,8 +58,9 @@ class HeldTokens:
     def host(self) -> Dict[str, np.ndarray]:
         """``name -> (1, heads, tokens, width)`` host arrays (made once)."""
         if self._host is None:
-            with MLX_LOCK:
-                self._host = {k: np.asarray(v) for k, v in self._arrays.items()}
+            self._host = {
+                k: devices.host_copy(v, lock=MLX_LOCK) for k, v in self._arrays.items()
+            }
             self._arrays = {}
         return self._host
 
@@ -108,16 +124,105 @@ def _attempts(batch: WriteBatch) -> List[Tuple[bytes, str, int, int]]:
 
 
 class WritePath:
-    """Saves of :class:`kvstore.store.KVStore`: :meth:`_save` captures the nodes and
-    queues :meth:`_write_nodes` on the background writer."""
+    """Saves into one namespace of a store: :meth:`save` captures the nodes and
+    queues :meth:`write_nodes` on the background writer.
 
-    def _save(self, arr, cache, *, kind, pin, boundaries, root=None, group=None) -> int:
-        root = (
-            self.root if root is None else root
-        )  # a salted tree's, or the namespace's
-        path = self.index.read(
-            lambda txn: self._walk(txn, arr, limit=len(arr), full_only=True, root=root)
-        )
+    Args:
+        index: The store's index.
+        blobs: The store's node files.
+        ram: The RAM tier, filled with what this process writes.
+        layout: The namespace's cache layout.
+        namespace: The namespace's id.
+        root: The namespace's root (its unsalted tree).
+        chunk_tokens: Tokens per node at most.
+        shapes: The node files' expected tensors.
+        reads: The read path, whose walk finds what is stored already.
+        writer: The background writer the files are written on.
+        removal: Eviction and cleanup after failed or superseded saves.
+        broken: The broken nodes (a rewrite heals them).
+        accesses: Access times, written with a save's reservation.
+        counters: Where writes are counted.
+        budgets: The disk budgets (read at each save).
+        remote: The remote tier new nodes are uploaded to, or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        index: Index,
+        blobs: Blobs,
+        ram: RamTier,
+        layout: Layout,
+        namespace: bytes,
+        root: bytes,
+        chunk_tokens: int,
+        shapes: NodeShapes,
+        reads: ReadPath,
+        writer: BackgroundWriter,
+        removal: Removal,
+        broken: BrokenNodes,
+        accesses: Accesses,
+        counters: Counters,
+        budgets: Budgets,
+        remote=None,
+    ):
+        self.index = index
+        self.blobs = blobs
+        self.ram = ram
+        self.layout = layout
+        self.namespace = namespace
+        self.root = root
+        self.chunk_tokens = chunk_tokens
+        self.shapes = shapes
+        self.reads = reads
+        self.writer = writer
+        self.removal = removal
+        self.broken = broken
+        self.accesses = accesses
+        self.counters = counters
+        self.budgets = budgets
+        self.remote = remote
+
+    def accepts(self, cache, ntokens: int, *, exact: bool) -> bool:
+        """Check ``cache`` against the layout. A wrong call (token count, layer count)
+        raises; a cache whose layers differ from the layout probed at open is logged,
+        counted (``saves_refused``) and not saved."""
+        try:
+            self.layout.check_cache(cache, ntokens, exact=exact)
+        except LayoutMismatch as e:
+            log.warning("kvstore: not saved: %s", e)
+            self.counters.add(saves_refused=1)
+            return False
+        return True
+
+    def save(
+        self,
+        arr,
+        cache,
+        *,
+        kind: str,
+        pin: bool,
+        boundaries,
+        tree: Optional[Tuple[bytes, bytes]] = None,
+        exact: Optional[bool] = None,
+    ) -> int:
+        """Capture the new nodes of ``cache`` (holding ``arr``) and queue their write;
+        returns how many there are (0 too when the save is refused or dropped).
+
+        Args:
+            tree: ``(tree root, quota root)`` of a salted tree; None: the namespace's.
+            exact: Check ``cache`` against the layout first (:meth:`accepts`),
+                holding exactly ``arr`` (True) or at least it (False); None: not
+                checked.
+        """
+        if exact is not None and not self.accepts(cache, len(arr), exact=exact):
+            return 0
+        root, group = tree or (self.root, None)  # a salted tree's, or the namespace's
+        try:
+            path = self.reads.find(arr, limit=len(arr), full_only=True, root=root)
+        except IndexDamaged:  # logged once by the index; nothing more is written
+            self.counters.add(writes_dropped=1)
+            return 0
         pos = sum(step.take for step in path)
         parent = path[-1].h if path else root
         spans = split_spans(pos, len(arr), self.chunk_tokens, boundaries)
@@ -153,11 +258,11 @@ class WritePath:
             nodes[-1].state = state
             nbytes += sum(a.nbytes for _, a in state.values())
         existing = [step.h for step in path]
-        self._touch(existing)
+        self.accesses.touch(existing)
 
         def job():
             try:
-                self._write_nodes(
+                self.write_nodes(
                     nodes, kind=kind, pin=pin, existing=existing, root=root, group=group
                 )
             finally:
@@ -165,8 +270,7 @@ class WritePath:
                 held.release(state_read=state is not None)
 
         if (nodes or pin) and not self.writer.submit(job, nbytes):
-            with self._lock:
-                self._counters.writes_dropped += 1
+            self.counters.add(writes_dropped=1)
             log.warning(
                 "kvstore: %d bytes of writes pending (max_pending_bytes %d); dropped "
                 "the save of a %d-token prompt (first node %s): %d new nodes, %d bytes",
@@ -180,12 +284,18 @@ class WritePath:
             return 0
         return len(nodes)
 
+    def pin_stored(self, existing: List[bytes], *, kind: str) -> None:
+        """Queue pinning the stored nodes ``existing`` (nothing to write)."""
+        self.writer.submit(
+            lambda: self.write_nodes([], kind=kind, pin=True, existing=existing)
+        )
+
     def _serialize(
         self, node: NewNode
     ) -> Tuple[Optional[NodeFile], Optional[NodeFile]]:
         """Writer thread: the files of ``node`` that the index lacks, its delta file and
         its state file (None: nothing to write), as views of the cache's arrays (no
-        copy: :class:`kvstore.blobs.NodeFile`)."""
+        copy: :class:`kvstore.disk.blobs.NodeFile`)."""
         ns = self.namespace
         rec = self.index.get_node(ns, node.h)
         if node.raw is not None:  # downloaded and validated by the remote tier
@@ -201,7 +311,7 @@ class WritePath:
             )
         delta = state = None
         if rec is None and node.slices is not None:
-            expected = self._expected(len(node.tokens))
+            expected = self.shapes.expected(len(node.tokens))
             tensors = {
                 name: (*expected[name], np.asarray(x))
                 for name, x in node.slices.items()
@@ -222,7 +332,7 @@ class WritePath:
     ) -> List[tuple]:
         """Writer thread: write every file of :meth:`_serialize` into ``batch`` and
         publish them together (durable before any is linked, see
-        :mod:`kvstore.publish`). Returns ``(node, delta, state)`` per node, each file
+        :mod:`kvstore.disk.publish`). Returns ``(node, delta, state)`` per node, each file
         as a ``(NodeFile, Published)`` pair or None."""
         ns, parts = self.namespace, []
         for node, pair in zip(nodes, files):
@@ -252,33 +362,23 @@ class WritePath:
         keep = {(ns, node.parent) for node in nodes}
         keep |= {(ns, node.h) for node, (delta, _) in zip(nodes, files) if not delta}
         key = reservations.new_key()
-        touched = self._take_touches()
+        touched = self.accesses.take()
 
         def reserve(txn):
-            self._apply_touches(txn, touched)  # eviction order must see them
+            self.accesses.apply(txn, touched)  # eviction order must see them
             return maintenance.reserve_room(
-                self.index, txn, self.disk_bytes, nbytes, key=key, keep=keep
+                self.index, txn, self.budgets.disk_bytes, nbytes, key=key, keep=keep
             )
 
         try:
             evicted = self.index.write(reserve)
-            self._release_evicted(evicted)
+            self.removal.release_evicted(evicted)
         except BaseException:
-            self._unreserve(key)
+            self.removal.unreserve(key)
             raise
         return key
 
-    def _unreserve(self, key: bytes) -> None:
-        """Delete reservation ``key``. If that fails, this process forgets it anyway, so
-        its next reservation (or anyone's, after the timeout) drops it as stale."""
-        try:
-            self.index.write(lambda txn: reservations.delete(self.index, txn, key))
-        except Exception:
-            log.exception("kvstore: cannot delete a disk reservation")
-        finally:
-            reservations.forget(key)
-
-    def _write_nodes(
+    def write_nodes(
         self,
         nodes: List[NewNode],
         *,
@@ -293,7 +393,7 @@ class WritePath:
         also drops the reservation. A file is reserved until it is indexed or unlinked.
         ``root``: a salted tree's (its nodes stay off the remote tier and count
         against ``salt_disk_bytes``); None: the namespace's. ``group``: the root whose
-        quota the tree counts against (a tenant's, :func:`kvstore.salts.tree_of`).
+        quota the tree counts against (a tenant's, :func:`kvstore.disk.salts.tree_of`).
         """
         ns = self.namespace
         files = [self._serialize(node) for node in nodes]
@@ -301,11 +401,11 @@ class WritePath:
         try:
             # Reserve (evicting), unlink the evicted files, only then write: files on
             # disk stay <= indexed + reserved bytes, and reserving keeps that <= budget.
-            if self.disk_bytes is not None:
+            if self.budgets.disk_bytes is not None:
                 reservation = self._reserve(nodes, files)
             written = self._publish(nodes, files, batch)
         except BaseException:
-            self._release_failed_save(_attempts(batch), reservation)
+            self.removal.release_failed_save(_attempts(batch), reservation)
             raise
         finally:
             batch.close()
@@ -318,7 +418,7 @@ class WritePath:
                 reservations.delete(self.index, txn, reservation)
             if root is not None and group not in (None, root):
                 salts.join_group(self.index, txn, ns, group, root)
-            evicted[:] = self._make_room(txn, written, root, group)
+            evicted[:] = self.removal.make_room(txn, written, root, group)
             added, superseded, skipped[0] = self._index_nodes(
                 txn, written, kind=kind, pin=pin, now=now
             )
@@ -339,17 +439,17 @@ class WritePath:
         try:
             added, superseded = self.index.write(commit)
         except BaseException:
-            self._release_failed_save(attempts, reservation)
+            self.removal.release_failed_save(attempts, reservation)
             raise
         try:
-            self._release_evicted(evicted)
-            self._unlink_unindexed([h for h, _ in superseded])
+            self.removal.release_evicted(evicted)
+            self.removal.unlink_unindexed([h for h, _ in superseded])
             # Files of nodes the commit skipped (their parent was evicted meanwhile,
             # say) would be orphans: remove them unless another save indexed them.
-            self._remove_written(unindexed)
+            self.removal.remove_written(unindexed)
         finally:
             if reservation is not None and late[0]:
-                self._unreserve(reservation)
+                self.removal.unreserve(reservation)
             elif reservation is not None:
                 reservations.forget(reservation)  # the commit deleted it
         self._record_written(added, skipped[0], root)
@@ -426,15 +526,16 @@ class WritePath:
         """After the commit: the RAM tier, the counters, the remote tier's uploads
         (not a salted tree's) and the disk budget."""
         self._fill_ram(added)
-        with self._lock:
-            self._broken.difference_update(h for h, *_ in added)  # healed by a rewrite
-            self._counters.nodes_written += len(added)
-            self._counters.nodes_skipped += skipped
-            self._counters.bytes_written += sum(rec.total_bytes for _, rec, *_ in added)
+        self.broken.healed(h for h, *_ in added)  # healed by a rewrite
+        self.counters.add(
+            nodes_written=len(added),
+            nodes_skipped=skipped,
+            bytes_written=sum(rec.total_bytes for _, rec, *_ in added),
+        )
         salted = root not in (None, self.root)
         if self.remote is not None and added and not salted:
             self.remote.after_commit(added)  # queues uploads; returns at once
-        self._enforce_disk_budget()
+        self.removal.enforce_disk_budget()
 
     def _fill_ram(self, added: List[tuple]) -> None:
         """Put the files of ``added`` (``(hash, record, delta, state)``, NodeFiles) into
@@ -461,7 +562,11 @@ class WritePath:
         """
         gone = []
         for sib, srec, common in self.index.nearest_children(
-            self.namespace, rec.parent, rec.tokens, txn, on_corrupt=self._corrupt_record
+            self.namespace,
+            rec.parent,
+            rec.tokens,
+            txn,
+            on_corrupt=self.broken.corrupt_record,
         ):
             if (
                 sib != h

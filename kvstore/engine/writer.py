@@ -3,7 +3,9 @@
 import logging
 import queue
 import threading
-from typing import Callable
+from typing import Callable, Optional
+
+from ..disk.storecheck import IndexDamaged, StoreError
 
 log = logging.getLogger("kvstore")
 
@@ -22,6 +24,7 @@ class BackgroundWriter:
         self.max_pending_bytes = max_pending_bytes
         self.pending_bytes = 0
         self.failed = 0
+        self._said: Optional[str] = None  # the last store problem logged
         self._queue: "queue.Queue" = queue.Queue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -67,6 +70,12 @@ class BackgroundWriter:
             job, nbytes = item
             try:
                 job()
+            # The store stopped taking writes: said once (damage: by the index).
+            except StoreError as e:
+                self.failed += 1
+                if str(e) != self._said and not isinstance(e, IndexDamaged):
+                    self._said = str(e)
+                    log.error("kvstore: background write failed: %s", e)
             except Exception:
                 self.failed += 1
                 log.exception("kvstore: background write failed")

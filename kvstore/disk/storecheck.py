@@ -4,7 +4,9 @@ LMDB trusts the files it is given: a ``data.mdb`` shorter than the pages its met
 names kills the process with SIGBUS at the first read past the end, a FIFO blocks the
 open for ever, and another program's environment opens as well as kvstore's (and
 would be written into). So before LMDB maps anything, :func:`open_env` checks that the
-directory and its files are regular and ``data.mdb`` is whole; after opening, that the
+directory and its files are regular and ``data.mdb`` is whole; then that the pages
+LMDB's open reads are sound (:func:`open_env`'s ``check``; :func:`check_index_pages`
+checks every page before a whole-index scan); after opening, that the
 environment holds kvstore's databases of this format version, or nothing at all (only
 then is it initialized). A read-only open writes nothing, not even LMDB's lock file.
 
@@ -21,15 +23,36 @@ import errno
 import os
 import stat
 import time
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
 import lmdb
 
-from . import fsutil, mdbfile
+from ..platform import fsutil
+from . import mdbcheck, mdbfile
 
 
 class StoreError(Exception):
     """The store directory cannot be used (not a store, other format version...)."""
+
+
+class IndexDamaged(StoreError):
+    """``index/data.mdb`` holds pages LMDB did not write there (:mod:`.mdbcheck`):
+    ``kvstore verify --fix`` salvages it (:mod:`kvstore.maintenance.salvage`)."""
+
+    def __init__(self, message: str, problem: str):
+        super().__init__(message)
+        self.problem = problem  # what is damaged, without the advice
+
+
+def damaged(store: str, problem: str) -> IndexDamaged:
+    """The one-line error for a damaged index, with what to do about it."""
+    return IndexDamaged(
+        f"{store}: index/data.mdb is damaged ({problem}): `kvstore verify --fix` "
+        "salvages every record it can still read into a new index and moves the "
+        "damaged one aside",
+        problem,
+    )
 
 
 LOCK_FILE = "kvstore.lock"
@@ -37,6 +60,7 @@ _OPENING, _HOLDING = 0, 1  # bytes of LOCK_FILE: one opener at a time; every hol
 _RACES = 3  # checks of a data.mdb whose meta page changed (a commit) meanwhile
 _T = TypeVar("_T")
 RESIZED_TRIES = 64  # transactions begun in a row while other processes grow the map
+CHECKS = ("roots", "full")  # open_env's page checks: bounded, or every page
 
 
 class Opened(NamedTuple):
@@ -59,13 +83,21 @@ def open_env(
     readonly: bool,
     map_size: int,
     format_version: int,
+    check: str = "roots",
 ) -> Opened:
     """Check the index directory ``path`` and open it (see the module docstring).
+
+    ``check`` is how much of ``data.mdb`` is checked before LMDB reads it
+    (:mod:`.mdbcheck`): ``"roots"`` the meta pages, the main database and each
+    tree's root page (a time that does not grow with the index); ``"full"`` every
+    page a read can reach, for an open followed by a scan of the whole index.
 
     Raises:
         StoreError: with one line naming the store and the problem.
     """
     store = store_name(path)
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {CHECKS}, not {check!r}")
     _check_dir(path, store, create=create and not readonly)
     data = os.path.join(path, "data.mdb")
     lock = os.path.join(path, "lock.mdb")
@@ -114,17 +146,24 @@ def open_env(
         try:
             # Another process grew the map while this one opened it: adopt its size
             # (no transaction of this new environment is active).
-            handles = _while_resized(
-                store,
-                lambda: _open_dbs(
+
+            def read():  # the pages LMDB's open reads are checked before it does
+                _check_pages(env, data, store, full=check == "full")
+                return _open_dbs(
                     env, store, dbs, readonly=readonly, format_version=format_version
-                ),
-                on_resized=lambda: env.set_mapsize(0),
-            )
+                )
+
+            handles = _while_resized(store, read, on_resized=lambda: env.set_mapsize(0))
             lock_id = None
             if use_lock:
                 st = os.stat(lock)
                 lock_id = (st.st_dev, st.st_ino)
+        except lmdb.MapResizedError:
+            env.close()
+            raise
+        except lmdb.Error as e:  # what the page check cannot see (a bad key's bytes)
+            env.close()
+            raise damaged(store, f"{type(e).__name__}: {e}") from None
         except BaseException:
             env.close()
             raise
@@ -169,6 +208,7 @@ def check_data_file(path: str, store: str) -> Optional[int]:
     except fsutil.NotRegularFile:
         raise StoreError(f"{store}: index/data.mdb is not a regular file") from None
     try:
+        whole, problem = True, None
         for _ in range(_RACES):
             # The meta page before the size: a commit writes its pages, then its meta.
             meta = mdbfile.newest_meta(fd)
@@ -180,11 +220,18 @@ def check_data_file(path: str, store: str) -> Optional[int]:
                     f"{store}: index/data.mdb is not an LMDB file ({size} bytes); not "
                     "a kvstore store"
                 )
+            problem = mdbcheck.meta_problem(mdbcheck.read_meta_pages(fd))
+            if problem is not None:
+                if mdbfile.newest_meta(fd) != meta:
+                    continue  # a commit raced the reads
+                raise damaged(store, problem)
             if size >= (max(2, meta.last_page + 1)) * meta.page_size:
                 return size
             whole = mdbfile.unwritten_pages_are_free(fd, meta, size)
             if mdbfile.newest_meta(fd) == meta:  # else a commit raced the check
                 break
+        if problem is not None:
+            raise damaged(store, problem)
         if not whole:
             need = (meta.last_page + 1) * meta.page_size
             raise StoreError(
@@ -194,6 +241,52 @@ def check_data_file(path: str, store: str) -> Optional[int]:
                 "removes)"
             )
         return size
+    finally:
+        os.close(fd)
+
+
+def check_index_pages(env: lmdb.Environment, path: str) -> int:
+    """Check every page a read transaction of ``env`` (the open index directory
+    ``path``) can reach, before a scan of the whole index steps onto one: a damaged
+    page would end the process in liblmdb (:func:`kvstore.mdbcheck.check_file`). Its
+    time grows with the index (tens of microseconds a page).
+
+    Returns:
+        The number of pages checked.
+
+    Raises:
+        IndexDamaged: with one line naming the store, the page and the way back.
+    """
+    return _check_pages(env, os.path.join(path, "data.mdb"), store_name(path))
+
+
+def _check_pages(
+    env: lmdb.Environment, data: str, store: str, *, full: bool = True
+) -> int:
+    """Check the pages of ``env``'s ``data.mdb`` that a read transaction can reach
+    (``full``) or the bounded set of :func:`kvstore.mdbcheck.check_roots`, before
+    LMDB reads them. Returns the number of pages checked.
+
+    The walk runs inside a read transaction, so no writer reuses the pages it reads.
+    """
+    fd = fsutil.open_regular(data)
+    try:
+        for _ in range(_RACES):
+            with env.begin() as txn:
+                txnid = txn.id()
+                metas = mdbcheck.read_meta_pages(fd)
+                problem = mdbcheck.meta_problem(metas)
+                if problem is not None:
+                    raise damaged(store, problem)
+                mine = [m for m in metas if m.txnid == txnid]
+                if not mine:
+                    continue  # two commits since the transaction began: again
+                walk = mdbcheck.check_file if full else mdbcheck.check_roots
+                try:
+                    return walk(fd, mine[0], os.fstat(fd).st_size)
+                except mdbcheck.Damage as e:
+                    raise damaged(store, str(e)) from None
+        raise StoreError(f"{store}: the index changed too fast to be checked")
     finally:
         os.close(fd)
 
@@ -378,6 +471,28 @@ class _Holder:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+@contextmanager
+def alone(path: str) -> Iterator[None]:
+    """No other process has the index directory ``path`` open, nor opens it until the
+    block ends (its openers wait): for replacing the whole index.
+
+    Raises:
+        StoreError: another process has it open.
+    """
+    store = store_name(path)
+    holder = _Holder.take(path, store, create=True)
+    if holder is None:
+        raise StoreError(f"{store}: cannot lock index/{LOCK_FILE}")
+    try:
+        if not holder.alone():
+            raise StoreError(
+                f"{store}: another process has the store open: stop it first"
+            )
+        yield
+    finally:
+        holder.close()
 
 
 def check_store_dirs(path: str) -> None:

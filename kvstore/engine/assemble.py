@@ -36,9 +36,9 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from . import memutil
-from .adapters import dtype_name
-from .blobs import CODE_SIZES, DATA_ALIGN, DTYPES, TensorEntry
+from ..disk.adapters import dtype_name
+from ..disk.blobs import CODE_SIZES, DATA_ALIGN, DTYPES, TensorEntry
+from ..platform import memutil
 
 STACK_BYTES = 30 << 20  # per allocation: see the module docstring
 
@@ -131,7 +131,7 @@ def aligned_empty_arrays(
     """:func:`empty_arrays` whose data starts at a multiple of ``DATA_ALIGN`` bytes.
 
     Node files' data is aligned the same way, so reads into these arrays copy
-    between equally aligned addresses (see :data:`kvstore.blobs.DATA_ALIGN`).
+    between equally aligned addresses (see :data:`kvstore.disk.blobs.DATA_ALIGN`).
     """
     sizes = [math.prod(shape) * dtype.size for shape, dtype in specs]
     flats = empty_arrays([((n + DATA_ALIGN,), mx.uint8) for n in sizes])
@@ -153,7 +153,7 @@ class AssemblyPlan:
 
     Args:
         rows: ``name -> (dtype name, heads, width)`` of the delta tensors
-            (:attr:`kvstore.adapters.Layout.rows`).
+            (:attr:`kvstore.disk.adapters.Layout.rows`).
         ntokens: Tokens to restore.
         capacity: Rows to allocate (at least ``ntokens``; default ``ntokens``).
     """
@@ -230,7 +230,7 @@ class AssemblyPlan:
 
     def prefault(self, lo: int, hi: int) -> None:
         """Make rows ``[lo, hi)`` of every array present before they are written
-        (see :mod:`kvstore.memutil`; nothing where the platform cannot)."""
+        (see :mod:`kvstore.platform.memutil`; nothing where the platform cannot)."""
         memutil.prefault(self.row_ranges(lo, hi))
 
     def row_ranges(self, lo: int, hi: int) -> List[Tuple[int, int]]:
@@ -253,7 +253,7 @@ class AssemblyPlan:
     ) -> List[memoryview]:
         """Where a whole node's file data lands, in file order: one slice per head.
 
-        For :meth:`kvstore.blobs.Blobs.read_into`: the node's tokens go to rows
+        For :meth:`kvstore.disk.blobs.Blobs.read_into`: the node's tokens go to rows
         ``[offset, offset + node_tokens)`` (``tensors`` are validated against the
         layout, so every name is one of the plan's).
         """

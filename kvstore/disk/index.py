@@ -17,10 +17,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import lmdb
 import numpy as np
 
-from . import memutil, spare, storecheck
+from ..platform import memutil
+from . import spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
 from .mapgate import MapGate
-from .storecheck import StoreError
+from .storecheck import IndexDamaged, StoreError
 
 log = logging.getLogger("kvstore")
 
@@ -37,6 +38,10 @@ _MAX_MAP = 1 << 40
 DEFAULT_MAP_SIZE = 64 << 20
 INITIAL_MAP_ENV = "KVSTORE_INITIAL_MAP_BYTES"
 _RESIZED_TRIES = storecheck.RESIZED_TRIES
+
+# What liblmdb answers when it meets a page it did not write (the page check at open
+# saw none: the file was damaged since).
+_DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 _OPEN: Dict[Tuple[str, int], "_Env"] = {}
 _OPEN_LOCK = threading.Lock()
@@ -199,6 +204,7 @@ class _Env:
         self.lock_id = opened.lock_id  # (st_dev, st_ino) of lock.mdb as opened
         self.refs = 0
         self.problem: Optional[str] = None  # set when lock.mdb was deleted under us
+        self.damage: Optional[IndexDamaged] = None  # damage met since the open
         self.gate = MapGate()  # every transaction passes it; a map resize waits alone
         # Where the index file is mapped (Index.release_pages); None: not looked up
         # since the last resize, which may move the map.
@@ -227,6 +233,12 @@ class Index:
         map_size: Initial map size; the map doubles when it fills up. None: 64 MiB,
             or the bytes in the environment variable ``KVSTORE_INITIAL_MAP_BYTES``
             (for tests that make the map grow from a tiny start, in every process).
+        check: ``"roots"``: the pages LMDB's open reads are checked (meta pages,
+            each tree's root: a time that does not grow with the index); damage
+            deeper down is met later as a logged miss. ``"full"``: every page a
+            read can reach, for an open followed by a scan of the whole index (the
+            maintenance commands, ``kvstore serve``'s start; even where this
+            process has the index open already). See :mod:`kvstore.mdbcheck`.
 
     Raises:
         StoreError: not a kvstore index, another format version, files that are not
@@ -235,8 +247,8 @@ class Index:
     """
 
     # A store made by an older kvstore may lack "reservations" (bytes of saves in
-    # flight, :mod:`kvstore.reservations`): opening it creates the database.
-    _DBS = (
+    # flight, :mod:`kvstore.disk.reservations`): opening it creates the database.
+    DATABASES = (
         "meta",
         "nodes",
         "children",
@@ -254,6 +266,7 @@ class Index:
         create: bool = True,
         readonly: bool = False,
         map_size: Optional[int] = None,
+        check: str = "roots",
     ):
         self.path = path
         self.readonly = readonly
@@ -264,14 +277,16 @@ class Index:
         # path in one process (two models, say) share it.
         with _OPEN_LOCK:
             shared = _OPEN.get(self._key)
+            recheck = False
             if shared is None:
                 opened = storecheck.open_env(
                     path,
-                    dbs=self._DBS,
+                    dbs=self.DATABASES,
                     create=create,
                     readonly=readonly,
                     map_size=map_size or initial_map_size(),
                     format_version=FORMAT_VERSION,
+                    check=check,
                 )
                 shared = _Env(opened, readonly=readonly)
                 _clear_stale_readers(shared.env)
@@ -280,12 +295,34 @@ class Index:
                     f"{storecheck.store_name(path)}: the index is open read-only in "
                     "this process; close that first"
                 )
+            else:
+                recheck = check == "full"  # opened here before: maybe bounded only
             shared.refs += 1
             _OPEN[self._key] = shared
         self._shared = shared
         self.env = shared.env
         self.db = shared.dbs
         self._closed = False
+        if recheck:
+            try:
+                self._check_all_pages()
+            except BaseException:
+                self.close()
+                raise
+
+    def _check_all_pages(self) -> None:
+        """:func:`kvstore.storecheck.check_index_pages` on the open environment."""
+        for _ in range(_RESIZED_TRIES):
+            if self._shared.damage is not None:
+                raise self._shared.damage
+            with self._shared.gate.transaction():
+                try:
+                    storecheck.check_index_pages(self.env, self.path)
+                    return
+                except lmdb.MapResizedError:
+                    pass
+            self._adopt_map_size()
+        raise StoreError(f"{self.path}: the LMDB map keeps being resized")
 
     def release_pages(self) -> None:
         """Drop this process's resident pages of the index file: a scan of every
@@ -308,6 +345,22 @@ class Index:
     def problem(self) -> Optional[str]:
         """Why this process stopped writing to the index, or None."""
         return self._shared.problem
+
+    def _damaged(self, error: lmdb.Error) -> IndexDamaged:
+        """Note damage that liblmdb met in the index (``data.mdb`` changed under this
+        process): logged once, and from now on this process neither reads nor writes
+        the index (every fetch a miss): a cursor stepping onto a damaged page would end
+        the process in an assertion. Returns the error to raise."""
+        shared = self._shared
+        with _OPEN_LOCK:
+            if shared.damage is None:
+                shared.damage = storecheck.damaged(
+                    storecheck.store_name(self.path),
+                    f"{type(error).__name__} met while the store was open: {error}",
+                )
+                shared.problem = str(shared.damage)
+                log.error("kvstore: %s; reads and writes stopped", shared.damage)
+        return shared.damage
 
     def close(self):
         if self._closed:
@@ -337,12 +390,16 @@ class Index:
         self._check_pid()
         gate = self._shared.gate
         for _ in range(_RESIZED_TRIES):
+            if self._shared.damage is not None:
+                raise self._shared.damage
             gate.enter()  # not a generator context manager: ~5 us less per read
             try:
                 with self.env.begin(write=False) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 pass
+            except _DAMAGE_ERRORS as e:
+                raise self._damaged(e) from None
             finally:
                 gate.exit()
             self._adopt_map_size()
@@ -402,6 +459,8 @@ class Index:
                 log.error("kvstore: %s", shared.problem)
                 if committed:
                     log.error("kvstore: the last commit to %s may be lost", self.path)
+        if shared.damage is not None:
+            raise shared.damage
         if shared.problem is not None:
             raise StoreError(shared.problem)
 
@@ -446,6 +505,8 @@ class Index:
                         raise StoreError(
                             f"{self.path}: the LMDB map keeps being resized"
                         ) from None
+                except _DAMAGE_ERRORS as e:
+                    raise self._damaged(e) from None
                 else:
                     self.check_lock_file(committed=True)
                     return out

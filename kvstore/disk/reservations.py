@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
-from .fsutil import load_libc
+from ..platform.fsutil import load_libc
 from .index import Index
 
 # A save reserved this long ago is taken for a leftover even if its process lives.

@@ -6,7 +6,7 @@ weight names/shapes/dtypes and content, the tokenizer vocabulary, the cache
 layout, the chunk size and the store's format version.
 
 Two of those cost more than a store should take to open: the layout is learned by
-running the model on one token (:func:`kvstore.adapters.probe_layout`, 0.2-0.5 s),
+running the model on one token (:func:`kvstore.disk.adapters.probe_layout`, 0.2-0.5 s),
 and the vocabulary digest builds every token's string (50-150 ms for 49K tokens).
 So a store looks the namespace up by a *model key* first (:func:`model_key`): the
 same config, weight headers and weight content digest as the namespace, plus
@@ -30,7 +30,7 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList
 
-from . import devices
+from ..platform import devices
 from .adapters import (
     Layout,
     UnsupportedCacheError,
@@ -72,7 +72,7 @@ def weights_digest(model) -> Tuple[str, str]:
     start, middle and end of every tensor of more than 3 MiB (and all of smaller
     ones): at most 3 MiB per tensor. With MLX's CUDA backend, :data:`DEVICE_SAMPLE`
     bytes at those places, copied on the device, whatever the model's size (see
-    :mod:`kvstore.devices`): the weights stay in device memory.
+    :mod:`kvstore.platform.devices`): the weights stay in device memory.
     """
     params = tree_flatten(model.parameters())
     headers = "".join(f"{name}:{p.dtype}:{tuple(p.shape)};" for name, p in params)

@@ -1,0 +1,8 @@
+"""The platform layer: what kvstore needs of the operating system, MLX's devices and
+mlx-lm, each with portable fallbacks.
+
+Modules: :mod:`.fsutil` (file primitives), :mod:`.memutil` (prefaulting, page
+residency), :mod:`.devices` (where MLX keeps arrays), :mod:`.compat` (the supported
+mlx-lm range and ``kvstore serve``'s start-up check) and :mod:`.default_model` (the
+model the commands use when none is named). Nothing here imports the rest of kvstore.
+"""

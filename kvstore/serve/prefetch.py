@@ -1,0 +1,192 @@
+"""Restores that start when a request arrives, not when its turn comes.
+
+mlx-lm's server takes requests one at a time on its generation thread: tokenize,
+look up the prompt cache, join the batch. A restore from the store done in that
+lookup holds up every request behind it and every stream being decoded, so eight
+returning users wait for eight restores in a row. ``kvstore serve`` starts each
+request's restore from the HTTP handler instead (``ResponseGenerator.generate``),
+on a small pool of threads, so restores overlap with each other and with the
+GPU's work; the lookup then only takes the result.
+
+* :class:`Prefetcher`: the pool, a bound on restores waiting to be taken, and
+  which request the generation thread is looking up.
+* :func:`prefetch_response_generator_class`: ``generate`` submits the request;
+  ``_tokenize`` keeps the request's tokens (computed once, by whichever thread
+  comes first, under one lock: the tokenizer is not shared between threads).
+
+What a prefetch found (:class:`Prefetched`) is used only for the very request,
+model, salt and tokens it was made for; anything else (a failed prefetch, one not
+started yet, RAM changed meanwhile) leaves the lookup to restore as before.
+"""
+
+import logging
+import threading
+import weakref
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+log = logging.getLogger("kvstore.server")
+
+# Threads restoring at once: each restore reads with the store's own reader threads.
+WORKERS = 2
+# Prefetched restores held for requests not looked up yet (each holds its KV).
+MAX_WAITING = 16
+
+
+@dataclass
+class Prefetched:
+    """What a prefetch found for one request: ``tail`` (a
+    :class:`kvstore.tail.Tail`, or None: the store adds nothing worth reading past
+    the ``held`` tokens that RAM held then); ``remote``: whether the remote tier
+    supplied nodes meanwhile."""
+
+    model_key: Any
+    salt: Any
+    tokens: List[int]
+    held: int
+    tail: Any
+    seconds: float
+    remote: bool = False
+
+
+class Prefetcher:
+    """Runs prefetch jobs of arriving requests and hands their results to the
+    generation thread's lookup of the same request.
+
+    Args:
+        workers: Threads running jobs.
+        max_waiting: Requests whose prefetch may be queued, running or done but
+            not taken yet; beyond that a request is restored at its lookup.
+    """
+
+    def __init__(self, *, workers: int = WORKERS, max_waiting: int = MAX_WAITING):
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-prefetch")
+        self._max_waiting = max_waiting
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._closed = False
+        self.tokenize_lock = threading.Lock()
+
+    def submit(self, request, job: Callable[[], Optional[Prefetched]]) -> None:
+        """Start ``job`` for ``request`` (HTTP thread); never raises."""
+        try:
+            ticket = _Ticket()
+            # Released when taken, or when a request that is never looked up goes.
+            weakref.finalize(request, self._release, ticket)
+            with self._lock:
+                if self._closed or self._waiting >= self._max_waiting:
+                    return
+                self._waiting += 1
+                ticket.future = self._pool.submit(job)
+            request.kvstore_prefetch = ticket
+        except Exception:
+            log.exception("kvstore: prefetch not started")
+
+    def _release(self, ticket: "_Ticket") -> None:
+        with self._lock:
+            future, ticket.future = ticket.future, None
+            if future is None:
+                return
+            self._waiting -= 1
+        future.cancel()
+
+    def looking_up(self, request) -> None:
+        """The generation thread is about to look up ``request``."""
+        self._local.request = weakref.ref(request)
+
+    def take(self) -> Optional[Prefetched]:
+        """The prefetch of the request being looked up on this thread: waited for
+        if running, None if there is none, it failed, or it had not started (it is
+        then cancelled, and the lookup restores)."""
+        ref = getattr(self._local, "request", None)
+        self._local.request = None
+        request = ref() if ref is not None else None
+        ticket = getattr(request, "kvstore_prefetch", None)
+        future = getattr(ticket, "future", None)
+        if future is None:
+            return None
+        request.kvstore_prefetch = None
+        try:
+            if future.cancel():
+                return None
+            return future.result()
+        except CancelledError:
+            return None
+        except Exception:
+            log.exception("kvstore: prefetch failed; restoring at the lookup")
+            return None
+        finally:
+            self._release(ticket)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Ticket:
+    """A request's prefetch until it is taken (then emptied: the KV goes with
+    the lookup, not with the request)."""
+
+    def __init__(self):
+        self.future: Optional[Future] = None
+
+
+def _copied(out):
+    """A copy of ``_tokenize``'s result that its caller may change."""
+    prompt, segments, types, state, vision = out
+    return list(prompt), [list(s) for s in segments], list(types), state, vision
+
+
+def prefetch_response_generator_class(
+    base, prefetcher: Prefetcher, prepare: Callable[[Any, List[int], Any], Any]
+):
+    """mlx-lm's ``ResponseGenerator`` that starts each arriving request's restore.
+
+    Args:
+        base: The class to extend.
+        prefetcher: Runs the jobs.
+        prepare: ``prepare(model_key, tokens, salt)`` on a pool thread: the
+            request's restore (:meth:`kvstore.server.PersistentPromptCache.prefetch`).
+    """
+
+    class PrefetchingResponseGenerator(base):
+        def generate(self, request, generation_args, *args, **kwargs):
+            # Distributed servers pickle requests to other ranks: left alone.
+            if not getattr(self, "_is_distributed", False):
+                prefetcher.submit(
+                    request, lambda: self._kvstore_prefetch(request, generation_args)
+                )
+            return super().generate(request, generation_args, *args, **kwargs)
+
+        def _kvstore_prefetch(self, request, args) -> Optional[Prefetched]:
+            provider = self.model_provider
+            tokenizer, key = provider.tokenizer, provider.model_key
+            if provider.model is None or tokenizer is None:
+                return None  # the first request loads the model: nothing to read yet
+            try:
+                prompt, _, _, _, vision = PrefetchingResponseGenerator._tokenize(
+                    self, tokenizer, request, args
+                )
+            except Exception as e:  # the generation thread answers it with the error
+                log.debug("kvstore: no prefetch: %s", e)
+                return None
+            if vision is not None or not prompt:
+                return None  # images are keyed otherwise
+            return prepare(key, prompt, getattr(request, "kvstore_salt", None))
+
+        def _tokenize(self, tokenizer, request, args):
+            if threading.current_thread() is getattr(self, "_generation_thread", None):
+                prefetcher.looking_up(request)
+            with prefetcher.tokenize_lock:
+                kept = getattr(request, "kvstore_tokens", None)
+                if kept is not None and kept[0] is tokenizer and kept[1] is args:
+                    return _copied(kept[2])
+                out = super()._tokenize(tokenizer, request, args)
+                if not getattr(self, "_is_distributed", False):
+                    request.kvstore_tokens = (tokenizer, args, _copied(out))
+                return out
+
+    return PrefetchingResponseGenerator

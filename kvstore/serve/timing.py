@@ -1,0 +1,114 @@
+"""The prefill rate of ``kvstore serve``, measured on its own requests.
+
+``restore="auto"`` weighs reading a stored prefix against prefilling it, by rates
+measured on the machine (:mod:`kvstore.payoff`). A server learns the prefill rate
+from the prompts it processes, so that its first fetch after a restart is decided
+by what it measured before (the store keeps the rate):
+
+* the batch path: :func:`timed_batch_generator_class` reads mlx-lm's own counters
+  of each ``BatchGenerator.next()`` step (``stats()``: prompt tokens and the
+  seconds spent processing them);
+* the sequential path: :func:`timed_response_generator_class` times a request
+  from its prompt cache lookup to its first token (:class:`PrefillClock`).
+
+Each measurement goes to a callback (the prompt cache's ``note_prefill``); a
+failure there is logged, never raised into mlx-lm's generation thread.
+"""
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger("kvstore.server")
+
+OnPrefill = Callable[[int, float], None]
+
+
+def _report(on_prefill: OnPrefill, tokens: int, seconds: float) -> None:
+    try:
+        on_prefill(tokens, seconds)
+    except Exception:
+        log.exception("kvstore: recording the prefill rate failed")
+
+
+def timed_batch_generator_class(base, on_prefill: OnPrefill):
+    """mlx-lm's ``BatchGenerator`` reporting the prompt tokens each step processed
+    and the seconds it took (its own ``stats()`` counters)."""
+
+    class TimedBatchGenerator(base):
+        def next(self, *args, **kwargs):
+            stats = getattr(self, "stats", None)
+            if stats is None:  # an mlx-lm without the counters: nothing measured
+                return super().next(*args, **kwargs)
+            with stats() as window:
+                out = super().next(*args, **kwargs)
+            tokens = getattr(window, "prompt_tokens", 0)
+            if tokens:
+                _report(on_prefill, tokens, getattr(window, "prompt_time", 0.0))
+            return out
+
+    return TimedBatchGenerator
+
+
+class PrefillClock:
+    """When the sequential request on this thread was looked up, and how many of
+    its prompt tokens were left to prefill then."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def looked_up(self, rest: int) -> None:
+        self._local.mark = (time.perf_counter(), rest)
+
+    def take(self) -> Optional[tuple]:
+        """``(tokens, seconds since the lookup)`` once per lookup, else None."""
+        mark = getattr(self._local, "mark", None)
+        self._local.mark = None
+        if mark is None:
+            return None
+        return mark[1], time.perf_counter() - mark[0]
+
+
+class _FirstTokenQueue:
+    """A request's response queue that stops the clock at its first token."""
+
+    def __init__(self, queue, response_class, clock: PrefillClock, on_prefill):
+        self._queue = queue
+        self._response_class = response_class
+        self._clock = clock
+        self._on_prefill = on_prefill
+        self._done = False
+
+    def put(self, item, *args, **kwargs):
+        if not self._done and isinstance(item, self._response_class):
+            self._done = True
+            lap = self._clock.take()
+            if lap is not None:
+                _report(self._on_prefill, *lap)
+        return self._queue.put(item, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+def timed_response_generator_class(
+    base, response_class, clock: PrefillClock, on_prefill: OnPrefill
+):
+    """mlx-lm's ``ResponseGenerator`` whose sequential requests report the time from
+    their prompt cache lookup (``clock``) to their first token."""
+
+    class TimedResponseGenerator(base):
+        def _serve_single(self, request, *args, **kwargs):
+            try:
+                rqueue, req, gen_args = request
+                request = (
+                    _FirstTokenQueue(rqueue, response_class, clock, on_prefill),
+                    req,
+                    gen_args,
+                )
+            except (TypeError, ValueError):
+                pass  # another shape of request: served untimed
+            return super()._serve_single(request, *args, **kwargs)
+
+    return TimedResponseGenerator

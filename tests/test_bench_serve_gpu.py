@@ -1,0 +1,213 @@
+"""``tools/bench_serve_gpu.py`` (the multi-round chat load) at a tiny size on the CPU:
+plain (the priming round), a fresh kvstore and a restarted one each answer every round
+of every chat to its full length; the restarted server restores the chats from the
+store; the JSON holds every sample and ``--report`` prints the same tables. The phase
+order and the verdicts are checked on their own, without servers. No timing is
+checked."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import _load_tool
+
+tool = _load_tool("bench_serve_gpu")
+bench_gpu = _load_tool("bench_gpu")
+
+ROUNDS, MAX_TOKENS, SYSTEM = 2, 3, 48
+
+
+@pytest.mark.stress
+def test_chat_load_end_to_end(tmp_path):
+    out = tmp_path / "serve.json"
+    argv = [
+        sys.executable,
+        tool.__file__,
+        "--shape",
+        "tiny",
+        "--vocab",
+        "512",
+        "--tokenizer",
+        "word",
+        "--users",
+        "3",
+        "--rounds",
+        str(ROUNDS),
+        "--system-tokens",
+        str(SYSTEM),
+        "--first-tokens",
+        "8",
+        "--followup-tokens",
+        "4",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        # The restarted phase's code with the page cache left alone (a shared machine);
+        # plain runs as the priming round (the plain phases run the same code).
+        "--phases",
+        "kvstore-fresh",
+        "kvstore-dropped",
+        "--drop-caches",
+        "skip",
+        "--dir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+    ]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(out.read_text())
+    phases = {s["phase"]: s for s in data["samples"]}
+    assert list(phases) == ["kvstore-fresh", "kvstore-dropped"]
+    assert len(data["priming"]["rounds"]) == 1
+    phases["plain"] = data["priming"]
+    for name, s in phases.items():
+        assert "error" not in s, s["error"]
+        assert len(s["rounds"]) == (1 if name == "plain" else ROUNDS)
+        for rnd in s["rounds"]:
+            assert [q["user"] for q in rnd["requests"]] == [0, 1, 2]
+            # Special tokens are banned: every request runs to max_tokens.
+            assert all(q["completion_tokens"] == MAX_TOKENS for q in rnd["requests"])
+            assert rnd["output_tokens"] == 3 * MAX_TOKENS
+    # Later rounds send the whole history: each prompt is longer than the last.
+    for s in (phases["kvstore-fresh"], phases["kvstore-dropped"]):
+        for u in range(3):
+            lengths = [r["requests"][u]["prompt_tokens"] for r in s["rounds"]]
+            assert lengths[0] > SYSTEM and lengths[1] > lengths[0] + MAX_TOKENS
+    # The same chats in every phase (greedy, same weights).
+    prompts = {
+        name: [q["prompt_tokens"] for r in s["rounds"] for q in r["requests"]]
+        for name, s in phases.items()
+    }
+    assert prompts["kvstore-fresh"] == prompts["kvstore-dropped"]
+    assert prompts["plain"] == prompts["kvstore-fresh"][:3]
+    # Restarted: every round-1 prompt comes back from the store (all but its last
+    # token), where plain computed it.
+    first = phases["kvstore-dropped"]["rounds"][0]["requests"]
+    assert all(q["cached_tokens"] >= q["prompt_tokens"] - 2 for q in first), first
+    assert phases["kvstore-dropped"]["kvstore"]["disk_hits"] >= 3
+    assert phases["kvstore-dropped"]["log_lines"].get("disk", 0) >= 3
+    assert phases["kvstore-fresh"]["store"]["nodes_written"] > 0
+    assert phases["kvstore-dropped"]["page_cache_dropped"] is False
+    table = "\n".join(data["table"])
+    assert "| kvstore-dropped |" in table and "fresh saves dropped = 0" in table
+    assert "page cache not dropped" in table
+    again = subprocess.run(
+        [sys.executable, tool.__file__, "--report", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert again.stdout.strip() == "\n".join(data["table"]).strip()
+
+
+def test_phase_order_alternates_and_fresh_comes_first():
+    steps = tool.plan([1, 8], 2, list(tool.PHASES))
+    assert len(steps) == 2 * 2 * len(tool.PHASES)
+    assert [u for r, u, _ in steps if r == 0][0] == 1
+    assert [u for r, u, _ in steps if r == 1][0] == 8  # users reversed too
+    for rep in (0, 1):
+        for users in (1, 8):
+            order = [p for r, u, p in steps if (r, u) == (rep, users)]
+            assert sorted(order) == sorted(tool.PHASES)
+            fresh = order.index("kvstore-fresh")
+            assert fresh < order.index("kvstore-restart")
+            assert fresh < order.index("kvstore-dropped")
+    first = [[p for r, u, p in steps if (r, u) == (rep, 1)] for rep in (0, 1)]
+    assert first[0][0] == "plain" and first[1][0] == "kvstore-fresh"
+    # A subset keeps the order.
+    assert tool.plan([2], 1, ["kvstore-dropped", "plain"]) == [
+        (0, 2, "plain"),
+        (0, 2, "kvstore-dropped"),
+    ]
+
+
+def _sample(phase, ttfts, decode, tok_s, **store):
+    rounds = [
+        {
+            "wall_s": 1.0,
+            "output_tokens": tok_s,
+            "requests": [
+                {"ttft_s": t, "decode_tok_s": decode, "completion_tokens": tok_s}
+            ],
+        }
+        for t in ttfts
+    ]
+    return {
+        "phase": phase,
+        "users": 4,
+        "repeat": 0,
+        "rounds": rounds,
+        "store": store or None,
+    }
+
+
+def test_verdicts_are_ratios_of_medians():
+    data = {
+        "samples": [
+            _sample("plain", [4.0, 2.0], 30.0, 100),
+            _sample("plain-restart", [4.0, 2.0], 30.0, 100),
+            _sample(
+                "kvstore-fresh",
+                [4.1, 2.2],
+                29.0,
+                98,
+                writes_dropped=3,
+                restores_chosen=0,
+                bytes_written=2e9,
+            ),
+            _sample("kvstore-restart", [1.6, 1.8], 30.0, 99, restores_chosen=8),
+        ]
+    }
+    lines = tool.report(data)
+    text = "\n".join(lines)
+    assert "4 users, fresh aggregate >= 0.97x: 0.98x (PASS)" in text
+    assert "4 users, fresh TTFT round 2 <= 1.05x: 1.10x (MISS)" in text
+    assert "4 users, fresh decode round 1 >= 0.95x: 0.97x (PASS)" in text
+    assert "4 users, fresh saves dropped = 0: 3 (MISS)" in text
+    assert "4 users, restart TTFT round 1 <= 0.5x: 0.40x (PASS)" in text
+    assert "4 users, restart TTFT round 2 <= 1.0x: 0.90x (PASS)" in text
+    assert "| kvstore-fresh | 4.10 (1.02x) | 2.20 (1.10x) |" in text
+    assert "3 / 2.00 |" in text  # saves dropped / GB written
+    assert "page cache dropped" not in text  # no such phase ran
+
+
+def test_bench_gpu_order_is_a_latin_square():
+    for n in (2, 5, 6, 7):
+        cases = [f"c{i}" for i in range(n)]
+        for start in (0, 3):  # a later length starts further on
+            rows = [bench_gpu.case_order(cases, start + r) for r in range(n)]
+            assert all(sorted(row) == cases for row in rows)
+            for position in range(n):
+                assert sorted(row[position] for row in rows) == cases
+    # Repeat 0 opens each length with another case.
+    cases = ["cold", "kvstore", "load_prompt_cache"]
+    assert [bench_gpu.case_order(cases, li)[0] for li in range(3)] == cases
+
+
+def test_a_stream_that_ends_early_is_a_failure_not_a_sample():
+    """mlx-lm's generation thread dying mid-stream (out of GPU memory, say) ends the
+    streams without their usage: the round says so instead of counting them."""
+    import http.server
+    import threading
+
+    class Dying(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            delta = {"choices": [{"delta": {"content": "w9"}}]}
+            self.wfile.write(b"data: " + json.dumps(delta).encode() + b"\n\n")
+            self.wfile.flush()  # then the connection closes: no usage, no [DONE]
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        results, wall, errors = tool.run_round(server.server_address[1], [{}, {}])
+    finally:
+        server.shutdown()
+    assert [r["tokens"] for r in results] == [1, 1]
+    assert len(errors) == 1 and errors[0].startswith("users [0, 1]: the stream ended")
