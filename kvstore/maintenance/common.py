@@ -9,6 +9,7 @@ from collections.abc import Iterable as _IterableABC
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -22,7 +23,6 @@ from typing import (
 )
 
 from ..disk import reservations
-from ..disk.adapters import Layout
 from ..disk.blobs import DTYPES, Blobs
 from ..disk.chunking import HASH_BYTES
 from ..disk.index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
@@ -32,6 +32,9 @@ from ..disk.salts import GROUP_PREFIX
 from ..disk.storecheck import check_store_dirs
 from . import lru
 from .walk import PageShedder
+
+if TYPE_CHECKING:  # the layout code loads MLX: only the scans that need it do
+    from ..disk.adapters import Layout
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 
@@ -50,16 +53,21 @@ _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
 
 
 @contextmanager
-def opened(path, *, readonly: bool = False) -> Iterator[Tuple[Index, Blobs]]:
+def opened(
+    path, *, readonly: bool = False, check: str = "full"
+) -> Iterator[Tuple[Index, Blobs]]:
     """The store's index (never created here) and chunk files; the index is closed
     after. ``readonly``: nothing is written (LMDB's read-only mode, no directory made).
-    Every page of the index is checked first (a scan of the whole index follows, and
-    a damaged page would end the process in liblmdb: :mod:`kvstore.mdbcheck`).
+    ``check="full"``: every page of the index is checked first (a scan of the whole
+    index follows, and a damaged page would end the process in liblmdb:
+    :mod:`kvstore.mdbcheck`); ``"roots"``: the bounded check, for a command that
+    reads only the small trees (the kept totals), in a time that does not grow with
+    the index.
     """
     path = os.fspath(path)
     check_store_dirs(path)
     index = Index(
-        os.path.join(path, "index"), create=False, readonly=readonly, check="full"
+        os.path.join(path, "index"), create=False, readonly=readonly, check=check
     )
     try:
         blobs = Blobs(
@@ -520,13 +528,15 @@ def namespace_descriptions(index: Index, txn) -> Dict[bytes, Any]:
     return out
 
 
-def description_layout(desc: Any) -> Layout:
+def description_layout(desc: Any) -> "Layout":
     """The cache layout a namespace description records; ValueError when unusable."""
     if isinstance(desc, str):
         raise ValueError(desc)
     obj = desc.get("layout") if isinstance(desc, dict) else None
     if not isinstance(obj, dict) or not obj.get("leaves"):
         raise ValueError("description has no cache layout")
+    from ..disk.adapters import Layout  # MLX's import: only where a layout is read
+
     try:
         layout = Layout.from_json(obj)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -538,10 +548,17 @@ def description_layout(desc: Any) -> Layout:
     return layout
 
 
-def known_namespaces(index: Index, txn) -> Set[bytes]:
-    """Namespaces with a description, counters or nodes (one cursor seek per namespace)."""
+def kept_namespaces(index: Index, txn) -> Set[bytes]:
+    """Namespaces with a description or counters: the small trees only (every
+    namespace with nodes has counters; :func:`known_namespaces` also seeks nodes)."""
     out = {bytes(k) for k, _ in txn.cursor(db=index.db["namespaces"])}
     out |= {bytes(k) for k, _ in txn.cursor(db=index.db["counters"])}
+    return {ns for ns in out if len(ns) == HASH_BYTES}  # a shorter key names none
+
+
+def known_namespaces(index: Index, txn) -> Set[bytes]:
+    """Namespaces with a description, counters or nodes (one cursor seek per namespace)."""
+    out = kept_namespaces(index, txn)
     cur = txn.cursor(db=index.db["nodes"])
     found = cur.first()
     while found:
