@@ -316,7 +316,7 @@ def timed_command(argv) -> dict:
 FLOOR = "import kvstore.cli, kvstore.maintenance"
 
 CHILD = textwrap.dedent("""
-    import json, statistics, sys, time
+    import json, resource, statistics, sys, time
     sys.path.insert(0, {tools!r})
     from bench_scale import _model, _cache, CHUNK, LAYOUT
     import mlx.core as mx
@@ -335,11 +335,13 @@ CHILD = textwrap.dedent("""
                  "miss": ("fetch", misses), "lookup": ("lookup", hits)}}
         times = {{k: [] for k in cases}}
         reused = {{k: [] for k in cases}}
+        majflt = {{k: 0 for k in cases}}
         names = list(cases)
         for r in range(len(hits)):
             for name in names[r % 4:] + names[: r % 4]:
                 how, qs = cases[name]
                 q = qs[r]
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
                 t = time.perf_counter()
                 if how == "fetch":
                     cache, n = store.fetch(q)
@@ -348,8 +350,13 @@ CHILD = textwrap.dedent("""
                     n = store.lookup(q)
                 times[name].append(time.perf_counter() - t)
                 reused[name].append(n)
+                # Index pages read from disk: the page cache did not hold them.
+                majflt[name] += (
+                    resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
+                )
         out["times"] = times
         out["reused"] = {{k: statistics.median(v) for k, v in reused.items()}}
+        out["major_faults"] = majflt
         from kvstore import maintenance
         stats = []
         for _ in range(20):  # the stats command's own work, without start-up
@@ -460,12 +467,16 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
     for size in sizes:
         m = out[size]
         times = {}
-        for fetch in m.pop("fetch"):
+        rounds = m.pop("fetch")
+        for fetch in rounds:
             for k, v in fetch["times"].items():
                 times.setdefault(k, []).extend(v)
         m["fetch_ms"] = {
             k: {"median": med(v) * 1e3, "samples": [x * 1e3 for x in v]}
             for k, v in times.items()
+        }
+        m["fetch_major_faults"] = {
+            k: sum(f["major_faults"][k] for f in rounds) for k in times
         }
         m["fetch_reused_tokens"] = fetch["reused"]  # the same queries every round
         m["hit_depth_nodes"] = DEPTH
@@ -565,6 +576,15 @@ ROWS = [
     ("nodes a hit restores", lambda m: m["hit_depth_nodes"]),
     ("tokens a hit restores (median)", lambda m: m["fetch_reused_tokens"]["hit"]),
     ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
+    (
+        "major faults per hit / lookup",
+        lambda m: "{:.2f} / {:.2f}".format(
+            *(
+                m["fetch_major_faults"][k] / len(m["fetch_ms"][k]["samples"])
+                for k in ("hit", "lookup")
+            )
+        ),
+    ),
     ("save + flush, fresh process (ms)", lambda m: m["save_flush_ms"]["median"]),
     ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),
     ("writer saves/s, last 10% of build", lambda m: m["writer"]["last_10pct"]),
