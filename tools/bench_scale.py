@@ -336,12 +336,13 @@ CHILD = textwrap.dedent("""
         times = {{k: [] for k in cases}}
         reused = {{k: [] for k in cases}}
         majflt = {{k: 0 for k in cases}}
+        minflt = {{k: 0 for k in cases}}
         names = list(cases)
         for r in range(len(hits)):
             for name in names[r % 4:] + names[: r % 4]:
                 how, qs = cases[name]
                 q = qs[r]
-                faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 t = time.perf_counter()
                 if how == "fetch":
                     cache, n = store.fetch(q)
@@ -350,13 +351,14 @@ CHILD = textwrap.dedent("""
                     n = store.lookup(q)
                 times[name].append(time.perf_counter() - t)
                 reused[name].append(n)
-                # Index pages read from disk: the page cache did not hold them.
-                majflt[name] += (
-                    resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
-                )
+                # Index pages read from disk (major), or new to this process (minor).
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                majflt[name] += after.ru_majflt - before.ru_majflt
+                minflt[name] += after.ru_minflt - before.ru_minflt
         out["times"] = times
         out["reused"] = {{k: statistics.median(v) for k, v in reused.items()}}
         out["major_faults"] = majflt
+        out["minor_faults"] = minflt
         from kvstore import maintenance
         stats = []
         for _ in range(20):  # the stats command's own work, without start-up
@@ -475,9 +477,10 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
             k: {"median": med(v) * 1e3, "samples": [x * 1e3 for x in v]}
             for k, v in times.items()
         }
-        m["fetch_major_faults"] = {
-            k: sum(f["major_faults"][k] for f in rounds) for k in times
-        }
+        for kind in ("major_faults", "minor_faults"):
+            m[f"fetch_{kind}"] = {
+                k: sum(f.get(kind, {}).get(k, 0) for f in rounds) for k in times
+            }
         m["fetch_reused_tokens"] = fetch["reused"]  # the same queries every round
         m["hit_depth_nodes"] = DEPTH
         inproc = [x for f in m.pop("stats_fetch") for x in f]
@@ -577,11 +580,11 @@ ROWS = [
     ("tokens a hit restores (median)", lambda m: m["fetch_reused_tokens"]["hit"]),
     ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
     (
-        "major faults per hit / lookup",
-        lambda m: "{:.2f} / {:.2f}".format(
+        "page faults per lookup: minor / major",
+        lambda m: "{:.1f} / {:.2f}".format(
             *(
-                m["fetch_major_faults"][k] / len(m["fetch_ms"][k]["samples"])
-                for k in ("hit", "lookup")
+                m[f"fetch_{kind}"]["lookup"] / len(m["fetch_ms"]["lookup"]["samples"])
+                for kind in ("minor_faults", "major_faults")
             )
         ),
     ),
