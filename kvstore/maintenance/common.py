@@ -9,7 +9,6 @@ from collections.abc import Iterable as _IterableABC
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -23,6 +22,7 @@ from typing import (
 )
 
 from ..disk import reservations
+from ..disk.adapters import Layout
 from ..disk.blobs import DTYPES, Blobs
 from ..disk.chunking import HASH_BYTES
 from ..disk.index import MODEL_KEY_PREFIX, CorruptRecord, Index, NodeRecord
@@ -32,9 +32,6 @@ from ..disk.salts import GROUP_PREFIX
 from ..disk.storecheck import check_store_dirs
 from . import lru
 from .walk import PageShedder
-
-if TYPE_CHECKING:  # the layout code loads MLX: only the scans that need it do
-    from ..disk.adapters import Layout
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 
@@ -528,15 +525,13 @@ def namespace_descriptions(index: Index, txn) -> Dict[bytes, Any]:
     return out
 
 
-def description_layout(desc: Any) -> "Layout":
+def description_layout(desc: Any) -> Layout:
     """The cache layout a namespace description records; ValueError when unusable."""
     if isinstance(desc, str):
         raise ValueError(desc)
     obj = desc.get("layout") if isinstance(desc, dict) else None
     if not isinstance(obj, dict) or not obj.get("leaves"):
         raise ValueError("description has no cache layout")
-    from ..disk.adapters import Layout  # MLX's import: only where a layout is read
-
     try:
         layout = Layout.from_json(obj)
     except (KeyError, TypeError, ValueError, AttributeError) as e:

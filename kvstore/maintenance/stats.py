@@ -1,8 +1,9 @@
 """Store statistics (:func:`store_stats`) and the prefix tree (:func:`list_tree`)."""
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+from ..disk.adapters import Layout
 from ..disk.blobs import DTYPES, Blobs
 from ..disk.chunking import root_hash
 from ..disk.index import CHILD_KEY_TOKENS, CorruptRecord, Index, NodeRecord
@@ -17,9 +18,6 @@ from .common import (
     resolve_namespace,
 )
 from .walk import PageShedder, TreeWalk, tree_roots
-
-if TYPE_CHECKING:  # the layout code loads MLX: only the scans that need it do
-    from ..disk.adapters import Layout
 
 # -- stats -----------------------------------------------------------------------------
 
@@ -60,7 +58,7 @@ def _dir_size(path: str) -> Tuple[int, int]:
     return files, nbytes
 
 
-def _bytes_per_token(layout: "Layout") -> int:
+def _bytes_per_token(layout: Layout) -> int:
     """KV bytes per token of the delta layers (state checkpoints are per node)."""
     return sum(
         heads * width * DTYPES[dtype][1] for dtype, heads, width in layout.rows.values()

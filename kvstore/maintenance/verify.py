@@ -12,7 +12,6 @@ import struct
 import time
 from dataclasses import dataclass, field
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -24,6 +23,7 @@ from typing import (
     Tuple,
 )
 
+from ..disk.adapters import Layout
 from ..disk.blobs import (
     DELTA_PART,
     STATE_PART,
@@ -51,9 +51,6 @@ from .common import (
 from .readahead import ReadAhead
 from .salvage import salvage_if_damaged, with_salvage
 from .walk import PageShedder
-
-if TYPE_CHECKING:  # the layout code loads MLX: only the scans that need it do
-    from ..disk.adapters import Layout
 
 # Findings that are reported but do not make a store unclean: leftovers of crashes and
 # of writes in progress, which gc removes (orphans, old temp files) or leaves (strays).
@@ -99,7 +96,7 @@ class _IndexScan:
     one entry per namespace)."""
 
     descriptions: Dict[bytes, Any]
-    layouts: Dict[bytes, "Layout"]
+    layouts: Dict[bytes, Layout]
     findings: List[_Finding]  # records, reachability, descriptions
     diffs: List[_Finding]  # edges, access times, pins, counters (index repairs)
     nodes: int = 0  # node keys, well-formed or not
@@ -345,7 +342,7 @@ def _check_file(
     ns: bytes,
     h: bytes,
     rec: NodeRecord,
-    layout: "Layout",
+    layout: Layout,
     *,
     check_data: bool,
     ahead: Optional[ReadAhead] = None,
@@ -422,7 +419,7 @@ def _record_batches(index: Index, *, size: int) -> Iterator[List[Tuple[bytes, by
 
 
 def _check_files(
-    index: Index, blobs: Blobs, layouts: Mapping[bytes, "Layout"], *, check_data: bool
+    index: Index, blobs: Blobs, layouts: Mapping[bytes, Layout], *, check_data: bool
 ) -> Tuple[List[_Finding], int, int]:
     """Check every node file against its record and namespace layout, a batch of
     records at a time.
