@@ -579,15 +579,7 @@ ROWS = [
     ("nodes a hit restores", lambda m: m["hit_depth_nodes"]),
     ("tokens a hit restores (median)", lambda m: m["fetch_reused_tokens"]["hit"]),
     ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
-    (
-        "page faults per lookup: minor / major",
-        lambda m: "{:.1f} / {:.2f}".format(
-            *(
-                m[f"fetch_{kind}"]["lookup"] / len(m["fetch_ms"]["lookup"]["samples"])
-                for kind in ("minor_faults", "major_faults")
-            )
-        ),
-    ),
+    ("page faults per lookup: minor / major", lambda m: _lookup_faults(m)),
     ("save + flush, fresh process (ms)", lambda m: m["save_flush_ms"]["median"]),
     ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),
     ("writer saves/s, last 10% of build", lambda m: m["writer"]["last_10pct"]),
@@ -625,6 +617,15 @@ ROWS = [
     ("index bytes per node", lambda m: m["index_bytes_per_node"]),
     ("build (s)", lambda m: m["build_seconds"]),
 ]
+
+
+def _lookup_faults(m: dict) -> str:
+    """Minor and major page faults per lookup ("-" where a run did not count them)."""
+    n = len(m["fetch_ms"]["lookup"]["samples"])
+    return " / ".join(
+        f"{m[key]['lookup'] / n:.2f}" if key in m else "-"
+        for key in ("fetch_minor_faults", "fetch_major_faults")
+    )
 
 
 def _cpu_faults(runs: dict) -> str:
