@@ -12,7 +12,7 @@ def default_store() -> str:
     env = os.environ.get("KVSTORE_DIR")
     if env:
         return env
-    from .platform.default_model import cache_root
+    from .platform.paths import cache_root
 
     return os.path.join(cache_root(), "store")
 

@@ -413,3 +413,44 @@ def test_restore_room_option(tmp_path, model, tiny_model_dir):
         assert proc.returncode == 2 and "--restore-room" in proc.stderr, proc.stderr
     proc = kvstore("serve", "--restore-room", "-1")
     assert proc.returncode == 2 and "--restore-room" in proc.stderr, proc.stderr
+
+
+_NO_MODEL = """
+import sys
+from kvstore.cli import main
+status = main(sys.argv[1:])
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {"mlx", "mlx_lm", "transformers"})
+print(status, ",".join(loaded) or "-")
+"""
+
+
+def test_commands_that_run_no_model_load_no_mlx(tmp_path, model):
+    """stats, ls --no-decode, verify and gc read files only: they start without
+    loading MLX, mlx-lm or transformers (seconds of imports a cron job pays)."""
+    from conftest import compute_cache
+
+    from kvstore import KVStore
+
+    store = str(tmp_path / "store")
+    with KVStore(store, model, chunk_tokens=16) as s:
+        for seed in range(4):
+            tokens = random_tokens(100, seed)
+            s.save(tokens, compute_cache(model, tokens))
+    for argv in (
+        ["stats"],
+        ["stats", "--full"],
+        ["ls", "--no-decode"],
+        ["verify"],
+        ["gc", "--max-bytes", "20K"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-c", _NO_MODEL, *argv, "--store", store],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, (argv, proc.stderr)
+        status, loaded = proc.stdout.strip().splitlines()[-1].split(" ")
+        assert (status, loaded) == ("0", "-"), (argv, loaded)
+    proc = kvstore("stats", "--store", store, "--json")
+    assert json.loads(proc.stdout)["totals"]["bytes"] <= 20 << 10

@@ -19,17 +19,21 @@ fsync chunk files (``--durable-build`` does): it runs at the speed of kvstore's 
 work per save, the part that could grow with the store; LMDB's commits still sync.
 
 **Measure**, every case in fresh processes (``python -m kvstore ...`` for the
-commands; time, and peak RSS from GNU ``time -v``), the cheap ones alternating
+commands; time, peak RSS, CPU time and the reads the page cache did not serve (major
+faults, file system inputs) from GNU ``time -v``), the cheap ones alternating
 between the sizes round by round (so the shared machine's load falls on every size
 alike): open (a fresh process opening the store), save + flush of a new conversation
 (a fresh process), ``kvstore stats`` (kept totals), ``kvstore ls --no-decode`` and the
 start-up floor (a process importing what the commands import), each ``--repeats``
 times; fetch hit / branch / miss and lookup (a warm process per size and round, 200
 alternating calls each; the median of every round's) and the stats call's own time in
-that process. Then per size
-``stats --full``, ``kvstore verify`` and last (it shrinks the store) ``kvstore gc
---max-bytes`` half the indexed bytes (the two scans once on stores of 200,000 nodes or
-more, gc once); and the index bytes per node.
+that process. Every query has the same depth at every size: a hit restores exactly
+``DEPTH`` nodes (a stored prompt cut at the end of its ``DEPTH``-th node; the build
+keeps a uniform sample of the prompts that deep), a branch cuts that node short, a
+miss has a first token no prompt has. Then per size ``stats --full``, ``kvstore
+verify`` and ``kvstore gc --max-bytes`` half the bytes the store holds, on a copy of
+the store (its chunk files hard-linked), so the store can be measured again (the two
+scans once on stores of 200,000 nodes or more, gc once); and the index bytes per node.
 
 ``--reuse`` measures a store a previous run built (its ``build.json`` says so)
 instead of building it again; ``--build-only`` builds and stops; ``--cases`` measures
@@ -57,6 +61,8 @@ MAX_TOKENS = 3200  # a conversation stops growing here
 SAMPLES = 50  # saves/s samples over a build
 FLUSH_EVERY = 20  # saves between flushes: the writer's queue stays short
 QUERIES = 200
+DEPTH = 40  # nodes a hit restores (320-350 tokens), the same at every size
+CANDIDATES = 600  # prompts of DEPTH nodes or more the build keeps for the queries
 BUILD_SEED = 1234
 
 
@@ -79,8 +85,8 @@ def parse_args(argv=None):
         nargs="+",
         choices=CASES,
         default=list(CASES),
-        help="what to measure (cheap: open, fetch, lookup, save, stats, ls); gc "
-        "evicts half of each store, so it comes last",
+        help="what to measure (cheap: open, fetch, lookup, save, stats, ls; gc runs "
+        "on a copy of each store)",
     )
     p.add_argument(
         "--durable-build", action="store_true", help="fsync every file while building"
@@ -136,19 +142,31 @@ class Conversations:
             out += turn
         return out
 
+    def ends(self, conv: dict) -> list:
+        """The boundaries a save of ``conv`` passes: its system prompt's end and
+        every user turn's but the last."""
+        ends, at = [len(self.systems[conv["sys"]])], len(self.systems[conv["sys"]])
+        for turn in conv["turns"]:
+            at += len(turn)
+            ends.append(at)
+        return ends[:-1]
+
     def step(self):
         """``(tokens, boundaries)`` of the next save."""
         i = int(self.rng.integers(len(self.active)))
         conv = self.active[i]
         conv["turns"].append(self._fresh(int(self.rng.integers(40, 160))))
-        toks = self.tokens(conv)
-        ends, at = [len(self.systems[conv["sys"]])], len(self.systems[conv["sys"]])
-        for turn in conv["turns"]:
-            at += len(turn)
-            ends.append(at)
+        toks, ends = self.tokens(conv), self.ends(conv)
         if len(toks) > MAX_TOKENS or self.rng.random() < 0.05:
             self.active[i] = self._start()
-        return toks, ends[:-1]
+        return toks, ends
+
+
+def node_ends(n_tokens: int, boundaries: list) -> list:
+    """Where the stored nodes of a saved prompt end (the store's own split)."""
+    from kvstore.disk.chunking import split_spans
+
+    return [e for _, e in split_spans(0, n_tokens, CHUNK, boundaries)]
 
 
 def _cache(kv, n: int):
@@ -196,7 +214,8 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
     for toks in conv.systems:
         store.save(toks, _cache(kv, len(toks)), kind="system")
     store.flush()
-    samples, saves, queries = [], 0, []
+    samples, saves, queries, deep = [], 0, [], 0
+    pick = np.random.default_rng(BUILD_SEED + 1)  # the queries' own: same traffic
     last_t, last_saves = time.perf_counter(), 0
     have = store.stats()["nodes"]
     # About SAMPLES samples over the build (~13 nodes a save), at flushes.
@@ -224,13 +243,18 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
                 f"{samples[-1]['saves_per_s']:6.0f} saves/s  {now - t0:7.0f} s",
                 flush=True,
             )
-        if len(queries) < QUERIES and rng.random() < 0.01 and len(ends) > 2:
-            queries.append(toks)
+        if len(node_ends(len(toks), ends)) >= DEPTH:
+            # A uniform sample of the deep prompts saved over the whole build.
+            deep += 1
+            slot = len(queries) if len(queries) < CANDIDATES else pick.integers(deep)
+            if slot < CANDIDATES:
+                queries[slot : slot + 1] = [{"tokens": toks, "ends": ends}]
     store.flush()
     # A short build samples few prompts: the conversations in progress are stored too.
     for c in conv.active:
-        if len(queries) < QUERIES and c["turns"]:
-            queries.append(conv.tokens(c))
+        toks, ends = conv.tokens(c), conv.ends(c)
+        if len(queries) < CANDIDATES and len(node_ends(len(toks), ends)) >= DEPTH:
+            queries.append({"tokens": toks, "ends": ends})
     stats = store.stats()
     store.close()
     record = {
@@ -273,44 +297,52 @@ def timed_command(argv) -> dict:
     seconds = time.perf_counter() - t0
     if proc.returncode not in (0, 1):  # verify exits 1 when it finds problems
         raise RuntimeError(f"kvstore {argv} exited {proc.returncode}: {proc.stderr}")
-    kb = next(
-        int(line.rsplit(":", 1)[1])
-        for line in proc.stderr.splitlines()
-        if "Maximum resident set size" in line
-    )
-    return {"seconds": seconds, "max_rss_mb": kb / 1024, "exit": proc.returncode}
+    fields = {}
+    for line in proc.stderr.splitlines():
+        name, _, value = line.strip().rpartition(": ")
+        fields[name] = value
+    return {
+        "seconds": seconds,
+        "max_rss_mb": int(fields["Maximum resident set size (kbytes)"]) / 1024,
+        "user_s": float(fields["User time (seconds)"]),
+        "system_s": float(fields["System time (seconds)"]),
+        # Reads the page cache could not serve: a store larger than it is slower.
+        "major_faults": int(fields["Major (requiring I/O) page faults"]),
+        "fs_inputs": int(fields["File system inputs"]),
+        "exit": proc.returncode,
+    }
 
 
 FLOOR = "import kvstore.cli, kvstore.maintenance"
 
 CHILD = textwrap.dedent("""
-    import json, statistics, sys, time
+    import json, resource, statistics, sys, time
     sys.path.insert(0, {tools!r})
     from bench_scale import _model, _cache, CHUNK, LAYOUT
     import mlx.core as mx
     import numpy as np
     from kvstore import KVStore
     case, path, given = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
-    queries, systems = given["queries"], given["systems"]
+    systems = given["systems"]
     model = _model()
     t0 = time.perf_counter()
     store = KVStore(path, model, chunk_tokens=CHUNK)
     out = {{"open_s": time.perf_counter() - t0}}
     if case == "fetch":
         rng = np.random.default_rng(7)
-        hits = [q + [5] for q in queries]
-        # A branch: a stored prompt cut inside a node, then other tokens.
-        branches = [q[: len(q) - 3] + [7, 7, 7, 7] for q in queries]
-        misses = [[31999] + q[1:] for q in queries]  # no stored prompt starts so
+        hits, branches, misses = given["hits"], given["branches"], given["misses"]
         cases = {{"hit": ("fetch", hits), "branch": ("fetch", branches),
                  "miss": ("fetch", misses), "lookup": ("lookup", hits)}}
         times = {{k: [] for k in cases}}
         reused = {{k: [] for k in cases}}
+        majflt = {{k: 0 for k in cases}}
+        minflt = {{k: 0 for k in cases}}
         names = list(cases)
-        for r in range(len(queries)):
+        for r in range(len(hits)):
             for name in names[r % 4:] + names[: r % 4]:
                 how, qs = cases[name]
                 q = qs[r]
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 t = time.perf_counter()
                 if how == "fetch":
                     cache, n = store.fetch(q)
@@ -319,8 +351,14 @@ CHILD = textwrap.dedent("""
                     n = store.lookup(q)
                 times[name].append(time.perf_counter() - t)
                 reused[name].append(n)
+                # Index pages read from disk (major), or new to this process (minor).
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                majflt[name] += after.ru_majflt - before.ru_majflt
+                minflt[name] += after.ru_minflt - before.ru_minflt
         out["times"] = times
         out["reused"] = {{k: statistics.median(v) for k, v in reused.items()}}
+        out["major_faults"] = majflt
+        out["minor_faults"] = minflt
         from kvstore import maintenance
         stats = []
         for _ in range(20):  # the stats command's own work, without start-up
@@ -344,6 +382,27 @@ CHILD = textwrap.dedent("""
     store.close()
     print(json.dumps(out))
     """)
+
+
+def fixed_depth(candidates: list) -> dict:
+    """QUERIES queries of each kind, every one at the same depth: a hit is a stored
+    prompt cut at the end of its DEPTH-th node, then a new token (it restores exactly
+    DEPTH nodes at any store size); a branch cuts that node 3 tokens short, then
+    other tokens; a miss is the hit with a first token no stored prompt has."""
+    deep = []
+    for q in candidates:
+        ends = node_ends(len(q["tokens"]), q["ends"])
+        if len(ends) >= DEPTH:
+            deep.append(q["tokens"][: ends[DEPTH - 1]])
+    if not deep:
+        raise RuntimeError(f"the build kept no prompt of {DEPTH} nodes or more")
+    deep = [deep[i % len(deep)] for i in range(QUERIES)]
+    return {
+        "hits": [q + [5] for q in deep],
+        "branches": [q[:-3] + [7, 7, 7, 7] for q in deep],
+        "misses": [[31999] + q[1:] + [5] for q in deep],
+        "distinct": len(set(map(tuple, deep))),
+    }
 
 
 def in_child(case: str, path: str, queries_file: str, *extra) -> dict:
@@ -382,8 +441,7 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
         queries[size] = os.path.join(path, "queries.json")
         with open(queries[size], "w") as f:
             json.dump(
-                {"queries": record["queries"][:QUERIES], "systems": record["systems"]},
-                f,
+                {**fixed_depth(record["queries"]), "systems": record["systems"]}, f
             )
         index_bytes = os.path.getsize(os.path.join(path, "index", "data.mdb"))
         out[size] = {
@@ -411,14 +469,20 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
     for size in sizes:
         m = out[size]
         times = {}
-        for fetch in m.pop("fetch"):
+        rounds = m.pop("fetch")
+        for fetch in rounds:
             for k, v in fetch["times"].items():
                 times.setdefault(k, []).extend(v)
         m["fetch_ms"] = {
             k: {"median": med(v) * 1e3, "samples": [x * 1e3 for x in v]}
             for k, v in times.items()
         }
+        for kind in ("major_faults", "minor_faults"):
+            m[f"fetch_{kind}"] = {
+                k: sum(f.get(kind, {}).get(k, 0) for f in rounds) for k in times
+            }
         m["fetch_reused_tokens"] = fetch["reused"]  # the same queries every round
+        m["hit_depth_nodes"] = DEPTH
         inproc = [x for f in m.pop("stats_fetch") for x in f]
         m["stats_in_process_ms"] = {
             "median": med(inproc) * 1e3,
@@ -435,23 +499,57 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
         print(f"  scans of {record['nodes']:,} nodes", flush=True)
         # Commands that read every record run fewer times on a large store.
         heavy = repeats if record["nodes"] < 200_000 else 1
-        half = str(record["bytes_on_disk"] // 2)
+        held = _held(path)
+        half = str(held["bytes"] // 2)
         cmds = {
             "stats_full": (["stats", "--json", "--full"], heavy),
             "verify": (["verify"], heavy),
-            "gc": (["gc", "--max-bytes", half], 1),  # last: it evicts half the bytes
+            "gc": (["gc", "--max-bytes", half], 1),  # on a copy: it evicts half
         }
         for name, (argv, times) in cmds.items():
             if name not in cases:
                 continue
-            runs = [timed_command([*argv, "--store", path]) for _ in range(times)]
+            runs = []
+            for _ in range(times):
+                # gc shrinks the store: it runs on a copy, the store stays as built.
+                at = scratch_copy(path, path + "-gc") if name == "gc" else path
+                runs.append(timed_command([*argv, "--store", at]))
+                if at != path:
+                    shutil.rmtree(at)
             out[size][name] = _runs(runs)
+            out[size][name]["store_nodes"] = held["nodes"]  # when it ran
             print(
                 f"    {name}: {out[size][name]['seconds']:.2f} s, "
                 f"{out[size][name]['max_rss_mb']:.0f} MB",
                 flush=True,
             )
     return out
+
+
+def scratch_copy(path: str, to: str) -> str:
+    """A copy of the store at ``path`` that gc may shrink, the store itself kept for
+    the next run: the chunk files hard-linked (gc only unlinks and renames them),
+    the index copied (LMDB writes ``data.mdb`` in place)."""
+    if os.path.exists(to):
+        shutil.rmtree(to)
+    for root, dirs, files in os.walk(path):
+        rel = os.path.relpath(root, path)
+        os.makedirs(os.path.join(to, rel), exist_ok=True)
+        for name in files:
+            src, dst = os.path.join(root, name), os.path.join(to, rel, name)
+            if rel == "blobs" or rel.startswith("blobs" + os.sep):
+                os.link(src, dst)
+            else:
+                shutil.copy2(src, dst)
+    return to
+
+
+def _held(path: str) -> dict:
+    """Nodes and bytes the store holds now (a gc run before shrank it)."""
+    from kvstore import maintenance
+
+    totals = maintenance.store_stats(path)["totals"]
+    return {"nodes": totals["nodes"], "bytes": totals["bytes"]}
 
 
 def _runs(runs) -> dict:
@@ -478,8 +576,10 @@ ROWS = [
     ("fetch hit (ms)", lambda m: m["fetch_ms"]["hit"]["median"]),
     ("fetch branch (ms)", lambda m: m["fetch_ms"]["branch"]["median"]),
     ("fetch miss (ms)", lambda m: m["fetch_ms"]["miss"]["median"]),
+    ("nodes a hit restores", lambda m: m["hit_depth_nodes"]),
     ("tokens a hit restores (median)", lambda m: m["fetch_reused_tokens"]["hit"]),
     ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
+    ("page faults per lookup: minor / major", lambda m: _lookup_faults(m)),
     ("save + flush, fresh process (ms)", lambda m: m["save_flush_ms"]["median"]),
     ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),
     ("writer saves/s, last 10% of build", lambda m: m["writer"]["last_10pct"]),
@@ -505,12 +605,35 @@ ROWS = [
         lambda m: (m["verify"]["seconds"], m["verify"]["max_rss_mb"]),
     ),
     (
+        "nodes when gc ran",
+        lambda m: m["gc"]["store_nodes"],
+    ),
+    (
         "`gc --max-bytes` half (s / MB)",
         lambda m: (m["gc"]["seconds"], m["gc"]["max_rss_mb"]) if "gc" in m else None,
     ),
+    ("`verify` CPU (s) / major faults", lambda m: _cpu_faults(m["verify"])),
+    ("`gc` CPU (s) / major faults", lambda m: _cpu_faults(m["gc"])),
     ("index bytes per node", lambda m: m["index_bytes_per_node"]),
     ("build (s)", lambda m: m["build_seconds"]),
 ]
+
+
+def _lookup_faults(m: dict) -> str:
+    """Minor and major page faults per lookup ("-" where a run did not count them)."""
+    n = len(m["fetch_ms"]["lookup"]["samples"])
+    return " / ".join(
+        f"{m[key]['lookup'] / n:.2f}" if key in m else "-"
+        for key in ("fetch_minor_faults", "fetch_major_faults")
+    )
+
+
+def _cpu_faults(runs: dict) -> str:
+    """CPU seconds and major faults of a command's median run (older runs: none)."""
+    run = min(runs["samples"], key=lambda r: abs(r["seconds"] - runs["seconds"]))
+    if "user_s" not in run:
+        return None
+    return f"{run['user_s'] + run['system_s']:.1f} / {run['major_faults']:,}"
 
 
 def _value(get, m):
@@ -523,6 +646,8 @@ def _value(get, m):
 def _cell(v) -> str:
     if v is None:
         return "-"
+    if isinstance(v, str):
+        return v
     if isinstance(v, tuple):
         return f"{v[0]:.2f} s / {v[1]:.0f} MB"
     return f"{v:.3g}" if v < 100 else f"{v:,.0f}"

@@ -17,29 +17,39 @@ Two ways of storing a layer (see docs/cache-types.md):
 ``"3.1"``.
 """
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from __future__ import annotations
 
-import mlx.core as mx
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
 import numpy as np
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
 
 from .blobs import DTYPES, CorruptBlob, TensorEntry
 
-# Same-size unsigned views: numpy understands them whatever the float type (bf16).
-_UINT_VIEW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+if TYPE_CHECKING:
+    import mlx.core as mx
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _CODE_TO_NAME = {code: name for name, (code, _) in DTYPES.items()}
 
 DELTA, STATE = "delta", "state"
+
+
+def _uint_view(size: int) -> mx.Dtype:
+    """The unsigned dtype of ``size`` bytes: numpy understands such views whatever the
+    float type (bf16). MLX is imported where arrays are made: reading a layout
+    (``kvstore stats``, ``verify``, ``gc``) loads neither MLX nor mlx-lm."""
+    import mlx.core as mx
+
+    return {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[size]
+
+
+def mlx_caches():
+    """``mlx_lm.models.cache``, imported on first use: loading mlx-lm takes seconds
+    (it loads transformers), and the commands that only read a store's files
+    (``stats``, ``verify``, ``gc``) never build a cache object."""
+    import mlx_lm.models.cache
+
+    return mlx_lm.models.cache
 
 
 class UnsupportedCacheError(ValueError):
@@ -113,7 +123,17 @@ def _window_tensors(c) -> tuple:
     return (("keys", d, (1, h, -1, dk)), ("values", d, (1, h, -1, dv)))
 
 
-class _Counted:
+class _Codec:
+    """One allow-listed class by ``name``; ``cls`` is mlx-lm's class (imported then)."""
+
+    name = ""
+
+    @property
+    def cls(self) -> type:
+        return getattr(mlx_caches(), self.name)
+
+
+class _Counted(_Codec):
     """A layer that counts its tokens in ``offset`` (every class but ArraysCache)."""
 
     def held(self, c) -> int:
@@ -123,7 +143,7 @@ class _Counted:
 class _KV(_Counted):
     """``KVCache``: keys and values, concatenated along the token axis."""
 
-    cls, mode = KVCache, DELTA
+    name, mode = "KVCache", DELTA
 
     def describe(self, c) -> Tuple[tuple, tuple]:
         d = dtype_name(c.keys.dtype)
@@ -133,7 +153,7 @@ class _KV(_Counted):
         return [c.keys, c.values]
 
     def build(self, leaf: Leaf, arrays: List[mx.array], ntokens: int):
-        c = KVCache()
+        c = self.cls()
         c.keys, c.values, c.offset = arrays[0], arrays[1], ntokens
         return c
 
@@ -141,7 +161,7 @@ class _KV(_Counted):
 class _QuantizedKV(_KV):
     """``QuantizedKVCache``: the packed weights, scales and biases, kept quantized."""
 
-    cls, mode = QuantizedKVCache, DELTA
+    name, mode = "QuantizedKVCache", DELTA
 
     def describe(self, c) -> Tuple[tuple, tuple]:
         tensors = []
@@ -159,9 +179,7 @@ class _QuantizedKV(_KV):
         return [*c.keys, *c.values]
 
     def build(self, leaf: Leaf, arrays: List[mx.array], ntokens: int):
-        c = QuantizedKVCache(
-            group_size=leaf.param("group_size"), bits=leaf.param("bits")
-        )
+        c = self.cls(group_size=leaf.param("group_size"), bits=leaf.param("bits"))
         n = leaf.param("parts")
         c.keys, c.values, c.offset = tuple(arrays[:n]), tuple(arrays[n:]), ntokens
         return c
@@ -170,7 +188,7 @@ class _QuantizedKV(_KV):
 class _Rotating(_Counted):
     """``RotatingKVCache``: the window buffers as they are, with their positions."""
 
-    cls, mode = RotatingKVCache, STATE
+    name, mode = "RotatingKVCache", STATE
     INTS = ("offset", "keep", "max_size", "idx")
 
     def describe(self, c) -> Tuple[tuple, tuple]:
@@ -190,7 +208,7 @@ class _Rotating(_Counted):
             raise CorruptBlob(f"{leaf.name}: window state {ints} of {length} rows")
 
     def build(self, leaf: Leaf, arrays, ints):
-        c = RotatingKVCache(max_size=leaf.param("max_size"), keep=leaf.param("keep"))
+        c = self.cls(max_size=leaf.param("max_size"), keep=leaf.param("keep"))
         c.keys, c.values = arrays
         c.offset, c._idx = ints[0], ints[3]
         return c
@@ -199,7 +217,7 @@ class _Rotating(_Counted):
 class _Chunked(_Counted):
     """``ChunkedKVCache``: the keys kept since the current attention chunk began."""
 
-    cls, mode = ChunkedKVCache, STATE
+    name, mode = "ChunkedKVCache", STATE
     INTS = ("offset", "chunk_size", "start_position")
 
     def describe(self, c) -> Tuple[tuple, tuple]:
@@ -222,16 +240,16 @@ class _Chunked(_Counted):
             )
 
     def build(self, leaf: Leaf, arrays, ints):
-        c = ChunkedKVCache(leaf.param("chunk_size"))
+        c = self.cls(leaf.param("chunk_size"))
         c.keys, c.values = arrays
         c.offset, c.start_position = ints[0], ints[2]
         return c
 
 
-class _Arrays:
+class _Arrays(_Codec):
     """``ArraysCache`` (recurrent state: convolution window, SSM state...)."""
 
-    cls, mode = ArraysCache, STATE
+    name, mode = "ArraysCache", STATE
     INTS = ()
 
     def describe(self, c) -> Tuple[tuple, tuple]:
@@ -258,18 +276,17 @@ class _Arrays:
         pass  # the tensor table check covered shapes (-1: length grows with tokens)
 
     def build(self, leaf: Leaf, arrays, ints):
-        c = ArraysCache(leaf.param("size"))
+        c = self.cls(leaf.param("size"))
         c.cache = list(arrays)
         return c
 
 
 CODECS = {
-    codec.cls.__name__: codec
+    codec.name: codec
     for codec in (_KV(), _QuantizedKV(), _Rotating(), _Chunked(), _Arrays())
 }
 # The allow-list: every class a store can hold, CacheList being a container.
-SUPPORTED_CACHES = {name: codec.cls for name, codec in CODECS.items()}
-SUPPORTED_CACHES["CacheList"] = CacheList
+SUPPORTED_CACHES = (*CODECS, "CacheList")
 
 
 def layer_codec(layer, where: str):
@@ -290,7 +307,7 @@ def cache_leaves(cache: Sequence[Any], prefix: str = "") -> List[Tuple[str, Any]
     out = []
     for i, layer in enumerate(cache):
         name = f"{prefix}{i}"
-        if type(layer) is CacheList:
+        if type(layer) is mlx_caches().CacheList:
             out += cache_leaves(layer.caches, name + ".")
         else:
             out.append((name, layer))
@@ -299,7 +316,8 @@ def cache_leaves(cache: Sequence[Any], prefix: str = "") -> List[Tuple[str, Any]
 
 def cache_tree(cache: Sequence[Any]) -> list:
     """The nesting of ``cache``: None for a leaf, a list for a CacheList."""
-    return [cache_tree(c.caches) if type(c) is CacheList else None for c in cache]
+    lists = mlx_caches().CacheList
+    return [cache_tree(c.caches) if type(c) is lists else None for c in cache]
 
 
 # -- the layout of a whole model ------------------------------------------------------
@@ -483,19 +501,21 @@ class Layout:
                 continue
             for (suffix, _, _), a in zip(leaf.tensors, CODECS[leaf.cls].arrays(layer)):
                 out[f"{name}.{suffix}"] = a[:, :, start:end, :].view(
-                    _UINT_VIEW[a.dtype.size]
+                    _uint_view(a.dtype.size)
                 )
         return out
 
     def state_arrays(self, cache: Sequence[Any]) -> Dict[str, Tuple[str, mx.array]]:
         """``name -> (dtype, array)`` of every state tensor (unsigned views, ints as int32)."""
+        import mlx.core as mx
+
         out = {}
         for (name, layer), leaf in zip(cache_leaves(cache), self.leaves):
             if leaf.mode != STATE:
                 continue
             arrays, ints = CODECS[leaf.cls].state(layer)
             for (suffix, dtype, _), a in zip(leaf.tensors, arrays):
-                out[f"{name}.{suffix}"] = (dtype, a.view(_UINT_VIEW[a.dtype.size]))
+                out[f"{name}.{suffix}"] = (dtype, a.view(_uint_view(a.dtype.size)))
             if ints:
                 out[f"{name}.ints"] = ("int32", mx.array(ints, dtype=mx.int32))
         return out
@@ -508,6 +528,8 @@ class Layout:
     ) -> List[Any]:
         """Fresh cache objects: delta leaves from ``delta`` (name -> array), state
         leaves from :meth:`decode_state`'s output (copied into new arrays)."""
+        import mlx.core as mx
+
         built = []
         for leaf in self.leaves:
             codec = CODECS[leaf.cls]
@@ -526,7 +548,8 @@ class Layout:
 
 
 def _nest(tree: list, it) -> List[Any]:
-    return [next(it) if sub is None else CacheList(*_nest(sub, it)) for sub in tree]
+    lists = mlx_caches().CacheList
+    return [next(it) if sub is None else lists(*_nest(sub, it)) for sub in tree]
 
 
 def _fits(tensors, want) -> bool:
@@ -596,27 +619,29 @@ def probe_layout(model, make_cache=None) -> Layout:
         UnsupportedCacheError: a layer's cache class, dtype or state is not
             supported; the message names the layer and why.
     """
-    make_cache = make_cache or (lambda: make_prompt_cache(model))
+    import mlx.core as mx
+
+    make_cache = make_cache or (lambda: mlx_caches().make_prompt_cache(model))
     cache = make_cache()
     for name, layer in cache_leaves(cache):
         layer_codec(layer, name)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for _, c in cache_leaves(cache)])
     described = _describe_all(cache)
-    if any(codec.cls is ArraysCache for _, codec, _, _ in described):
+    if any(codec.name == "ArraysCache" for _, codec, _, _ in described):
         model(mx.array([[0, 0]]), cache=cache)
         mx.eval([c.state for _, c in cache_leaves(cache)])
         later = _describe_all(cache)
         described = [
             (
-                (n, codec, _varying(n, codec.cls.__name__, t, t2), p)
-                if codec.cls is ArraysCache
+                (n, codec, _varying(n, codec.name, t, t2), p)
+                if codec.name == "ArraysCache"
                 else (n, codec, t, p)
             )
             for (n, codec, t, p), (_, _, t2, _) in zip(described, later)
         ]
     leaves = [
-        Leaf(name, codec.cls.__name__, codec.mode, tensors, params)
+        Leaf(name, codec.name, codec.mode, tensors, params)
         for name, codec, tensors, params in described
     ]
     return Layout(leaves, cache_tree(cache), make_cache)

@@ -31,6 +31,7 @@ from ..disk.publish import temp_writer
 from ..disk.salts import GROUP_PREFIX
 from ..disk.storecheck import check_store_dirs
 from . import lru
+from .walk import PageShedder
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
 
@@ -49,16 +50,21 @@ _MIN_PREFIX = 8  # hex digits needed to name a namespace or node by a prefix
 
 
 @contextmanager
-def opened(path, *, readonly: bool = False) -> Iterator[Tuple[Index, Blobs]]:
+def opened(
+    path, *, readonly: bool = False, check: str = "full"
+) -> Iterator[Tuple[Index, Blobs]]:
     """The store's index (never created here) and chunk files; the index is closed
     after. ``readonly``: nothing is written (LMDB's read-only mode, no directory made).
-    Every page of the index is checked first (a scan of the whole index follows, and
-    a damaged page would end the process in liblmdb: :mod:`kvstore.mdbcheck`).
+    ``check="full"``: every page of the index is checked first (a scan of the whole
+    index follows, and a damaged page would end the process in liblmdb:
+    :mod:`kvstore.mdbcheck`); ``"roots"``: the bounded check, for a command that
+    reads only the small trees (the kept totals), in a time that does not grow with
+    the index.
     """
     path = os.fspath(path)
     check_store_dirs(path)
     index = Index(
-        os.path.join(path, "index"), create=False, readonly=readonly, check="full"
+        os.path.join(path, "index"), create=False, readonly=readonly, check=check
     )
     try:
         blobs = Blobs(
@@ -193,13 +199,14 @@ def release_files(
     """
     keys = list(dict.fromkeys(keys))
     quarantine = quarantine or {}
-    out = Released()
+    out, shed = Released(), PageShedder(index)
     for i in range(0, len(keys), _RELEASE_BATCH):
         batch = keys[i : i + _RELEASE_BATCH]
 
         def release(txn):
             done = Released()
             for ns, h in batch:
+                shed.tick()  # each lookup maps pages all over the index
                 if txn.get(ns + h, db=index.db["nodes"]) is not None:
                     continue  # re-added meanwhile: the file is its again
                 size = blobs.size(ns, h)
@@ -388,12 +395,13 @@ def evict_to_budget(
             index.read(lambda txn: lru.pinned_lift(index, txn)) if pinned_last else None
         )
         cut = lru.threshold(index, result.excess, lift=lift)
-        evicted = 0
+        evicted, shed = 0, PageShedder(index)
         for batch in lru.victims(index, cut, lift=lift, sizes=_batch_sizes()):
 
             def evict(txn, batch=batch):
                 gone = []
                 for ns, h in batch:
+                    shed.tick()
                     try:
                         rec = index.get_node(ns, h, txn)
                     except CorruptRecord:
@@ -535,10 +543,17 @@ def description_layout(desc: Any) -> Layout:
     return layout
 
 
-def known_namespaces(index: Index, txn) -> Set[bytes]:
-    """Namespaces with a description, counters or nodes (one cursor seek per namespace)."""
+def kept_namespaces(index: Index, txn) -> Set[bytes]:
+    """Namespaces with a description or counters: the small trees only (every
+    namespace with nodes has counters; :func:`known_namespaces` also seeks nodes)."""
     out = {bytes(k) for k, _ in txn.cursor(db=index.db["namespaces"])}
     out |= {bytes(k) for k, _ in txn.cursor(db=index.db["counters"])}
+    return {ns for ns in out if len(ns) == HASH_BYTES}  # a shorter key names none
+
+
+def known_namespaces(index: Index, txn) -> Set[bytes]:
+    """Namespaces with a description, counters or nodes (one cursor seek per namespace)."""
+    out = kept_namespaces(index, txn)
     cur = txn.cursor(db=index.db["nodes"])
     found = cur.first()
     while found:

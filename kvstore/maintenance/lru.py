@@ -52,8 +52,10 @@ class _Due:
     def __init__(self, index: Index, lift: Optional[float]):
         self.index = index
         self.lift = lift
+        self.shed = PageShedder(index)  # a node's lookups are random pages
 
     def __call__(self, txn, ns: bytes, h: bytes) -> Tuple[float, int]:
+        self.shed.tick()
         try:
             rec = self.index.get_node(ns, h, txn)
         except CorruptRecord:
@@ -119,17 +121,39 @@ def _batch(txn, walk: TreeWalk, due: _Due, below: List[float]) -> list:
     return out
 
 
+def due_window(index: Index, txn, lift: Optional[float]) -> Tuple[float, float]:
+    """Where every due time should lie, from one sequential pass over the access
+    times: a node's due time is some node's access time (lifted with ``lift`` if
+    pinned). ``(-inf, inf)`` when there are none; :func:`threshold` checks it."""
+    lo, hi, shed = math.inf, -math.inf, PageShedder(index)
+    for _, raw in txn.cursor(db=index.db["atime"]):
+        shed.tick()
+        if len(raw) == 8:
+            when = _unpack(raw)
+            lo, hi = min(lo, when), max(hi, when)
+    if lo > hi:
+        return -math.inf, math.inf
+    return lo, hi + lift if lift is not None and lift > 0 else hi
+
+
 def threshold(index: Index, excess: int, *, lift: Optional[float]) -> Cut:
-    """The :class:`Cut` evicting ``excess`` bytes (or everything that may go)."""
+    """The :class:`Cut` evicting ``excess`` bytes (or everything that may go).
+
+    The first walk already counts in the window of the stored access times
+    (:func:`due_window`); should a due time fall outside it (a node without a
+    readable access time counts as due at 0), the walk widens the window to the due
+    times it saw and walks again."""
     due = _Due(index, lift)
-    lo, hi, before = -math.inf, math.inf, 0  # window; bytes due before it
+    lo, hi = index.read(lambda txn: due_window(index, txn, lift))  # the window
+    before, trusted = 0, math.isinf(hi - lo)  # bytes due before it; it holds all
     for _ in range(_MAX_WALKS):
         listed: Optional[list] = []
         bins = [0] * BINS
         count, first, last = 0, math.inf, -math.inf
         width = (hi - lo) / BINS if not math.isinf(hi - lo) else 0.0
-        under = 0
+        under, low, high = 0, math.inf, -math.inf
         for when, nbytes in _due_times(index, due):
+            low, high = min(low, when), max(high, when)
             if when < lo:
                 under += nbytes
                 continue
@@ -143,6 +167,10 @@ def threshold(index: Index, excess: int, *, lift: Optional[float]) -> Cut:
                     listed = None
             if width > 0:
                 bins[min(BINS - 1, int((when - lo) / width))] += nbytes
+        if not trusted and (low < lo or high > hi):
+            lo, hi, trusted = low, high, True  # the stored times missed some
+            continue
+        trusted = True
         before = under
         if listed is not None:
             return _exact(sorted(listed), before, excess)

@@ -10,6 +10,7 @@ from ..disk.index import CHILD_KEY_TOKENS, CorruptRecord, Index, NodeRecord
 from .common import (
     check_int,
     description_layout,
+    kept_namespaces,
     known_namespaces,
     namespace_descriptions,
     opened,
@@ -98,8 +99,13 @@ def store_stats(path, *, full: bool = False) -> Dict[str, Any]:
         StoreError: ``path`` is not a kvstore directory.
     """
     path = os.fspath(path)
-    with opened(path, readonly=True) as (index, blobs):
-        head, descs, counters = index.read(lambda txn: _kept(index, txn, path))
+    # Without the scan only the small trees are read (meta, descriptions, counters),
+    # which the bounded page check covers whole: checking every page is the scan's.
+    check = "full" if full else "roots"
+    with opened(path, readonly=True, check=check) as (index, blobs):
+        head, descs, counters = index.read(
+            lambda txn: _kept(index, txn, path, scan=full)
+        )
         index_bytes = os.lstat(os.path.join(path, "index", "data.mdb")).st_size
         per, files, quarantine = {}, None, None
         if full:
@@ -127,9 +133,12 @@ def store_stats(path, *, full: bool = False) -> Dict[str, Any]:
     }
 
 
-def _kept(index: Index, txn, path: str) -> tuple:
+def _kept(index: Index, txn, path: str, *, scan: bool) -> tuple:
     """The store's header fields, namespace descriptions and the index's counters:
-    what the index keeps, read without a scan."""
+    what the index keeps, read without a scan. ``scan``: the namespaces include
+    those found only in the node records (a seek each in the large ``nodes`` tree,
+    whose pages only the full check covers); else those with a description or
+    counters, which every namespace with nodes has."""
     meta = index.db["meta"]
     created = txn.get(b"created", db=meta)
     head = {
@@ -139,7 +148,8 @@ def _kept(index: Index, txn, path: str) -> tuple:
         "disk_budget": read_disk_budget(index, txn),
     }
     descs = namespace_descriptions(index, txn)
-    counters = {ns: index.counters(ns, txn) for ns in known_namespaces(index, txn)}
+    known = known_namespaces(index, txn) if scan else kept_namespaces(index, txn)
+    counters = {ns: index.counters(ns, txn) for ns in known}
     return head, descs, counters
 
 

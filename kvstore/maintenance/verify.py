@@ -11,7 +11,17 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+)
 
 from ..disk.adapters import Layout
 from ..disk.blobs import (
@@ -38,6 +48,7 @@ from .common import (
     release_namespace_files,
     writer_alive,
 )
+from .readahead import ReadAhead
 from .salvage import salvage_if_damaged, with_salvage
 from .walk import PageShedder
 
@@ -45,6 +56,7 @@ from .walk import PageShedder
 # of writes in progress, which gc removes (orphans, old temp files) or leaves (strays).
 INFO_KINDS = frozenset({"orphan", "temp", "stray"})
 _FILE_BATCH = 512  # records read per read transaction while their files are checked
+_READ_AHEAD = 128  # files asked for at once while their data is checked
 _ORPHAN_BATCH = 512  # files found in blobs/ looked up per read transaction
 
 
@@ -333,15 +345,18 @@ def _check_file(
     layout: Layout,
     *,
     check_data: bool,
+    ahead: Optional[ReadAhead] = None,
 ) -> Optional[Tuple[str, str]]:
-    """``(kind, detail)`` of what is wrong with a node's files, or None."""
+    """``(kind, detail)`` of what is wrong with a node's files, or None (``ahead``:
+    the files opened and asked for before)."""
     parts = [(DELTA_PART, rec.nbytes, rec.checksum)]
     if rec.has_state:
         parts.append((STATE_PART, rec.state_nbytes, rec.state_checksum))
     for part, nbytes, checksum in parts:
         what = "state file" if part == STATE_PART else "file"
+        fd = ahead.take(ns, h, part) if ahead is not None else None
         try:
-            f = os.fdopen(blobs.open_file(ns, h, part), "rb")
+            f = os.fdopen(fd if fd is not None else blobs.open_file(ns, h, part), "rb")
         except FileNotFoundError:
             return "missing", f"{what} is missing"
         except NotRegularFile as e:  # never followed nor read: a FIFO would block
@@ -414,22 +429,39 @@ def _check_files(
     """
     findings, checked, nbytes = [], 0, 0
     for batch in _record_batches(index, size=_FILE_BATCH):
-        found = []
+        found, items = [], []
         for key, raw in batch:
             ns, h = key[:HASH_BYTES], key[HASH_BYTES:]
             if len(h) != HASH_BYTES or ns not in layouts:
                 continue
             try:
-                rec = NodeRecord.decode(raw)
+                items.append((ns, h, NodeRecord.decode(raw), raw))
             except CorruptRecord:
                 continue
-            bad = _check_file(blobs, ns, h, rec, layouts[ns], check_data=check_data)
-            checked += 1
-            nbytes += rec.total_bytes
-            if bad:
-                problem = _problem(bad[0], ns, h, blobs.path(ns, h), bad[1])
-                action = None if bad[0] == "unreadable" else "quarantine"
-                found.append(_Finding(problem, (ns, h), raw, action))
+        for i in range(0, len(items), _READ_AHEAD):
+            ahead = ReadAhead(blobs) if check_data else None
+            try:
+                if ahead is not None:
+                    ahead.ask([x[:3] for x in items[i : i + _READ_AHEAD]])
+                for ns, h, rec, raw in items[i : i + _READ_AHEAD]:
+                    bad = _check_file(
+                        blobs,
+                        ns,
+                        h,
+                        rec,
+                        layouts[ns],
+                        check_data=check_data,
+                        ahead=ahead,
+                    )
+                    checked += 1
+                    nbytes += rec.total_bytes
+                    if bad:
+                        problem = _problem(bad[0], ns, h, blobs.path(ns, h), bad[1])
+                        action = None if bad[0] == "unreadable" else "quarantine"
+                        found.append(_Finding(problem, (ns, h), raw, action))
+            finally:
+                if ahead is not None:
+                    ahead.close()
         if found:
 
             def still(txn, found=found):

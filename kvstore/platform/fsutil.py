@@ -171,6 +171,24 @@ def start_writeback(fd: int) -> bool:
     raise OSError(err, os.strerror(err))
 
 
+def prefetch(fd: int) -> bool:
+    """Ask the kernel to start reading file ``fd`` into the page cache, and return at
+    once: a scan that asks for a batch of files before reading them keeps many reads
+    in flight instead of one (on this Linux VM a cold 2.4 KB file took ~400 us read
+    alone, ~150 us with 256 asked ahead). Linux: ``posix_fadvise(WILLNEED)``;
+    elsewhere (macOS has no ``posix_fadvise``), or where it is refused, nothing is
+    asked and the reads that follow are the same, one at a time. Returns whether
+    the kernel was asked."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return False
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        return False
+    return True
+
+
 _NO_FULLFSYNC = (
     errno.ENOTSUP,
     errno.EOPNOTSUPP,

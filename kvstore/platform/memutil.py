@@ -91,6 +91,17 @@ def file_mappings(path: str) -> List[Tuple[int, int]]:
     return out
 
 
+def resident_file_bytes() -> Optional[int]:
+    """Bytes of this process's resident pages that are backed by files (its mapped
+    files, the index's among them; shared memory too): ``/proc/self/statm``'s third
+    field. None where there is no ``/proc`` (macOS): the caller cannot tell."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[2]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def release_ranges(ranges: Iterable[Tuple[int, int]]) -> bool:
     """Drop this process's resident pages of shared file mappings (``(start, end)``,
     from :func:`file_mappings`, which must still be those mappings).
