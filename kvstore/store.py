@@ -615,7 +615,7 @@ def check_store(path: str, *, check: str = "roots") -> None:
         path: The store directory.
         check: How much of the index's pages to check: ``"roots"`` (what every open
             checks) or ``"full"`` (every page: ``kvstore serve``'s start, whose
-            time then grows with the index; see :class:`kvstore.index.Index`).
+            time then grows with the index; see :class:`kvstore.disk.index.Index`).
 
     Raises:
         StoreError: with one line naming the store and the problem.

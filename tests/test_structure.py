@@ -8,7 +8,9 @@ what another module needs is public and documented where it is defined.
 """
 
 import ast
+import importlib
 import pathlib
+import re
 import subprocess
 import sys
 from typing import Dict, Iterable, List, Set, Tuple
@@ -392,3 +394,42 @@ def test_every_module_imports_first():
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# Dotted names that are files, not modules (the store's lock file).
+NOT_MODULES = {"kvstore.lock"}
+_DOTTED = re.compile(r"(?<![\w./-])kvstore(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``name`` is an importable module, or an attribute path under one."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_dotted_names_in_code_and_docs_exist():
+    """A ``kvstore.x.y`` named in a docstring, comment or doc is a module or an
+    attribute that exists: moving a module updates what points at it."""
+    files = [
+        *(ROOT / PACKAGE).rglob("*.py"),
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+    ]
+    stale = []
+    for path in sorted(files):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in _DOTTED.finditer(line):
+                name = m.group(0)
+                if name not in NOT_MODULES and not _resolves(name):
+                    stale.append(f"{path.relative_to(ROOT)}:{n}: {name}")
+    assert not stale, "names of no module or attribute:\n" + "\n".join(stale)

@@ -1,6 +1,6 @@
 """The LMDB index: nodes of the token-chunk trie, trie edges, access times, pins,
 namespaces, per-namespace counters and the disk reservations of saves in flight
-(:mod:`kvstore.reservations`). Knows nothing about tensors.
+(:mod:`kvstore.disk.reservations`). Knows nothing about tensors.
 
 Keys are fixed-width bytes so that a namespace's entries are contiguous and a
 node's children sort by their first tokens (see :func:`child_key`).
@@ -30,7 +30,7 @@ FORMAT_VERSION = 1  # of the store directory (meta db); records carry their own
 RECORD_VERSION = 2  # 2 added the optional state (checkpoint) file; 1 still decodes
 KINDS = ("assistant", "user", "system")  # eviction order: first goes first
 CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
-# In the meta database: a model key (kvstore.namespace.model_key) -> its namespace.
+# In the meta database: a model key (kvstore.disk.namespace.model_key) -> its namespace.
 # Kept there rather than in a database of its own, which kvstore versions that do not
 # know it would take for another program's.
 MODEL_KEY_PREFIX = b"model-key:"
@@ -233,7 +233,7 @@ class _Env:
 class Index:
     """The LMDB environment under ``<store>/index``.
 
-    Opening checks the directory before LMDB maps anything (:mod:`kvstore.storecheck`):
+    Opening checks the directory before LMDB maps anything (:mod:`kvstore.disk.storecheck`):
     its files must be regular files, ``data.mdb`` an LMDB file holding every page its
     meta page names (a truncated one would kill the process with SIGBUS on a read),
     and its contents kvstore's own databases of this format version. Only an empty
@@ -346,7 +346,7 @@ class Index:
             shared.audit.mark_passed()
 
     def _check_all_pages(self) -> None:
-        """:func:`kvstore.storecheck.check_index_pages` on the open environment."""
+        """:func:`kvstore.disk.storecheck.check_index_pages` on the open environment."""
         for _ in range(_RESIZED_TRIES):
             if self._shared.damage is not None:
                 raise self._shared.damage
@@ -362,7 +362,7 @@ class Index:
     def release_pages(self) -> None:
         """Drop this process's resident pages of the index file: a scan of every
         record calls it now and then, so it does not hold the whole index in memory
-        (:func:`kvstore.memutil.release_file_pages`; safe during transactions).
+        (:func:`kvstore.platform.memutil.release_file_pages`; safe during transactions).
         Inside the gate: no other thread moves the map between the lookup of its
         address and the release."""
         shared = self._shared
@@ -551,7 +551,7 @@ class Index:
         Args:
             frees: The transaction deletes records whose files go afterwards: on a
                 full disk it may use the room kept in ``index/spare``
-                (:mod:`kvstore.spare`).
+                (:mod:`kvstore.disk.spare`).
 
         Raises:
             lmdb.DiskError: the file system is full (and no spare room is left).
@@ -611,7 +611,7 @@ class Index:
         """Record namespace ``ns`` (a record already there is kept, unless
         ``replace``: the caller knows the record must hold these very bytes) and,
         with ``model_key``, that the model of that key has it
-        (:func:`kvstore.namespace.model_key`)."""
+        (:func:`kvstore.disk.namespace.model_key`)."""
         blob = json.dumps(description, sort_keys=True).encode()
 
         def put(txn):

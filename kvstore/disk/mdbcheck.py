@@ -29,7 +29,7 @@ grow with the index), after which the open store runs :func:`check_file` in the
 background and checks the key ranges its cursors read meanwhile with
 :func:`check_range` (:mod:`kvstore.disk.pageguard`). :func:`walk` is the same walk
 in a tolerant mode for salvaging (it skips what it cannot read and reports it). The
-format is that of :mod:`kvstore.mdbfile`.
+format is that of :mod:`kvstore.disk.mdbfile`.
 """
 
 import os
@@ -402,7 +402,7 @@ def check_file(
 
 def check_roots(fd: int, meta: MetaPage, file_size: int) -> int:
     """The bounded check of a library open: every page of the main database (in
-    kvstore's index one leaf naming its few databases: :mod:`kvstore.storecheck`
+    kvstore's index one leaf naming its few databases: :mod:`kvstore.disk.storecheck`
     walks it all), every page of each named database of at most
     ``SMALL_TREE_PAGES`` pages (its whole scans, such as the namespaces', are then
     safe), the root page of every larger one, and the free list whole when it has at

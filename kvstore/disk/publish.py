@@ -154,7 +154,7 @@ class WriteBatch:
 
         Returns one :class:`Published` per :meth:`add`, in order. On an error the
         caller removes the final names whose ``link_tried`` is set and that still
-        hold this batch's inode (:meth:`kvstore.store.KVStore._remove_written`).
+        hold this batch's inode (:meth:`kvstore.engine.removal.Removal.remove_written`).
         """
         last = self._open.pop() if self._open else None
         while self._open:

@@ -16,7 +16,7 @@ each other's commits. Every process that has an index open holds a shared record
 on kvstore's own ``kvstore.lock`` (:class:`_Holder`), so a process finding
 ``lock.mdb`` missing can tell whether anybody still uses the old one, and refuses to
 open then; a process whose ``lock.mdb`` vanished stops writing
-(:meth:`kvstore.index.Index.check_lock_file`).
+(:meth:`kvstore.disk.index.Index.check_lock_file`).
 """
 
 import errno
@@ -202,7 +202,7 @@ def _while_resized(store: str, attempt: Callable[[], _T], *, on_resized=None) ->
 def check_data_file(path: str, store: str) -> Optional[int]:
     """The size of ``data.mdb`` (None: missing) once it is known that LMDB can map it:
     a regular file whose meta pages are LMDB's and that holds every page LMDB reads
-    (the pages past its end, if any, are free: :mod:`kvstore.mdbfile`)."""
+    (the pages past its end, if any, are free: :mod:`kvstore.disk.mdbfile`)."""
     if not _check_regular(path, store, "index/data.mdb"):
         return None
     try:
@@ -250,7 +250,7 @@ def check_data_file(path: str, store: str) -> Optional[int]:
 def check_index_pages(env: lmdb.Environment, path: str) -> int:
     """Check every page a read transaction of ``env`` (the open index directory
     ``path``) can reach, before a scan of the whole index steps onto one: a damaged
-    page would end the process in liblmdb (:func:`kvstore.mdbcheck.check_file`). Its
+    page would end the process in liblmdb (:func:`kvstore.disk.mdbcheck.check_file`). Its
     time grows with the index (tens of microseconds a page).
 
     Returns:
@@ -266,7 +266,7 @@ def _check_pages(
     env: lmdb.Environment, data: str, store: str, *, full: bool = True
 ) -> int:
     """Check the pages of ``env``'s ``data.mdb`` that a read transaction can reach
-    (``full``) or the bounded set of :func:`kvstore.mdbcheck.check_roots`, before
+    (``full``) or the bounded set of :func:`kvstore.disk.mdbcheck.check_roots`, before
     LMDB reads them. Returns the number of pages checked.
 
     The walk runs inside a read transaction, so no writer reuses the pages it reads.

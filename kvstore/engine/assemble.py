@@ -153,7 +153,7 @@ class AssemblyPlan:
 
     Args:
         rows: ``name -> (dtype name, heads, width)`` of the delta tensors
-            (:attr:`kvstore.disk.adapters.Layout.rows`).
+            (``rows`` of a :class:`kvstore.disk.adapters.Layout`).
         ntokens: Tokens to restore.
         capacity: Rows to allocate (at least ``ntokens``; default ``ntokens``).
     """

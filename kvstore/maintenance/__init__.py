@@ -2,7 +2,7 @@
 repair, garbage collection, eviction down to a byte budget, pins.
 
 Every public function takes the store directory, opens its index without creating one
-(a directory that is not a store raises :class:`~kvstore.index.StoreError`) and closes
+(a directory that is not a store raises :class:`~kvstore.disk.index.StoreError`) and closes
 it before returning: nothing here keeps an LMDB environment a ``fork()`` could carry
 into a child. Namespaces and nodes are named by hex ids or unambiguous prefixes of at
 least 8 hex digits.
@@ -16,12 +16,12 @@ their rules live in one place (:mod:`.common`):
   is still absent (:func:`release_files`). A node another process re-added in between
   keeps its file; a crash in between leaves orphan files, which :func:`gc` removes.
 * **Leaf-first LRU eviction** (:func:`evict_to_budget`): least recently used leaves go
-  first (:func:`kvstore.policy.disk_victims`); a parent whose last child went competes
+  first (:func:`kvstore.disk.policy.disk_victims`); a parent whose last child went competes
   by its own access time, so no descendant is ever orphaned.
 * **Reserve, then write.** A ``KVStore`` save reserves its files' bytes in the index
   and evicts for them in one write transaction (:func:`reserve_room`) before writing
   them, so files on disk, not only indexed bytes, stay within the disk budget under
-  concurrent writers (:mod:`kvstore.reservations`).
+  concurrent writers (:mod:`kvstore.disk.reservations`).
 
 Submodules: :mod:`.common` (opening, budget, deletion, eviction, names), :mod:`.stats`
 (:func:`store_stats`, :func:`list_tree`), :mod:`.verify` (:func:`verify`) and :mod:`.gc`

@@ -57,7 +57,7 @@ def opened(
     after. ``readonly``: nothing is written (LMDB's read-only mode, no directory made).
     ``check="full"``: every page of the index is checked first (a scan of the whole
     index follows, and a damaged page would end the process in liblmdb:
-    :mod:`kvstore.mdbcheck`); ``"roots"``: the bounded check, for a command that
+    :mod:`kvstore.disk.mdbcheck`); ``"roots"``: the bounded check, for a command that
     reads only the small trees (the kept totals), in a time that does not grow with
     the index.
     """
@@ -282,11 +282,11 @@ def delete_namespace(index: Index, txn, ns: bytes) -> Dropped:
             found = cur.delete()  # and on to the next key
     txn.delete(ns, db=index.db["counters"])
     txn.delete(ns, db=index.db["namespaces"])
-    # Model keys naming it (kvstore.namespace.model_key): few, one per model setup.
+    # Model keys naming it (kvstore.disk.namespace.model_key): few, one per model setup.
     for key, value in prefixed_items(txn, index.db["meta"], MODEL_KEY_PREFIX):
         if value == ns:
             txn.delete(key, db=index.db["meta"])
-    # Which narrowed trees count against which tenant (kvstore.salts.join_group).
+    # Which narrowed trees count against which tenant (kvstore.disk.salts.join_group).
     for key, _ in prefixed_items(txn, index.db["meta"], GROUP_PREFIX + ns):
         txn.delete(key, db=index.db["meta"])
     return dropped
@@ -372,7 +372,7 @@ def evict_to_budget(
     write transactions of growing size (re-checking that each is still a leaf, and
     unpinned unless ``pinned_last``), each followed by the release of their files
     (:func:`release_files`): on a full disk the first, small commit fits the spare
-    room (:mod:`kvstore.spare`) and its files make room for the next. Another round
+    room (:mod:`kvstore.disk.spare`) and its files make room for the next. Another round
     follows only if the store changed meanwhile and is still over the budget.
 
     Args:
@@ -432,7 +432,7 @@ def evict_to_budget(
 
 def _batch_sizes() -> Iterator[int]:
     """Evictions in commits of growing size: the first needs little room on a full
-    disk (:mod:`kvstore.spare`), and the files it unlinks make room for the next."""
+    disk (:mod:`kvstore.disk.spare`), and the files it unlinks make room for the next."""
     size = _FIRST_EVICT_BATCH
     while True:
         yield size
@@ -495,7 +495,7 @@ def reserve_room(
         txn: The write transaction.
         max_bytes: The budget.
         nbytes: Bytes of the files the save is about to write.
-        key: The save's reservation (:func:`kvstore.reservations.new_key`); the commit
+        key: The save's reservation (:func:`kvstore.disk.reservations.new_key`); the commit
             indexing the files deletes it.
         keep: Nodes that must stay (the parents the new nodes hang from).
 

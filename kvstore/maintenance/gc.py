@@ -228,7 +228,7 @@ def _remove_orphans(index: Index, blobs, *, now: float) -> Dict[str, Any]:
 
 def _remove_temp_files(blobs, *, now: float, min_age: float) -> Dict[str, Any]:
     """Step 4: temp files whose writer is gone (its pid and start time are in the
-    name: :func:`kvstore.publish.temp_writer`), and any older than ``min_age``
+    name: :func:`kvstore.disk.publish.temp_writer`), and any older than ``min_age``
     seconds (younger ones of live writers may be writes in progress)."""
     temp_removed = temp_bytes = temp_kept = 0
     unremovable: List[str] = []

@@ -1,6 +1,6 @@
 """Leaf-first LRU eviction of a whole store in bounded memory and linear time.
 
-:func:`kvstore.policy.disk_victims` takes every node into memory. Here the same order
+:func:`kvstore.disk.policy.disk_victims` takes every node into memory. Here the same order
 comes from walks of the trie (:class:`~.walk.TreeWalk`), each node after its
 children, keeping only the path being walked:
 
@@ -13,7 +13,7 @@ children, keeping only the path being walked:
   of :data:`BINS` bins per walk), until the window holds few enough nodes to sort.
 * :func:`victims` walks once more and yields every node due before ``T`` and nodes
   due at ``T`` until the excess is met, each only after all its children: the same
-  nodes :func:`~kvstore.policy.disk_victims` picks (up to ties), children first.
+  nodes :func:`~kvstore.disk.policy.disk_victims` picks (up to ties), children first.
 
 Memory: the walk's path and one histogram. Time: a few walks of the index, whatever
 the excess.

@@ -1,10 +1,10 @@
 """Salvaging a damaged index (``kvstore verify --fix`` on a store whose
-``index/data.mdb`` fails the page check of :mod:`kvstore.mdbcheck`).
+``index/data.mdb`` fails the page check of :mod:`kvstore.disk.mdbcheck`).
 
 As ``mdb_dump -r`` or SQLite's ``.recover`` do for their files, every record that can
 still be read goes into a fresh index, built beside the old one; the damaged index is
 then moved aside (``index.damaged-<time>/``), never deleted. liblmdb is never asked to
-read the damaged file: its pages are read with ``pread`` (:func:`kvstore.mdbcheck.walk`).
+read the damaged file: its pages are read with ``pread`` (:func:`kvstore.disk.mdbcheck.walk`).
 
 Records come from the trees of both meta pages (the newest first: the older one is the
 store one commit earlier, often whole where the newer is not), then from every page of

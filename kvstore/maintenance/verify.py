@@ -211,7 +211,7 @@ def _check_record(
                 _problem("unreachable", ns, h, detail=detail), (ns, h), raw, "remove"
             )
         if parent_raw is None:
-            bad = False  # the first node of a salted tree (kvstore.salts)
+            bad = False  # the first node of a salted tree (kvstore.disk.salts)
         else:
             try:
                 end = NodeRecord.decode(bytes(parent_raw)).end
@@ -682,7 +682,7 @@ def verify(path, *, fix: bool = False) -> Dict[str, Any]:
             namespace without a usable description are dropped; edges, access times,
             pins and counters are rewritten from the records. Orphan and temp files
             are left to :func:`gc`. A damaged index (one that fails the page check
-            of :mod:`kvstore.mdbcheck`) is first salvaged into a new one
+            of :mod:`kvstore.disk.mdbcheck`) is first salvaged into a new one
             (:mod:`.salvage`): the report then has ``salvaged``, and the damage as
             its first problem (kind ``index``).
 

@@ -5,7 +5,7 @@ each tree's root with one key seek per parent, and :class:`TreeWalk` visits a tr
 depth first, children before their parent, keeping only the path from the root. Its
 state is plain keys, so a walk goes on in a later transaction (eviction deletes what it
 walked past between two). :class:`PageShedder` keeps the index pages such a scan
-touches from piling up in the process (see :func:`kvstore.memutil.release_file_pages`).
+touches from piling up in the process (see :func:`kvstore.platform.memutil.release_file_pages`).
 """
 
 from typing import Iterator, List, Optional, Tuple

@@ -41,7 +41,7 @@ def push(
     """Upload the nodes of the store at ``path`` that the remote lacks (no model needed).
 
     Every file is checked against its record and its namespace's layout before it is
-    sent; salted trees (:mod:`kvstore.salts`) are not. Remote failures raise
+    sent; salted trees (:mod:`kvstore.disk.salts`) are not. Remote failures raise
     RemoteError; local problems are reported.
 
     Args:

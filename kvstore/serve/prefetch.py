@@ -37,7 +37,7 @@ MAX_WAITING = 16
 @dataclass
 class Prefetched:
     """What a prefetch found for one request: ``tail`` (a
-    :class:`kvstore.tail.Tail`, or None: the store adds nothing worth reading past
+    :class:`kvstore.engine.tail.Tail`, or None: the store adds nothing worth reading past
     the ``held`` tokens that RAM held then); ``remote``: whether the remote tier
     supplied nodes meanwhile."""
 

@@ -1,7 +1,7 @@
 """The prefill rate of ``kvstore serve``, measured on its own requests.
 
 ``restore="auto"`` weighs reading a stored prefix against prefilling it, by rates
-measured on the machine (:mod:`kvstore.payoff`). A server learns the prefill rate
+measured on the machine (:mod:`kvstore.engine.payoff`). A server learns the prefill rate
 from the prompts it processes, so that its first fetch after a restart is decided
 by what it measured before (the store keeps the rate):
 
