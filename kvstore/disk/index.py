@@ -403,14 +403,19 @@ class Index:
             return
         if self._shared.gate.depth():  # inside a transaction: a waiting resize and
             return  # the check's own transaction would wait for each other
-        failure = audit.wait()
-        if failure is not None:
-            if self._shared.damage is not None:
-                raise self._shared.damage
-            raise StoreError(
-                f"{storecheck.store_name(self.path)}: the index pages could not be "
-                f"checked ({failure})"
-            )
+        if audit.wait() is None:
+            return
+        if self._shared.damage is not None:
+            raise self._shared.damage
+        # The background check stopped for another reason (an lmdb error, say): the
+        # check runs here instead, once.
+        try:
+            self._check_all_pages()
+        except IndexDamaged as e:
+            raise self._shared.note_damage(
+                storecheck.store_name(self.path), e.problem
+            ) from None
+        audit.mark_passed()
 
     def cover(self, txn, name: str, prefix: bytes = b"") -> bool:
         """Make sure a cursor of ``txn`` on database ``name`` confined to keys

@@ -32,7 +32,7 @@ log = logging.getLogger("kvstore")
 _KEY_END = b"\xff" * 512
 # A pause every so many pages, for the process's other threads (see _tick).
 _PACE_PAGES, _PACE_SECONDS = 16, 0.0002
-_TRIES = 3  # full checks begun while two commits overwrote the transaction's meta page
+_RETRY_SECONDS = 0.001
 
 
 class PageAudit:
@@ -85,20 +85,20 @@ class PageAudit:
         def run():
             try:
                 self._stop.wait(_PACE_SECONDS)  # the opening thread goes on first
-                for _ in range(_TRIES):
-                    pages = read(self._check_all)
-                    if pages is not None:
-                        log.debug("kvstore: %s: %d index pages checked", name, pages)
-                        self.sound, self.branches = set(), {}  # not needed again
-                        return
-                raise mdbcheck.Damage("the index changed too fast to be checked")
+                # None: two commits overwrote the transaction's meta page before it
+                # was read (other writers are busy): not damage; again, a bit later.
+                while (pages := read(self._check_all)) is None:
+                    if self._stop.wait(_RETRY_SECONDS):
+                        raise mdbcheck.Stopped()
+                log.debug("kvstore: %s: %d index pages checked", name, pages)
+                self.sound, self.branches = set(), {}  # not needed again
             except mdbcheck.Damage as e:
                 self.failure = str(e)
                 on_damage(self.failure)
             except mdbcheck.Stopped:
                 self.failure = "stopped"
-            except Exception as e:  # the index met damage itself, or was closed
-                self.failure = f"{type(e).__name__}: {e}"
+            except Exception as e:  # the index met damage itself, closed, an lmdb error
+                self.failure = f"{type(e).__name__}: {e}"  # writes check for themselves
             finally:
                 self.done.set()
 
