@@ -177,7 +177,8 @@ def test_every_command_says_the_index_is_damaged_in_one_line(
         one_line(err, store, "index/data.mdb is damaged", says, "verify --fix")
     # Plain stats reads the kept totals only (small trees, which the bounded check
     # covers whole), in a time that does not grow with the index: it sees what
-    # that check sees, and reads no page below a large tree's root.
+    # that check sees, and reads no page below a large tree's root. The background
+    # check every open starts may find damage there first: then it says so.
     try:
         Index(os.path.join(store, "index"), create=False, readonly=True).close()
         bounded_check_sees = False
@@ -185,11 +186,9 @@ def test_every_command_says_the_index_is_damaged_in_one_line(
         bounded_check_sees = True
     assert bounded_check_sees or case in BELOW_THE_ROOTS
     status, _, err = run_cli(capsys, "stats", "--store", store)
-    if bounded_check_sees:
+    if bounded_check_sees or status != 0:
         assert status == 2, err
         one_line(err, store, "index/data.mdb is damaged", says, "verify --fix")
-    else:
-        assert status == 0, err
     if case not in BELOW_THE_ROOTS:
         with pytest.raises(IndexDamaged, match="index/data.mdb is damaged") as e:
             KVStore(store, model, chunk_tokens=C)
