@@ -33,14 +33,6 @@ _KEY_END = b"\xff" * 512
 # A pause every so many pages, for the process's other threads (see _tick).
 _PACE_PAGES, _PACE_SECONDS = 16, 0.0002
 _RETRY_SECONDS = 0.001
-# Tries before the check gives way to the process's first write, which runs it
-# itself: while other processes commit all the time every try can lose its snapshot,
-# and writes waiting for an endless retry stalled a server in the soak.
-_MAX_TRIES = 8
-
-
-class _Busy(Exception):
-    """Other processes' commits outran every try of the background check."""
 
 
 class PageAudit:
@@ -95,13 +87,9 @@ class PageAudit:
                 self._stop.wait(_PACE_SECONDS)  # the opening thread goes on first
                 # None: two commits overwrote the transaction's meta page before it
                 # was read (other writers are busy): not damage; again, a bit later.
-                tries = 1
                 while (pages := read(self._check_all)) is None:
-                    if tries >= _MAX_TRIES:
-                        raise _Busy(f"{tries} tries lost their snapshot to commits")
                     if self._stop.wait(_RETRY_SECONDS):
                         raise mdbcheck.Stopped()
-                    tries += 1
                 log.debug("kvstore: %s: %d index pages checked", name, pages)
                 self.sound, self.branches = set(), {}  # not needed again
             except mdbcheck.Damage as e:
@@ -109,8 +97,6 @@ class PageAudit:
                 on_damage(self.failure)
             except mdbcheck.Stopped:
                 self.failure = "stopped"
-            except _Busy as e:  # writes check for themselves
-                self.failure = f"busy: {e}"
             except Exception as e:  # the index met damage itself, closed, an lmdb error
                 self.failure = f"{type(e).__name__}: {e}"  # writes check for themselves
             finally:
