@@ -100,8 +100,7 @@ class Rates:
     def _mix(old: Optional[float], new: float) -> float:
         if old is None:
             return new
-        new = min(max(new, old / MAX_STEP), old * MAX_STEP)  # one outlier moves little
-        return (1 - SMOOTHING) * old + SMOOTHING * new
+        return (1 - SMOOTHING) * old + SMOOTHING * _within_step(old, new)
 
     def note_prefill(self, tokens: float, seconds: float) -> bool:
         """Record a prefill of ``tokens`` in ``seconds``; False if too small to say.
@@ -143,12 +142,17 @@ class Rates:
             if old is None:
                 self.restore, self._restore_weight = sample, weight
                 return
-            sample = min(max(sample, old / MAX_STEP), old * MAX_STEP)
+            sample = _within_step(old, sample)
             # A rate set from outside (kept by an earlier process) has no weight yet.
             kept = self._restore_weight if self._restore_weight > 0 else PRIOR_RESTORE_S
             kept *= 1 - SMOOTHING
             self.restore = (old * kept + sample * weight) / (kept + weight)
             self._restore_weight = kept + weight
+
+
+def _within_step(old: float, new: float) -> float:
+    """``new`` moved to within :data:`MAX_STEP` of ``old``: one outlier moves little."""
+    return min(max(new, old / MAX_STEP), old * MAX_STEP)
 
 
 def _check_number(name: str, value, *, positive: bool) -> None:

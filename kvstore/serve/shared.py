@@ -20,6 +20,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
+
+from ..disk.chunking import common_prefix
+
 # A shared prefix shorter than this is read again rather than waited for.
 MIN_SHARED_TOKENS = 256
 # How long a prefetch waits for the restore it shares a prefix with.
@@ -33,17 +37,9 @@ class Restoring:
     restored the whole prefix (``start`` 0)."""
 
     key: Any
-    tokens: List[int]
+    tokens: np.ndarray  # int32, as the store compares token ids
     done: threading.Event = field(default_factory=threading.Event)
     tail: Optional[weakref.ref] = None
-
-
-def common_prefix(a: List[int], b: List[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class SharedRestores:
@@ -62,7 +58,7 @@ class SharedRestores:
         entry, the entry sharing the longest prefix with it (at least
         ``min_shared`` tokens past ``held``; None if none) and that prefix's
         length, at most ``len(tokens) - 1`` (the store restores no more)."""
-        entry = Restoring(key, list(tokens))
+        entry = Restoring(key, np.asarray(tokens, dtype=np.int32))
         best, best_n = None, 0
         with self._lock:
             self._entries = [e for e in self._entries if _alive(e)]
