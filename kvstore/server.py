@@ -35,6 +35,7 @@ Also runnable as ``python -m kvstore.server``.
 """
 
 import argparse
+import faulthandler
 import functools
 import json
 import logging
@@ -505,6 +506,15 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     return caches, saved
 
 
+def _dump_stacks_on(signum: Optional[int]) -> Optional[int]:
+    """Have ``signum`` print every thread's stack to stderr (``kill -USR1 PID`` on
+    a server that stopped answering); returns it, or None where it cannot be."""
+    if signum is None or not hasattr(faulthandler, "register"):  # Windows
+        return None
+    faulthandler.register(signum, all_threads=True, chain=False)
+    return signum
+
+
 def _run(mls, rest: List[str], caches: List[PersistentPromptCache], saved) -> int:
     """Run ``mlx_lm.server.main()`` with ``rest`` as its arguments until SIGTERM or
     SIGINT, then restore what :func:`_install` replaced and close the stores.
@@ -514,6 +524,7 @@ def _run(mls, rest: List[str], caches: List[PersistentPromptCache], saved) -> in
         raise KeyboardInterrupt  # mlx-lm's serve_forever shutdown path
 
     old_term = signal.signal(signal.SIGTERM, on_sigterm)
+    dumps = _dump_stacks_on(getattr(signal, "SIGUSR1", None))
     old_argv = sys.argv
     sys.argv = ["kvstore serve"] + rest
     status = 0
@@ -531,6 +542,8 @@ def _run(mls, rest: List[str], caches: List[PersistentPromptCache], saved) -> in
     finally:
         sys.argv = old_argv
         signal.signal(signal.SIGTERM, old_term)
+        if dumps is not None:
+            faulthandler.unregister(dumps)
         for name, value in saved.items():
             setattr(mls, name, value)
         for cache in caches:

@@ -3,6 +3,7 @@
 import glob
 import os
 import re
+import signal
 import time
 
 import mlx.core as mx
@@ -251,6 +252,10 @@ def test_serve_persists_across_restarts(tmp_path, tiny_model_dir):
         assert stats["misses"] == 1 and stats["saves"] >= 1
         # The server timed its own prefill of the prompt.
         assert stats["stores"][0]["prefill_tokens_per_s"] > 0
+        if hasattr(signal, "SIGUSR1"):  # every thread's stack, and it serves on
+            s1.proc.send_signal(signal.SIGUSR1)
+            assert answer(s1.chat(first)) == want_first
+            assert "kvstore/server.py" in s1.output().split("Thread 0x", 1)[-1]
     finally:
         assert s1.stop() == 0, s1.output()
     assert "stores flushed and closed" in s1.output()

@@ -43,7 +43,9 @@ def test_short_soak(tmp_path):
     run = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     result = json.loads(out.read_text()) if out.exists() else None
     assert result is not None, run.stdout[-3000:] + run.stderr[-5000:]
-    assert run.returncode == 0 and not result["failures"], run.stdout
+    assert run.returncode == 0 and not result["failures"], (
+        run.stdout + run.stderr[-14000:]
+    )
     # The soak did what it says: these are figures, not thresholds of speed.
     assert sum(result["kills"].values()) >= 3, run.stdout
     assert result["map_resizes"] >= 1, run.stdout

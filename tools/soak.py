@@ -775,6 +775,7 @@ class Soak:
                 if p.alive() and not p.killed and hs != 200:
                     died = _first_line(p.output(), "generation thread died")
                     self.fail(f"{p.name} is up but unhealthy (health {hs}): {died}")
+                    print(_stacks(p), file=sys.stderr, flush=True)
                     p.kill()  # restarted by the main loop
             elif not expected:
                 time.sleep(0.5)  # killed: the main loop restarts it
@@ -1215,6 +1216,16 @@ class Soak:
                 p.kill()
         if getattr(self, "moto", None) is not None:
             self.moto.stop()
+
+
+def _stacks(p: "Proc") -> str:
+    """Every thread's stack of a server that stopped answering (``kvstore serve``
+    prints them on SIGUSR1)."""
+    before = len(p.output())
+    p.proc.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    dump = p.output()[before:]
+    return f"soak: {p.name}'s threads ({p.log_path}):\n{dump[-12000:]}"
 
 
 def _first_line(text: str, needle: str) -> str:
