@@ -37,7 +37,7 @@ from .engine.removal import Budgets
 from .engine.tail import Tail
 from .engine.writer import BackgroundWriter
 from .maintenance.common import check_int
-from .platform import fsutil
+from .platform import fsutil, mlxsync
 from .remote import RemoteTier
 
 __all__ = [
@@ -302,6 +302,8 @@ class KVStore:
     ):
         numbers = _check_arguments(path, model, tokenizer, **_numbers(locals()))
         restore = _restore_mode(restore)
+        # Restores load Python files: MLX's CPU stream syncs must wait for them.
+        mlxsync.install()
         self.path, self.model, self.tokenizer = os.fspath(path), model, tokenizer
         self.chunk_tokens, self.read_threads = chunk_tokens, read_threads
         self.remote = _remote_tier(remote)

@@ -10,6 +10,7 @@ import pytest
 from kvstore.disk.blobs import DATA_ALIGN, TensorEntry
 from kvstore.engine import assemble
 from kvstore.engine.assemble import AssemblyPlan, empty_arrays
+from kvstore.platform import mlxsync
 
 # A quantized layer's rows next to float ones: three row shapes, two dtypes.
 ROWS = {
@@ -140,7 +141,7 @@ print(faults[-1], faults[-2], faults[-3])
 
 
 @pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not assemble.uses_c_malloc(),
+    not sys.platform.startswith("linux") or not mlxsync.cpu_allocator(),
     reason="glibc's arenas: MLX's CPU backend on Linux",
 )
 def test_repeated_restores_reuse_their_memory():
@@ -155,3 +156,57 @@ def test_repeated_restores_reuse_their_memory():
     ).stdout.split()
     written_pages = 60 * 3 * 1024 * 64 * 2 // 4096
     assert max(map(int, out)) < written_pages // 10, out
+
+
+_SYNC_SCRIPT = """
+import sys, threading, time
+
+import mlx.core as mx
+from mlx_lm import load
+
+from kvstore import KVStore
+from kvstore.engine.assemble import empty_arrays
+from kvstore.platform import mlxsync
+
+model, _ = load(sys.argv[1])
+KVStore(sys.argv[2], model, chunk_tokens=16).close()  # wraps MLX's syncs
+assert mlxsync.installed() == mlxsync.cpu_allocator()
+stop, counts = time.monotonic() + 3, {"loads": 0, "syncs": 0}
+
+def loads():
+    while time.monotonic() < stop:
+        empty_arrays([((64, 4096), mx.float16)] * 8)
+        counts["loads"] += 1
+
+def generation():  # what mlx-lm's generation loop calls between its evals
+    a = mx.random.normal((128, 128))
+    while time.monotonic() < stop:
+        mx.eval(a @ a)  # a buffer in MLX's cache: clear_cache then has work
+        mx.clear_cache()
+        mx.synchronize()
+        mx.set_cache_limit(mx.set_cache_limit(32 << 20))
+        counts["syncs"] += 1
+
+threads = [threading.Thread(target=f) for f in (loads, generation)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(counts["loads"], counts["syncs"])
+"""
+
+
+def test_stream_syncs_beside_restores_never_hang(tmp_path, tiny_model_dir):
+    """A restore's allocation (an ``mx.load`` of a Python file) on one thread while
+    another clears MLX's cache or synchronizes, as mlx-lm's generation loop does
+    after every prefill step: with MLX's CPU backend these waited for the load's
+    reads while holding the GIL the reads need, and the process hung for good."""
+    run = subprocess.run(
+        [sys.executable, "-c", _SYNC_SCRIPT, tiny_model_dir, str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    loads, syncs = map(int, run.stdout.split())
+    assert loads > 10 and syncs > 10

@@ -487,24 +487,24 @@ def test_opening_adopts_a_map_another_process_grew_meanwhile(tmp_path, monkeypat
         idx.close()
 
 
-def test_map_gate_resize_waits_for_transactions_and_holds_new_ones_back():
+def test_gate_alone_waits_for_users_and_holds_new_ones_back():
     import threading
     import time
 
-    from kvstore.disk.mapgate import MapGate, NestedResize
+    from kvstore.platform.gate import Gate, NestedAlone
 
-    gate, events = MapGate(), []
+    gate, events = Gate(), []
     inside, leave = threading.Event(), threading.Event()
 
     def reader():
-        with gate.transaction():
-            with gate.transaction():  # nested: passes at once
+        with gate.shared():
+            with gate.shared():  # nested: passes at once
                 inside.set()
                 leave.wait()
                 events.append("reader done")
 
     def late_reader():
-        with gate.transaction():
+        with gate.shared():
             events.append("late reader")
 
     r = threading.Thread(target=reader)
@@ -523,8 +523,8 @@ def test_map_gate_resize_waits_for_transactions_and_holds_new_ones_back():
     for t in (r, resize, late):
         t.join()
     assert events == ["reader done", "resize", "late reader"]
-    with gate.transaction():
-        with pytest.raises(NestedResize):
+    with gate.shared():
+        with pytest.raises(NestedAlone):
             gate.alone(lambda: None)
 
 

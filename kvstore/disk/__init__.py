@@ -1,7 +1,7 @@
 """What a store holds on disk and the rules every writer of it follows.
 
 The index (:mod:`.index`; its checks at open, :mod:`.storecheck` and :mod:`.mdbfile`;
-its map gate, :mod:`.mapgate`; the spare room, :mod:`.spare`), the node files
+the spare room, :mod:`.spare`), the node files
 (:mod:`.blobs`) and how a group of them is published durably (:mod:`.publish`),
 chunking and the hash chain (:mod:`.chunking`), namespaces and cache layouts
 (:mod:`.namespace`, :mod:`.adapters`), salted trees (:mod:`.salts`), disk-budget

@@ -18,9 +18,9 @@ import lmdb
 import numpy as np
 
 from ..platform import memutil
+from ..platform.gate import Gate
 from . import mdbcheck, spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
-from .mapgate import MapGate
 from .pageguard import PageAudit
 from .storecheck import IndexDamaged, StoreError
 
@@ -207,7 +207,10 @@ class _Env:
         self.refs = 0
         self.problem: Optional[str] = None  # set when lock.mdb was deleted under us
         self.damage: Optional[IndexDamaged] = None  # damage met since the open
-        self.gate = MapGate()  # every transaction passes it; a map resize waits alone
+        # Every transaction shares it; a map resize runs alone. mdb_env_set_mapsize may
+        # only run with no transaction of the process active (LMDB does not check;
+        # others then fail with "Invalid argument" or "closed/deleted/dropped object").
+        self.gate = Gate(nested="the LMDB map cannot grow inside a transaction")
         # Where the index file is mapped (Index.release_pages); None: not looked up
         # since the last resize, which may move the map.
         self.mapped: Optional[List[Tuple[int, int]]] = None
@@ -350,7 +353,7 @@ class Index:
         for _ in range(_RESIZED_TRIES):
             if self._shared.damage is not None:
                 raise self._shared.damage
-            with self._shared.gate.transaction():
+            with self._shared.gate.shared():
                 try:
                     storecheck.check_index_pages(self.env, self.path)
                     return
@@ -569,7 +572,7 @@ class Index:
         resized = 0
         while True:
             full = None
-            with self._shared.gate.transaction():
+            with self._shared.gate.shared():
                 try:
                     with self.env.begin(write=True) as txn:
                         out = fn(txn)

@@ -38,18 +38,11 @@ import numpy as np
 
 from ..disk.adapters import dtype_name
 from ..disk.blobs import CODE_SIZES, DATA_ALIGN, DTYPES, TensorEntry
-from ..platform import memutil
+from ..platform import memutil, mlxsync
 
 STACK_BYTES = 30 << 20  # per allocation: see the module docstring
 
 _T = TypeVar("_T")
-
-
-def uses_c_malloc() -> bool:
-    """Whether MLX allocates with the C library (its CPU backend: no Metal, no CUDA)."""
-    gpu = mx.metal.is_available()
-    cuda = getattr(mx, "cuda", None)
-    return not (gpu or (cuda is not None and cuda.is_available()))
 
 
 class VirtualFile(io.RawIOBase):
@@ -119,9 +112,10 @@ class VirtualFile(io.RawIOBase):
 def empty_arrays(specs: Sequence[Tuple[Tuple[int, ...], mx.Dtype]]) -> List[mx.array]:
     """Evaluated arrays of the given shapes and dtypes, contents undefined."""
     file = VirtualFile([(DTYPES[dtype_name(d)][0], shape) for shape, d in specs])
-    loaded = mx.load(file, format="safetensors")
-    arrays = [loaded[str(i)] for i in range(len(specs))]
-    mx.eval(arrays)
+    with mlxsync.python_file_load():
+        loaded = mx.load(file, format="safetensors")
+        arrays = [loaded[str(i)] for i in range(len(specs))]
+        mx.eval(arrays)
     return arrays
 
 
@@ -316,7 +310,7 @@ class PlanAllocator:
     def __init__(self, *, enabled: bool = True):
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="kvstore-alloc")
-            if enabled and uses_c_malloc()
+            if enabled and mlxsync.cpu_allocator()
             else None
         )
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 import xxhash
 
 from ..disk.blobs import DTYPES, CorruptBlob, OpenFile, TensorEntry
-from ..platform import devices, fsutil
+from ..platform import devices, fsutil, mlxsync
 from .assemble import VirtualFile
 
 # Node files one RestoreFile reads from: all of them stay open while it loads, so
@@ -307,21 +307,22 @@ def load_arrays(
             # tensors in an order of its own, and each node's hash needs its file
             # in order. (On CUDA each tensor's reads, then its copy to the device,
             # take turns: docs/gpu.md.)
-            for name in names:
-                file = RestoreFile(
-                    {name: rows[name]},
-                    end - offsets[lo],
-                    sources=segment,
-                    offsets=seg_offsets,
-                    takes=takes[lo:hi],
-                    first=lo,
-                    failures=failures,
-                    pool=pool,
-                    threads=threads,
-                )
-                arrays.append(mx.load(file, format="safetensors")["0"])
-                mx.async_eval(arrays[-1])
-            mx.eval(arrays)
+            with mlxsync.python_file_load():
+                for name in names:
+                    file = RestoreFile(
+                        {name: rows[name]},
+                        end - offsets[lo],
+                        sources=segment,
+                        offsets=seg_offsets,
+                        takes=takes[lo:hi],
+                        first=lo,
+                        failures=failures,
+                        pool=pool,
+                        threads=threads,
+                    )
+                    arrays.append(mx.load(file, format="safetensors")["0"])
+                    mx.async_eval(arrays[-1])
+                mx.eval(arrays)
             for j, src in enumerate(segment):
                 if lo + j > failures.first:
                     break

@@ -432,7 +432,8 @@ def evict_to_budget(
 
 def _batch_sizes() -> Iterator[int]:
     """Evictions in commits of growing size: the first needs little room on a full
-    disk (:mod:`kvstore.disk.spare`), and the files it unlinks make room for the next."""
+    disk (:mod:`kvstore.disk.spare`), and the files it unlinks make room for the next.
+    """
     size = _FIRST_EVICT_BATCH
     while True:
         yield size

@@ -3,6 +3,7 @@ mlx-lm, each with portable fallbacks.
 
 Modules: :mod:`.fsutil` (file primitives), :mod:`.memutil` (prefaulting, page
 residency), :mod:`.devices` (where MLX keeps arrays), :mod:`.compat` (the supported
-mlx-lm range and ``kvstore serve``'s start-up check) and :mod:`.default_model` (the
-model the commands use when none is named). Nothing here imports the rest of kvstore.
+mlx-lm range and ``kvstore serve``'s start-up check), :mod:`.default_model` (the
+model the commands use when none is named), :mod:`.gate` (a readers-writer gate for
+threads) and :mod:`.mlxsync` (MLX's stream syncs wait for kvstore's loads). Nothing here imports the rest of kvstore.
 """

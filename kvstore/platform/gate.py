@@ -1,11 +1,8 @@
-"""Growing an LMDB map while other threads of the process use it.
+"""A readers-writer gate for threads: many share it, one task at a time runs alone.
 
-``mdb_env_set_mapsize`` may only run while no transaction of the process is active
-(LMDB does not check; py-lmdb invalidates the objects of transactions still open):
-other threads' transactions then fail with "Invalid argument" or "closed/deleted/
-dropped object". Every transaction of an environment passes a :class:`MapGate` shared
-by its threads; a resize waits at the gate until no transaction is active, and holds
-new ones back meanwhile, so the map grows without any thread seeing it.
+Used where a native library must not run one call while others are in flight: an
+LMDB map resize while transactions are open (:mod:`kvstore.disk.index`), MLX's stream
+synchronizations while a Python file is being loaded (:mod:`.mlxsync`).
 """
 
 import threading
@@ -15,37 +12,42 @@ from typing import Callable, Iterator, TypeVar
 T = TypeVar("T")
 
 
-class NestedResize(RuntimeError):
-    """A resize asked for by a thread inside a transaction (it would wait for itself)."""
+class NestedAlone(RuntimeError):
+    """:meth:`Gate.alone` called by a thread that holds the gate (it would wait for
+    itself)."""
 
 
-class MapGate:
-    """A readers-writer gate: transactions share it, a map resize takes it alone.
+class Gate:
+    """A readers-writer gate: users share it, one task at a time takes it alone.
 
-    Transactions nest (a thread inside one may begin another: it passes at once, even
-    while a resize waits, since that resize waits for the outer one anyway). Waiting
-    resizes keep new transactions out, so a stream of readers cannot starve them.
+    Sharing nests (a thread already inside passes at once, even while a task waits
+    to be alone, since that task waits for the outer use anyway). Waiting tasks keep
+    new users out, so a stream of users cannot starve them.
+
+    Args:
+        nested: The message of :class:`NestedAlone`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, nested: str = "a gate taken alone by a thread inside it"):
+        self._nested = nested
         self._lock = threading.Lock()  # taken directly where nobody waits: cheaper
         self._cond = threading.Condition(self._lock)
-        self._active = 0  # threads inside a transaction
-        self._resizing = False
-        self._waiting = 0  # resizes waiting for the active transactions to end
+        self._active = 0  # threads holding the gate
+        self._alone = False
+        self._waiting = 0  # tasks waiting for the active users to leave
         self._local = threading.local()
 
     def depth(self) -> int:
-        """How many transactions the calling thread is inside."""
+        """How many uses of the gate the calling thread is inside."""
         return getattr(self._local, "depth", 0)
 
     def enter(self) -> None:
-        """Hold the gate (shared) for one transaction; :meth:`exit` after it."""
+        """Hold the gate (shared) for one use; :meth:`exit` after it."""
         local = self._local
         depth = getattr(local, "depth", 0)
         if depth == 0:
             with self._lock:
-                while self._resizing or self._waiting:
+                while self._alone or self._waiting:
                     self._cond.wait()
                 self._active += 1
         local.depth = depth + 1
@@ -60,7 +62,7 @@ class MapGate:
                     self._cond.notify_all()
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
+    def shared(self) -> Iterator[None]:
         """:meth:`enter` and :meth:`exit` around a block."""
         self.enter()
         try:
@@ -69,26 +71,24 @@ class MapGate:
             self.exit()
 
     def alone(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (a map resize) once no transaction of the process is active.
+        """Run ``fn`` once no other thread holds the gate, keeping new users out.
 
         Raises:
-            NestedResize: the calling thread is inside a transaction itself.
+            NestedAlone: the calling thread holds the gate itself.
         """
         if self.depth():
-            raise NestedResize(
-                "the LMDB map cannot grow inside a transaction of the same thread"
-            )
+            raise NestedAlone(self._nested)
         with self._cond:
             self._waiting += 1
             try:
-                while self._resizing or self._active:
+                while self._alone or self._active:
                     self._cond.wait()
             finally:
                 self._waiting -= 1
-            self._resizing = True
+            self._alone = True
         try:
             return fn()
         finally:
             with self._cond:
-                self._resizing = False
+                self._alone = False
                 self._cond.notify_all()
