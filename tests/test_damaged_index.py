@@ -26,6 +26,7 @@ import pytest
 from conftest import compute_cache, random_tokens, run_cli
 
 from kvstore import KVStore, StoreError, server
+from kvstore.disk import pageguard
 from kvstore.disk.index import Index, IndexDamaged
 
 pytestmark = pytest.mark.stress
@@ -117,6 +118,9 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 from conftest import compute_cache, random_tokens, tiny_llama
 from kvstore import KVStore, StoreError
+from kvstore.disk import pageguard
+if len(sys.argv) > 3:  # 0: the open's full page check in a child process
+    pageguard.CHILD_PAGES = int(sys.argv[3])
 model = tiny_llama(0)
 prompts = [random_tokens(200, 100 + i) for i in range(16)]
 try:
@@ -205,8 +209,14 @@ def test_every_command_says_the_index_is_damaged_in_one_line(
     one_line(capsys.readouterr().err, store, "index/data.mdb is damaged", says)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kvstore_refuses_what_its_check_sees_and_meets_the_rest_as_misses(store, case):
+@pytest.mark.parametrize(
+    "case,child_pages",
+    [(case, pageguard.CHILD_PAGES) for case in sorted(CASES)]
+    + [(case, 0) for case in sorted(BELOW_THE_ROOTS)],
+)
+def test_kvstore_refuses_what_its_check_sees_and_meets_the_rest_as_misses(
+    store, case, child_pages
+):
     """In a child process (an assertion in liblmdb would end it): ``KVStore(...)``
     raises the one-line StoreError for damage its bounded check reads (meta pages,
     roots, small trees), or opens, and the full check it runs in the background
@@ -220,7 +230,7 @@ def test_kvstore_refuses_what_its_check_sees_and_meets_the_rest_as_misses(store,
         before = f.read()
     tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, "-c", _LIBRARY, store, tests],
+        [sys.executable, "-c", _LIBRARY, store, tests, str(child_pages)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -551,3 +551,60 @@ def test_open_missing_without_create(tmp_path):
     with pytest.raises(StoreError):
         Index(str(tmp_path / "nothing"), create=False)
     assert not os.path.exists(tmp_path / "nothing" / "data.mdb")
+
+
+def _index_of_many_pages(tmp_path) -> str:
+    """An index whose nodes tree has ~100 pages: an open checks its root only."""
+    path = str(tmp_path / "index")
+    idx = Index(path)
+    items = [(hsh(i), rec(np.arange(20) + i)) for i in range(3000)]
+    idx.write(lambda txn: [idx.put_node(txn, NS, h, r) for h, r in items])
+    idx.close()
+    return path
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_the_background_page_check_finds_damage_below_the_roots(
+    tmp_path, monkeypatch, where
+):
+    """The open's full page check (kvstore.disk.pageguard) passes a sound index and
+    finds a zeroed leaf, in a thread or, for a large file, in a child process."""
+    import mdbdamage as damage
+
+    from kvstore.disk import pageguard
+
+    path = _index_of_many_pages(tmp_path)
+    monkeypatch.setattr(pageguard, "CHILD_PAGES", 0 if where == "process" else 1 << 40)
+    idx = Index(path, create=False)
+    audit = idx._shared.audit
+    assert audit.wait() is None and audit.passed and audit.checked_by == where
+    idx.close()
+
+    damage.zero_page(tmp_path, damage.find(tmp_path, "nodes", leaf=True)[3])
+    idx = Index(path, create=False)  # the bounded check reads the tree's root only
+    try:
+        problem = idx._shared.audit.wait()
+        assert problem is not None and "is zeroed" in problem, problem
+        assert "is zeroed" in (idx.problem or ""), idx.problem
+        with pytest.raises(StoreError):
+            put(idx, NS, hsh(10_000), rec([1, 2, 3]))
+    finally:
+        idx.close()
+
+
+def test_a_page_check_process_that_fails_leaves_writes_to_check(tmp_path, monkeypatch):
+    """No child process to check the pages (no interpreter at sys.executable): the
+    first write checks them itself, then writes."""
+    from kvstore.disk import pageguard
+
+    path = _index_of_many_pages(tmp_path)
+    monkeypatch.setattr(pageguard, "CHILD_PAGES", 0)
+    monkeypatch.setattr(pageguard.sys, "executable", str(tmp_path / "no-python"))
+    idx = Index(path, create=False)
+    try:
+        audit = idx._shared.audit
+        assert audit.wait() is not None and not audit.passed
+        assert put(idx, NS, hsh(10_000), rec([1, 2, 3]))
+        assert audit.passed and idx.get_node(NS, hsh(10_000)) is not None
+    finally:
+        idx.close()
