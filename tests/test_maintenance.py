@@ -103,6 +103,25 @@ def store(tmp_path, model, other_model):
 # -- stats and tree ---------------------------------------------------------------------
 
 
+def test_stats_answer_without_waiting_for_the_full_page_check(store, monkeypatch):
+    """Plain stats reads the kept totals (small trees, their pages checked first):
+    it does not wait for the open's full page check (~5 s at a million nodes)."""
+    import threading
+
+    from kvstore.disk import pageguard
+
+    monkeypatch.setattr(pageguard.PageAudit, "start", lambda self, *a, **kw: None)
+    out = {}
+    t = threading.Thread(
+        target=lambda: out.update(m.store_stats(store.path)), daemon=True
+    )
+    t.start()
+    t.join(30)
+    assert out, "stats waited for a page check that never ends"
+    nodes = store.stats["nodes"] + store.other_stats["nodes"]
+    assert out["totals"]["nodes"] == nodes
+
+
 def test_stats_match_what_was_saved(store):
     t0 = time.time()
     st = m.store_stats(store.path, full=True)

@@ -103,9 +103,12 @@ def store_stats(path, *, full: bool = False) -> Dict[str, Any]:
     # which the bounded page check covers whole: checking every page is the scan's.
     check = "full" if full else "roots"
     with opened(path, readonly=True, check=check) as (index, blobs):
-        head, descs, counters = index.read(
-            lambda txn: _kept(index, txn, path, scan=full)
-        )
+        kept = None
+        if not full:  # the small trees' pages checked first: no wait for the rest
+            kept = index.read(lambda txn: _kept_checked(index, txn, path), guarded=True)
+        if kept is None:  # (or their snapshot was gone: after the full page check)
+            kept = index.read(lambda txn: _kept(index, txn, path, scan=full))
+        head, descs, counters = kept
         index_bytes = os.lstat(os.path.join(path, "index", "data.mdb")).st_size
         per, files, quarantine = {}, None, None
         if full:
@@ -151,6 +154,14 @@ def _kept(index: Index, txn, path: str, *, scan: bool) -> tuple:
     known = known_namespaces(index, txn) if scan else kept_namespaces(index, txn)
     counters = {ns: index.counters(ns, txn) for ns in known}
     return head, descs, counters
+
+
+def _kept_checked(index: Index, txn, path: str) -> Optional[tuple]:
+    """:func:`_kept` without the scan, the pages its cursors read checked first
+    (:meth:`~kvstore.disk.index.Index.cover`); None: they could not be checked."""
+    if not all(index.cover(txn, name) for name in ("namespaces", "counters")):
+        return None
+    return _kept(index, txn, path, scan=False)
 
 
 def _scan_records(index: Index, txn) -> Dict[bytes, Dict[str, Any]]:
