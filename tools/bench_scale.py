@@ -23,11 +23,13 @@ commands; time, peak RSS, CPU time and the reads the page cache did not serve (m
 faults, file system inputs) from GNU ``time -v``), the cheap ones alternating
 between the sizes round by round (so the shared machine's load falls on every size
 alike): open (a fresh process opening the store), save + flush of a new conversation
-(a fresh process), ``kvstore stats`` (kept totals), ``kvstore ls --no-decode`` and the
+(a fresh process: the write waits for the open's full page check, then a second one in
+that process), ``kvstore stats`` (kept totals), ``kvstore ls --no-decode`` and the
 start-up floor (a process importing what the commands import), each ``--repeats``
-times; fetch hit / branch / miss and lookup (a warm process per size and round, 200
-alternating calls each; the median of every round's) and the stats call's own time in
-that process. Every query has the same depth at every size: a hit restores exactly
+times; the first lookups right after a fresh open (while the open's full page check
+runs) and when that check passed; then fetch hit / branch / miss and lookup (a warm
+process per size and round, once the check passed, 200 alternating calls each; the
+median of every round's) and the stats call's own time in that process. Every query has the same depth at every size: a hit restores exactly
 ``DEPTH`` nodes (a stored prompt cut at the end of its ``DEPTH``-th node; the build
 keeps a uniform sample of the prompts that deep), a branch cuts that node short, a
 miss has a first token no prompt has. Then per size ``stats --full``, ``kvstore
@@ -315,6 +317,7 @@ def timed_command(argv) -> dict:
 
 FLOOR = "import kvstore.cli, kvstore.maintenance"
 
+EARLY = 20  # lookups timed right after a fresh open
 CHILD = textwrap.dedent("""
     import json, resource, statistics, sys, time
     sys.path.insert(0, {tools!r})
@@ -328,7 +331,19 @@ CHILD = textwrap.dedent("""
     t0 = time.perf_counter()
     store = KVStore(path, model, chunk_tokens=CHUNK)
     out = {{"open_s": time.perf_counter() - t0}}
+    audit = store.index._shared.audit  # the open's full page check (pageguard)
     if case == "fetch":
+        # A fresh process's first lookups run while the page check does; the rest
+        # are timed once it has passed (a warm process).
+        early = []
+        for q in given["hits"][:{early}]:
+            checking = not audit.done.is_set()
+            t = time.perf_counter()
+            store.lookup(q)
+            early.append((time.perf_counter() - t, checking))
+        audit.wait()
+        out["check_s"] = time.perf_counter() - t0
+        out["early_lookups"] = early
         rng = np.random.default_rng(7)
         hits, branches, misses = given["hits"], given["branches"], given["misses"]
         cases = {{"hit": ("fetch", hits), "branch": ("fetch", branches),
@@ -376,9 +391,14 @@ CHILD = textwrap.dedent("""
         toks = system + rng.integers(100, 32000, size=40).tolist()
         t = time.perf_counter()
         n = store.save(toks, _cache(kv, len(toks)), boundaries=[len(system)])
-        store.flush()
+        store.flush()  # waits for the open's page check (writes do)
         out["save_flush_s"] = time.perf_counter() - t
         out["new_nodes"] = n
+        toks = system + rng.integers(100, 32000, size=40).tolist()
+        t = time.perf_counter()
+        store.save(toks, _cache(kv, len(toks)), boundaries=[len(system)])
+        store.flush()
+        out["save_flush_warm_s"] = time.perf_counter() - t
     store.close()
     print(json.dumps(out))
     """)
@@ -408,7 +428,14 @@ def fixed_depth(candidates: list) -> dict:
 def in_child(case: str, path: str, queries_file: str, *extra) -> dict:
     tools = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD.format(tools=tools), case, path, queries_file]
+        [
+            sys.executable,
+            "-c",
+            CHILD.format(tools=tools, early=EARLY),
+            case,
+            path,
+            queries_file,
+        ]
         + [str(x) for x in extra],
         capture_output=True,
         text=True,
@@ -450,7 +477,9 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
             "index_bytes_per_node": index_bytes / record["nodes"],
         }
         if "cheap" in cases:
-            for key in ("open", "save", "startup_floor", "stats", "ls", "fetch"):
+            for key in ("open", "save", "save_warm", "startup_floor", "stats"):
+                out[size][key] = []
+            for key in ("ls", "fetch"):
                 out[size][key] = []
             out[size]["stats_fetch"] = []
     sizes = list(stores) if "cheap" in cases else []
@@ -459,7 +488,9 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
         for size in _rotated(sizes, r):
             path, q, m = stores[size][0], queries[size], out[size]
             m["open"].append(in_child("open", path, q)["open_s"])
-            m["save"].append(in_child("save", path, q, 1000 + r)["save_flush_s"])
+            saved = in_child("save", path, q, 1000 + r)
+            m["save"].append(saved["save_flush_s"])
+            m["save_warm"].append(saved["save_flush_warm_s"])
             m["startup_floor"].append(timed_command(None))
             m["stats"].append(timed_command(["stats", "--json", "--store", path]))
             m["ls"].append(timed_command(["ls", "--no-decode", "--store", path]))
@@ -482,6 +513,18 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
                 k: sum(f.get(kind, {}).get(k, 0) for f in rounds) for k in times
             }
         m["fetch_reused_tokens"] = fetch["reused"]  # the same queries every round
+        checks = [f["check_s"] for f in rounds]
+        m["page_check_s"] = {"median": med(checks), "samples": checks}
+        early = [t * 1e3 for f in rounds for t, checking in f["early_lookups"]]
+        during = [
+            t * 1e3 for f in rounds for t, checking in f["early_lookups"] if checking
+        ]
+        m["early_lookup_ms"] = {
+            "median": med(early),
+            "during_check_median": med(during) if during else None,
+            "during_check": len(during),
+            "samples": early,
+        }
         m["hit_depth_nodes"] = DEPTH
         inproc = [x for f in m.pop("stats_fetch") for x in f]
         m["stats_in_process_ms"] = {
@@ -493,6 +536,8 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
         m["open_s"] = {"median": med(m["open"]), "samples": m.pop("open")}
         saves = [x * 1e3 for x in m.pop("save")]
         m["save_flush_ms"] = {"median": med(saves), "samples": saves}
+        warm = [x * 1e3 for x in m.pop("save_warm")]
+        m["save_flush_warm_ms"] = {"median": med(warm), "samples": warm}
         for key in ("startup_floor", "stats", "ls"):
             m[key] = _runs(m[key])
     for size, (path, record) in stores.items():
@@ -573,6 +618,11 @@ def writer_rates(record: dict) -> dict:
 
 ROWS = [
     ("open, fresh process (ms)", lambda m: m["open_s"]["median"] * 1e3),
+    ("open's full page check passed after (s)", lambda m: m["page_check_s"]["median"]),
+    (
+        "lookup while that check runs (ms) / lookups timed",
+        lambda m: _during_check(m["early_lookup_ms"]),
+    ),
     ("fetch hit (ms)", lambda m: m["fetch_ms"]["hit"]["median"]),
     ("fetch branch (ms)", lambda m: m["fetch_ms"]["branch"]["median"]),
     ("fetch miss (ms)", lambda m: m["fetch_ms"]["miss"]["median"]),
@@ -581,6 +631,7 @@ ROWS = [
     ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
     ("page faults per lookup: minor / major", lambda m: _lookup_faults(m)),
     ("save + flush, fresh process (ms)", lambda m: m["save_flush_ms"]["median"]),
+    ("save + flush, warm process (ms)", lambda m: m["save_flush_warm_ms"]["median"]),
     ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),
     ("writer saves/s, last 10% of build", lambda m: m["writer"]["last_10pct"]),
     (
@@ -617,6 +668,13 @@ ROWS = [
     ("index bytes per node", lambda m: m["index_bytes_per_node"]),
     ("build (s)", lambda m: m["build_seconds"]),
 ]
+
+
+def _during_check(early: dict) -> str:
+    """The median lookup right after a fresh open while the page check still ran."""
+    if not early["during_check"]:
+        return "- / 0 (it had passed)"
+    return f"{early['during_check_median']:.3g} / {early['during_check']}"
 
 
 def _lookup_faults(m: dict) -> str:
