@@ -1,6 +1,7 @@
 """Unit tests for kvstore.disk.index: node records and the LMDB index."""
 
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -608,3 +609,28 @@ def test_a_page_check_process_that_fails_leaves_writes_to_check(tmp_path, monkey
         assert audit.passed and idx.get_node(NS, hsh(10_000)) is not None
     finally:
         idx.close()
+
+
+def test_closing_ends_a_running_page_check_process(tmp_path, monkeypatch):
+    """close() while the check's child process runs ends that process (it is
+    killed and reaped, not left to finish), and the index closes."""
+    from kvstore.disk import pageguard
+
+    path = _index_of_many_pages(tmp_path)
+    monkeypatch.setattr(pageguard, "CHILD_PAGES", 0)
+    started = []
+
+    class Recorded(pageguard.subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(pageguard.subprocess, "Popen", Recorded)
+    for _ in range(5):
+        idx = Index(path, create=False)
+        audit = idx._shared.audit
+        idx.close()
+        assert audit.done.is_set() and audit.failure in (None, "stopped")
+    assert started and all(child.returncode is not None for child in started)
+    # Closed a moment after the open: the child had not finished its check.
+    assert any(child.returncode == -signal.SIGKILL for child in started)

@@ -83,6 +83,7 @@ class PageAudit:
         self._paced = 0  # pages the full check read
         self._thread: Optional[threading.Thread] = None
         self.checked_by: Optional[str] = None  # "thread" or "process", once begun
+        self._child: Optional[subprocess.Popen] = None  # the check's process, running
         # (txn id, its meta page, its named databases) of the last cover()
         self._snapshot: Optional[Tuple[int, mdbcheck.MetaPage, Dict]] = None
         if passed:
@@ -170,15 +171,15 @@ class PageAudit:
             stderr=subprocess.PIPE,
             text=True,
         )
-        while True:
-            try:
-                out, err = child.communicate(timeout=0.05)
-                break
-            except subprocess.TimeoutExpired:
-                if self._stop.is_set():
-                    child.kill()
-                    child.communicate()
-                    raise mdbcheck.Stopped() from None
+        self._child = child
+        try:
+            if self._stop.is_set():  # close() came first and found no child to end
+                child.kill()
+            out, err = child.communicate()
+        finally:
+            self._child = None
+        if self._stop.is_set():
+            raise mdbcheck.Stopped()
         try:
             answer = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -243,6 +244,10 @@ class PageAudit:
         return mine[0] if mine else None
 
     def _join(self) -> None:
+        """Wait for the check's thread to end (after ``_stop``: a child is ended)."""
+        child = self._child
+        if child is not None:
+            child.kill()  # nothing if it has ended (Popen polls first)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()

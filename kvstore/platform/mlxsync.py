@@ -62,10 +62,14 @@ def install(*, force: bool = False) -> bool:
 
 
 def _waits_for_loads(fn):
+    """``fn`` run once no Python-file load is in flight."""
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if LOADS.depth():  # a read of this thread's own load: MLX waits for nothing
-            return fn(*args, **kwargs)  # of this thread's then (its load is evaluated)
+        # Inside a load block of this thread its own load has been evaluated, and
+        # waiting would wait for itself; kvstore makes no such call there.
+        if LOADS.depth():
+            return fn(*args, **kwargs)
         return LOADS.alone(lambda: fn(*args, **kwargs))
 
     return call
