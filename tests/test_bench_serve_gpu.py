@@ -6,6 +6,7 @@ order and the verdicts are checked on their own, without servers. No timing is
 checked."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -213,3 +214,28 @@ def test_a_stream_that_ends_early_is_a_failure_not_a_sample():
         server.shutdown()
     assert [r["tokens"] for r in results] == [1, 1]
     assert len(errors) == 1 and errors[0].startswith("users [0, 1]: the stream ended")
+
+
+def test_bench_tail_runs_every_case_on_the_cpu(tmp_path):
+    """``tools/bench_tail.py`` (a tail past a RAM copy: restore or prefill) at the
+    tiny shape: every case timed every repeat, the restore reading only the nodes
+    past the RAM copy."""
+    out = tmp_path / "tail.json"
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_tail.py")
+    argv = [sys.executable, tool, "--shape", "tiny", "--head", "300", "--tail", "40"]
+    run = subprocess.run(
+        argv + ["--repeats", "2", "--chunk-tokens", "64", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {k: len(v) for k, v in result["samples"].items()} == {
+        "plain": 2,
+        "kvstore": 2,
+        "batch8": 2,
+    }
+    # The node holding token 300 (256-319) and the next one up to 340: 84 tokens.
+    assert result["medians"]["kvstore"]["restored_tokens"] == 340 - 256
+    assert all(s["total"] > 0 for rows in result["samples"].values() for s in rows)
