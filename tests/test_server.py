@@ -350,13 +350,16 @@ def test_batch_steps_report_their_prompt_tokens():
 
     class Base:
         def __init__(self):
-            self.steps = [(512, 0.25), (0, 0.0), (3, 0.01)]
+            # (prompt tokens, their seconds, decode steps in the same step)
+            self.steps = [(512, 0.25, 0), (0, 0.0, 1), (3, 0.01, 0), (250, 0.06, 1)]
 
         @contextlib.contextmanager
         def stats(self):
             window = SimpleNamespace(prompt_tokens=0, prompt_time=0.0)
             yield window
-            window.prompt_tokens, window.prompt_time = self.current
+            tokens, seconds, decoded = self.current
+            window.prompt_tokens, window.prompt_time = tokens, seconds
+            window.generation_steps = decoded
 
         def next(self):
             self.current = self.steps.pop(0)
@@ -364,8 +367,10 @@ def test_batch_steps_report_their_prompt_tokens():
 
     seen = []
     gen = timed_batch_generator_class(Base, lambda t, s: seen.append((t, s)))()
-    for _ in range(3):
+    for _ in range(4):
         assert gen.next() == ([], [])
+    # A step that also decoded is not rated: its prompts' time includes the decode
+    # work still queued on the device.
     assert seen == [(512, 0.25), (3, 0.01)]
 
     # A failing callback is logged, never raised into the generation loop.

@@ -41,8 +41,9 @@ import math
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence, Set
 
 # How a store decides: "auto" by the measured rates, or always / never restore.
 MODES = ("auto", "always", "never")
@@ -150,6 +151,57 @@ class Rates:
             self._restore_weight = kept + weight
 
 
+class Overlaps:
+    """The restores of a process whose reads are running, and how many ran at once.
+
+    Restores at once share the disk, the memory bus and the device's copy engine:
+    two take about twice as long each (an H100 server's two prefetch threads rated
+    0.6-0.9 GB/s against 3.3 alone), and rated by their own seconds they would
+    price every later restore, the ones that run alone too, at that speed. So a
+    restore is rated by its seconds over the mean number of reads running beside it
+    (itself included): the time it would have taken alone.
+    """
+
+    class Run:
+        def __init__(self, now: float):
+            self.started = self.last = now
+            self.shared_seconds = 0.0  # the integral of the reads running, over time
+            self.sharing = 1.0  # its mean, once the block ended
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: Set["Overlaps.Run"] = set()
+
+    def _advance(self, now: float) -> None:
+        n = len(self._running)
+        for run in self._running:
+            run.shared_seconds += (now - run.last) * n
+            run.last = now
+
+    @contextmanager
+    def track(self) -> Iterator["Overlaps.Run"]:
+        """A block of reading; ``.sharing`` afterwards: the mean number of reads that
+        ran meanwhile (1.0: alone)."""
+        with self._lock:
+            now = time.perf_counter()
+            self._advance(now)
+            run = Overlaps.Run(now)
+            self._running.add(run)
+        try:
+            yield run
+        finally:
+            with self._lock:
+                now = time.perf_counter()
+                self._advance(now)
+                self._running.discard(run)
+            spent = now - run.started
+            run.sharing = max(1.0, run.shared_seconds / spent) if spent > 0 else 1.0
+
+
+# Every restore of the process: they share its disk, memory and device.
+READS = Overlaps()
+
+
 def _within_step(old: float, new: float) -> float:
     """``new`` moved to within :data:`MAX_STEP` of ``old``: one outlier moves little."""
     return min(max(new, old / MAX_STEP), old * MAX_STEP)
@@ -237,13 +289,17 @@ class RestorePolicy:
         restore_s = self.read_seconds(sum(nbytes))
         return Decision(explore, total, restore_s, total / prefill, explored=explore)
 
-    def record(self, decision: Decision, *, nbytes: int, seconds: float) -> None:
-        """Count a decision carried out; a restore's bytes and time feed the rate."""
+    def record(
+        self, decision: Decision, *, nbytes: int, seconds: float, sharing: float = 1.0
+    ) -> None:
+        """Count a decision carried out; a restore's bytes and time feed the rate, its
+        time over ``sharing`` (the mean number of restores that read meanwhile:
+        :class:`Overlaps`)."""
         if not decision.restore:
             with self._lock:
                 self.recomputed += 1
             return
-        self.rates.note_restore(nbytes, seconds)
+        self.rates.note_restore(nbytes, seconds / max(1.0, sharing))
         with self._lock:
             self.restored += 1
             if decision.recompute_s is not None:

@@ -25,7 +25,7 @@ from .accesses import Accesses
 from .assemble import AssemblyPlan, PlanAllocator
 from .counters import Counters
 from .loadpath import Failures, FileSource, MemorySource, load_arrays
-from .payoff import Decision, RestorePolicy
+from .payoff import READS, Decision, RestorePolicy
 from .ram import RamEntry, RamTier
 from .shapes import NodeShapes
 from .walk import Step, TrieWalk
@@ -276,7 +276,8 @@ class ReadPath:
             path, costs = path[: decision.nodes], costs[: decision.nodes]
         nbytes = sum(costs)
         tic = time.perf_counter()
-        failures, state_job, delta = self.read(path, len(arr))
+        with READS.track() as reading:
+            failures, state_job, delta = self.read(path, len(arr))
         failed = failures.first
         if failed < len(path):  # only the first broken node counts: the rest is cut
             step = path[failed]
@@ -300,9 +301,15 @@ class ReadPath:
         self.accesses.touch(step.h for step in path)
         with MLX_LOCK:
             cache = self.layout.build(delta, state or {}, n)
-        # A restore cut short says nothing of the rate: counted, not measured.
+        # A restore cut short says nothing of the rate: counted, not measured. One
+        # beside others is rated by the time it would have taken alone.
         seconds = time.perf_counter() - tic
-        self.policy.record(decision, nbytes=nbytes if complete else 0, seconds=seconds)
+        self.policy.record(
+            decision,
+            nbytes=nbytes if complete else 0,
+            seconds=seconds,
+            sharing=reading.sharing,
+        )
         if complete:
             self.accesses.keep_rates()
         return cache, n

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache
 from ..disk.adapters import CODECS, Layout, cache_leaves
 from .accesses import Accesses
 from .counters import Counters
-from .payoff import Decision, RestorePolicy
+from .payoff import READS, Decision, RestorePolicy
 from .restore import MLX_LOCK, ROOM_MIN_BYTES, ReadPath
 from .shapes import NodeShapes
 from .walk import Step
@@ -153,7 +153,8 @@ class TailRead:
         tokens up to the first broken node, or None when that is the first."""
         tic = time.perf_counter()
         n = sum(step.take for step in steps)
-        failures, _, delta = self.reads.read(steps, n)
+        with READS.track() as reading:
+            failures, _, delta = self.reads.read(steps, n)
         failed = failures.first
         complete = failed >= len(steps)
         if not complete:
@@ -168,7 +169,12 @@ class TailRead:
             cache = self.layout.build(delta, {}, n)
         _evaluate(cache)
         seconds = time.perf_counter() - tic
-        self.policy.record(decision, nbytes=nbytes if complete else 0, seconds=seconds)
+        self.policy.record(
+            decision,
+            nbytes=nbytes if complete else 0,
+            seconds=seconds,
+            sharing=reading.sharing,
+        )
         if complete:
             self.accesses.keep_rates()
         return Tail(cache, start, start + n)
