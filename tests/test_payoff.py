@@ -340,33 +340,3 @@ def test_restores_beside_each_other_are_rated_by_their_time_alone(monkeypatch):
     policy.record(decision, nbytes=1_000_000, seconds=0.001)  # the fixed time
     policy.record(decision, nbytes=3_000_000_000, seconds=2.001, sharing=2.0)
     assert policy.rates.restore == pytest.approx(3e9, rel=0.01)
-
-
-def test_small_prefills_measure_the_floor_and_larger_ones_the_rate_past_it():
-    """A forward costs a floor however few its tokens: a server's 62-token warm-up
-    (18 ms on an H100) rated 3.4K tokens/s where its prompts prefill at 15K and
-    more. Small prefills set the floor; larger ones are rated past it."""
-    rates = Rates()
-    assert rates.note_prefill(62, 0.018)  # the first sample: a rate, and the floor
-    assert rates.prefill_floor == 0.018
-    assert not rates.note_prefill(100, 0.020)  # mostly floor: not rated
-    assert rates.prefill == pytest.approx(62 / 0.018)
-    for _ in range(10):
-        rates.note_prefill(2048, 0.018 + 2048 / 16_000)
-    assert rates.prefill == pytest.approx(16_000, rel=0.05)
-    # Without a floor measured, a prefill is rated by its whole time, as before.
-    plain = Rates()
-    plain.note_prefill(2048, 0.018 + 2048 / 16_000)
-    assert plain.prefill == pytest.approx(2048 / (0.018 + 2048 / 16_000))
-
-
-def test_a_slow_first_prefill_does_not_anchor_the_rate():
-    """A process's first forward compiles MLX's kernels: an H100 server's 61-token
-    warm-up took 0.37 s, then 2,048-token steps 0.21-0.27 s. As the first sample of
-    a running mean it held the rate near 163 tokens/s for many samples; the first
-    few samples' median is the rate instead."""
-    rates = Rates()
-    rates.note_prefill(61, 0.374)
-    for seconds in (0.209, 0.270):
-        rates.note_prefill(2048, seconds)
-    assert rates.prefill == pytest.approx(2048 / 0.270)

@@ -39,7 +39,6 @@ follows a page cache that warms up.
 import json
 import math
 import socket
-import statistics
 import threading
 import time
 from contextlib import contextmanager
@@ -60,13 +59,6 @@ MIN_PREFILL_TOKENS = 32
 RESTORE_OVERHEAD_S = 0.002
 # A restore shorter than this many fixed costs is mostly fixed cost: no byte rate.
 RATED_RESTORE = 2.0
-# Prefills of fewer tokens measure the floor of a forward (the shortest of them);
-# a longer one is rated past the floor when it took at least this many floors.
-SMALL_PREFILL_TOKENS = 256
-RATED_PREFILL = 2.0
-# A process's first rated prefills set the rate by their median (one slow first
-# forward cannot anchor it); the running mean takes over after them.
-FIRST_PREFILLS = 3
 EXPLORE_EVERY = 16
 # How far (a factor) a sample may be from the running rate and still count in full.
 MAX_STEP = 4.0
@@ -99,11 +91,7 @@ class Rates:
     """Running prefill (tokens/s) and restore (bytes/s) rates; thread-safe."""
 
     def __init__(self, *, prefill: Optional[float] = None):
-        self.prefill = prefill  # tokens/s past the floor
-        self.prefill_floor: Optional[float] = None  # seconds: the shortest prefill
-        # The first rated prefills of a process, while their median is the rate
-        # (None once FIRST_PREFILLS were seen, or a kept rate was set).
-        self._first_prefills: Optional[list] = [] if prefill is None else None
+        self.prefill = prefill
         self.restore: Optional[float] = None  # bytes/s past the fixed time
         self.restore_fixed: Optional[float] = None  # seconds: the shortest restore
         self._restore_weight = 0.0  # decayed seconds of restores behind ``restore``
@@ -133,31 +121,7 @@ class Rates:
                 "finite"
             )
         with self._lock:
-            # A forward costs a floor however few its tokens (10 ms for an 8B model
-            # on an H100), and a restore pays it too, for the tokens past it. Small
-            # prefills measure that floor (the shortest of them) and, once a rate is
-            # known, nothing else; larger ones count by their tokens over the
-            # seconds past the floor. A server's warm-up request and short tails
-            # then no longer put its rate at a fifth of the truth.
-            floor = self.prefill_floor
-            if tokens < SMALL_PREFILL_TOKENS:
-                self.prefill_floor = seconds if floor is None else min(floor, seconds)
-                if self.prefill is not None:
-                    return False
-            elif floor is not None and seconds >= RATED_PREFILL * floor:
-                rate = tokens / (seconds - floor)
-            first = self._first_prefills
-            if first is not None and (self.prefill is None or first):
-                # The median of the first few: a process's first forward compiles
-                # MLX's kernels (an H100 server's 61-token warm-up took 0.37 s
-                # where 2,048 tokens take 0.21 s), and as the anchor of a running
-                # mean it held the rate at a tenth of the truth for many samples.
-                first.append(rate)
-                self.prefill = statistics.median(first)
-                if len(first) >= FIRST_PREFILLS:
-                    self._first_prefills = None
-            else:
-                self.prefill = self._mix(self.prefill, rate)
+            self.prefill = self._mix(self.prefill, rate)
         return True
 
     def note_restore(self, nbytes: int, seconds: float) -> None:
