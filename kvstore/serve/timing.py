@@ -7,7 +7,7 @@ by what it measured before (the store keeps the rate):
 
 * the batch path: :func:`timed_batch_generator_class` reads mlx-lm's own counters
   of each ``BatchGenerator.next()`` step (``stats()``: prompt tokens and the
-  seconds spent processing them) in steps that decoded nothing;
+  seconds spent processing them);
 * the sequential path: :func:`timed_response_generator_class` times a request
   from its prompt cache lookup to its first token (:class:`PrefillClock`).
 
@@ -44,11 +44,7 @@ def timed_batch_generator_class(base, on_prefill: OnPrefill):
             with stats() as window:
                 out = super().next(*args, **kwargs)
             tokens = getattr(window, "prompt_tokens", 0)
-            # A step that also decoded times its prompts' forward after the decode
-            # work still queued on the device: an H100 server measured 2-4K tokens/s
-            # where its prompts prefilled at 16K and more, and restored short tails
-            # that prefill in a third of the time. Only prompt-only steps are rated.
-            if tokens and not getattr(window, "generation_steps", 0):
+            if tokens:
                 _report(on_prefill, tokens, getattr(window, "prompt_time", 0.0))
             return out
 
