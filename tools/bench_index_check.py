@@ -162,9 +162,17 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000, 100000])
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--compare", metavar="SRC", help="a kvstore tree to open with too")
+    ap.add_argument(
+        "--compare",
+        metavar="SRC",
+        help="a source tree (the folder holding its kvstore/ package) to open with too",
+    )
     ap.add_argument("--index", metavar="DIR", help="an index built before (one size)")
     args = ap.parse_args()
+    if args.compare and not os.path.isfile(
+        os.path.join(args.compare, "kvstore", "__init__.py")
+    ):  # else Python imports this tree's kvstore, and both columns measure it
+        ap.error(f"--compare {args.compare}: no kvstore/__init__.py in that folder")
     modes = ["open", "skip", "thread", "full", "check", "audit", "lookup"]
     modes += ["lookup-floor"]
     modes += ["busy", "busy-floor"]
