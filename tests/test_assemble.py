@@ -10,7 +10,7 @@ import pytest
 from kvstore.disk.blobs import DATA_ALIGN, TensorEntry
 from kvstore.engine import assemble
 from kvstore.engine.assemble import AssemblyPlan, empty_arrays
-from kvstore.platform import mlxsync
+from kvstore.platform import devices
 
 # A quantized layer's rows next to float ones: three row shapes, two dtypes.
 ROWS = {
@@ -141,7 +141,7 @@ print(faults[-1], faults[-2], faults[-3])
 
 
 @pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not mlxsync.cpu_allocator(),
+    not sys.platform.startswith("linux") or not devices.cpu_backend(),
     reason="glibc's arenas: MLX's CPU backend on Linux",
 )
 def test_repeated_restores_reuse_their_memory():
@@ -166,11 +166,11 @@ from mlx_lm import load
 
 from kvstore import KVStore
 from kvstore.engine.assemble import empty_arrays
-from kvstore.platform import mlxsync
+from kvstore.platform import devices, mlxsync
 
 model, _ = load(sys.argv[1])
 KVStore(sys.argv[2], model, chunk_tokens=16).close()  # wraps MLX's syncs
-assert mlxsync.installed() == mlxsync.cpu_allocator()
+assert mlxsync.installed() == devices.cpu_backend()
 stop, counts = time.monotonic() + 3, {"loads": 0, "syncs": 0}
 
 def loads():

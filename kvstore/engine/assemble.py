@@ -38,7 +38,7 @@ import numpy as np
 
 from ..disk.adapters import dtype_name
 from ..disk.blobs import CODE_SIZES, DATA_ALIGN, DTYPES, TensorEntry
-from ..platform import memutil, mlxsync
+from ..platform import devices, memutil, mlxsync
 
 STACK_BYTES = 30 << 20  # per allocation: see the module docstring
 
@@ -310,7 +310,7 @@ class PlanAllocator:
     def __init__(self, *, enabled: bool = True):
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="kvstore-alloc")
-            if enabled and mlxsync.cpu_allocator()
+            if enabled and devices.cpu_backend()
             else None
         )
 

@@ -30,6 +30,12 @@ def cuda_backend() -> bool:
     return cuda is not None and cuda.is_available()
 
 
+def cpu_backend() -> bool:
+    """Whether MLX runs on its CPU backend (no Metal, no CUDA): arrays live in
+    memory from the C library's ``malloc``."""
+    return not (mx.metal.is_available() or cuda_backend())
+
+
 def host_access_moves_arrays() -> bool:
     """Whether reading an array on the CPU moves it out of device memory."""
     return cuda_backend()

@@ -22,6 +22,7 @@ from typing import ContextManager
 
 import mlx.core as mx
 
+from . import devices
 from .gate import Gate
 
 LOADS = Gate(nested="an MLX stream synchronization inside a Python-file load")
@@ -36,22 +37,16 @@ def python_file_load() -> ContextManager[None]:
     return LOADS.shared()
 
 
-def cpu_allocator() -> bool:
-    """Whether MLX runs with its CPU backend's allocator (no Metal, no CUDA)."""
-    cuda = getattr(mx, "cuda", None)
-    return not (mx.metal.is_available() or (cuda is not None and cuda.is_available()))
-
-
 def installed() -> bool:
     """Whether ``mlx.core``'s synchronizations wait for kvstore's loads."""
     return all(hasattr(getattr(mx, name), "__wrapped__") for name in GUARDED)
 
 
-def install(*, force: bool = False) -> bool:
+def install() -> bool:
     """Wrap :data:`GUARDED` in ``mlx.core`` to wait for kvstore's Python-file loads,
-    once per process, where MLX runs with the CPU backend's allocator (or
-    ``force``). Returns whether they are wrapped."""
-    if not (force or cpu_allocator()):
+    once per process, where MLX runs on its CPU backend. Returns whether they are
+    wrapped."""
+    if not devices.cpu_backend():
         return False
     with _install_lock:
         for name in GUARDED:
