@@ -195,7 +195,7 @@ for t in threads:
 print(counts["loads"], counts["syncs"], flush=True)
 # MLX 0.32 itself aborts at interpreter exit now and then ("terminate called without
 # an active exception") once two Python threads have evaluated arrays, with no
-# kvstore code involved (2 of 12 runs of two threads doing a @ a): what is checked
+# kvstore code involved (3 of 12 runs of two threads doing a @ a): what is checked
 # here ended above, so the process leaves without that teardown, as kvstore serve does.
 os._exit(0)
 """
