@@ -23,11 +23,13 @@ commands; time, peak RSS, CPU time and the reads the page cache did not serve (m
 faults, file system inputs) from GNU ``time -v``), the cheap ones alternating
 between the sizes round by round (so the shared machine's load falls on every size
 alike): open (a fresh process opening the store), save + flush of a new conversation
-(a fresh process: the write waits for the open's full page check, then a second one in
-that process), ``kvstore stats`` (kept totals), ``kvstore ls --no-decode`` and the
-start-up floor (a process importing what the commands import), each ``--repeats``
-times; the first lookups right after a fresh open (while the open's full page check
-runs) and when that check passed; then fetch hit / branch / miss and lookup (a warm
+(a fresh process opening the store the last one closed cleanly, then a second save in
+that process; and again without the clean mark that close left, as after a crash:
+the write waits for the open's full page check), ``kvstore stats`` (kept totals),
+``kvstore ls --no-decode`` and the start-up floor (a process importing what the
+commands import), each ``--repeats`` times; the first lookups right after a fresh open
+without the clean mark (while the open's full page check runs) and when that check
+passed; then fetch hit / branch / miss and lookup (a warm
 process per size and round, once the check passed, 200 alternating calls each; the
 median of every round's) and the stats call's own time in that process. Every query has the same depth at every size: a hit restores exactly
 ``DEPTH`` nodes (a stored prompt cut at the end of its ``DEPTH``-th node; the build
@@ -332,6 +334,7 @@ CHILD = textwrap.dedent("""
     store = KVStore(path, model, chunk_tokens=CHUNK)
     out = {{"open_s": time.perf_counter() - t0}}
     audit = store.index._shared.audit  # the open's full page check (pageguard)
+    out["checked_by"] = audit.checked_by  # "mark": the last close left a clean mark
     if case == "fetch":
         # A fresh process's first lookups run while the page check does; the rest
         # are timed once it has passed (a warm process).
@@ -425,7 +428,15 @@ def fixed_depth(candidates: list) -> dict:
     }
 
 
-def in_child(case: str, path: str, queries_file: str, *extra) -> dict:
+def in_child(
+    case: str, path: str, queries_file: str, *extra, crashed: bool = False
+) -> dict:
+    """``case`` in a fresh process; ``crashed``: without the clean mark the last
+    close left (as after a crash), so its open checks every page again."""
+    if crashed:
+        from kvstore.disk import cleanmark
+
+        cleanmark.unlink(os.path.join(path, "index"))
     tools = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
         [
@@ -477,7 +488,9 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
             "index_bytes_per_node": index_bytes / record["nodes"],
         }
         if "cheap" in cases:
-            for key in ("open", "save", "save_warm", "startup_floor", "stats"):
+            for key in ("open", "save", "save_crashed", "save_warm"):
+                out[size][key] = []
+            for key in ("startup_floor", "stats"):
                 out[size][key] = []
             for key in ("ls", "fetch"):
                 out[size][key] = []
@@ -487,16 +500,20 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
         print(f"  round {r + 1} of {repeats}", flush=True)
         for size in _rotated(sizes, r):
             path, q, m = stores[size][0], queries[size], out[size]
+            # As after a crash: the open checks every page in the background (and
+            # closes once it passed, leaving the clean mark the next opens find).
+            fetch = in_child("fetch", path, q, crashed=True)
+            m["fetch"].append(fetch)
+            m["stats_fetch"].append(fetch.pop("stats_in_process"))
             m["open"].append(in_child("open", path, q)["open_s"])
             saved = in_child("save", path, q, 1000 + r)
             m["save"].append(saved["save_flush_s"])
             m["save_warm"].append(saved["save_flush_warm_s"])
+            crashed = in_child("save", path, q, 2000 + r, crashed=True)
+            m["save_crashed"].append(crashed["save_flush_s"])
             m["startup_floor"].append(timed_command(None))
             m["stats"].append(timed_command(["stats", "--json", "--store", path]))
             m["ls"].append(timed_command(["ls", "--no-decode", "--store", path]))
-            fetch = in_child("fetch", path, q)
-            m["fetch"].append(fetch)
-            m["stats_fetch"].append(fetch.pop("stats_in_process"))
     for size in sizes:
         m = out[size]
         times = {}
@@ -536,6 +553,8 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
         m["open_s"] = {"median": med(m["open"]), "samples": m.pop("open")}
         saves = [x * 1e3 for x in m.pop("save")]
         m["save_flush_ms"] = {"median": med(saves), "samples": saves}
+        crashed = [x * 1e3 for x in m.pop("save_crashed")]
+        m["save_flush_crashed_ms"] = {"median": med(crashed), "samples": crashed}
         warm = [x * 1e3 for x in m.pop("save_warm")]
         m["save_flush_warm_ms"] = {"median": med(warm), "samples": warm}
         for key in ("startup_floor", "stats", "ls"):
@@ -618,7 +637,10 @@ def writer_rates(record: dict) -> dict:
 
 ROWS = [
     ("open, fresh process (ms)", lambda m: m["open_s"]["median"] * 1e3),
-    ("open's full page check passed after (s)", lambda m: m["page_check_s"]["median"]),
+    (
+        "open's full page check passed after, no clean mark (s)",
+        lambda m: m["page_check_s"]["median"],
+    ),
     (
         "lookup while that check runs (ms) / lookups timed",
         lambda m: _during_check(m["early_lookup_ms"]),
@@ -631,6 +653,10 @@ ROWS = [
     ("lookup (ms)", lambda m: m["fetch_ms"]["lookup"]["median"]),
     ("page faults per lookup: minor / major", lambda m: _lookup_faults(m)),
     ("save + flush, fresh process (ms)", lambda m: m["save_flush_ms"]["median"]),
+    (
+        "save + flush, fresh process, no clean mark (ms)",
+        lambda m: m["save_flush_crashed_ms"]["median"],
+    ),
     ("save + flush, warm process (ms)", lambda m: m["save_flush_warm_ms"]["median"]),
     ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),
     ("writer saves/s, last 10% of build", lambda m: m["writer"]["last_10pct"]),
@@ -736,6 +762,10 @@ def plot(results: list, out: str) -> None:
         ("fetch hit", lambda m: m["fetch_ms"]["hit"]["median"]),
         ("lookup", lambda m: m["fetch_ms"]["lookup"]["median"]),
         ("save + flush, fresh process", lambda m: m["save_flush_ms"]["median"]),
+        (
+            "save + flush, fresh, no clean mark",
+            lambda m: m["save_flush_crashed_ms"]["median"],
+        ),
         ("save + flush, warm", lambda m: m["save_flush_warm_ms"]["median"]),
         ("stats", lambda m: m["stats"]["seconds"] * 1e3),
         ("ls", lambda m: m["ls"]["seconds"] * 1e3),

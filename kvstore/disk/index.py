@@ -19,7 +19,7 @@ import numpy as np
 
 from ..platform import memutil
 from ..platform.gate import Gate
-from . import mdbcheck, spare, storecheck
+from . import cleanmark, mdbcheck, spare, storecheck
 from .chunking import HASH_BYTES, common_prefix
 from .pageguard import PageAudit
 from .storecheck import IndexDamaged, StoreError
@@ -197,7 +197,10 @@ class _Env:
     """One process's open LMDB environment of an index directory, shared by every
     :class:`Index` opened on that directory (LMDB allows one per process)."""
 
-    def __init__(self, opened: storecheck.Opened, *, readonly: bool, audit: PageAudit):
+    def __init__(
+        self, opened: storecheck.Opened, *, path: str, readonly: bool, audit: PageAudit
+    ):
+        self.path = path
         self.env = opened.env
         self.audit = audit  # the full page check since the open (pageguard)
         self.dbs = opened.dbs
@@ -224,13 +227,29 @@ class _Env:
                 self.damage = storecheck.damaged(store, problem)
                 self.problem = str(self.damage)
                 log.error("kvstore: %s; reads and writes stopped", self.damage)
+                cleanmark.unlink(self.path)  # the next open checks every page
         return self.damage
 
     def close(self) -> None:
+        if not self.readonly and self.damage is None and self.problem is None:
+            self._leave_mark()
         self.audit.close()  # its thread reads in a transaction: stopped first
         self.env.close()
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # releases this process's record locks on it
+
+    def _leave_mark(self) -> None:
+        """Leave the clean mark (:mod:`kvstore.disk.cleanmark`) if the full page
+        check passed, after syncing: the mark must never be on disk before the data
+        it names."""
+        if not self.audit.passed:
+            return
+        try:
+            self.env.sync(True)
+        except lmdb.Error as e:
+            log.debug("kvstore: %s: no clean mark: %s", self.path, e)
+            return
+        self.audit.leave_mark()
 
 
 class Index:
@@ -254,7 +273,9 @@ class Index:
             small trees, each large tree's root: a time that does not grow with
             the index), then every page in the background; until that has passed,
             the read path checks its cursors' ranges and writes wait
-            (:mod:`kvstore.disk.pageguard`). ``"full"``: every page a read can
+            (:mod:`kvstore.disk.pageguard`); skipped where the last process to
+            close the index had checked it and nothing changed the file since
+            (:mod:`kvstore.disk.cleanmark`). ``"full"``: every page a read can
             reach before the open returns, for an open followed by a scan of the
             whole index (the maintenance commands, ``kvstore serve``'s start; even
             where this process has the index open already). See
@@ -312,12 +333,13 @@ class Index:
                     audit = PageAudit(
                         os.path.join(path, "data.mdb"), passed=check == "full"
                     )
+                    audit.trust_mark()
                 except BaseException:
                     opened.env.close()
                     if opened.lock_fd is not None:
                         os.close(opened.lock_fd)
                     raise
-                shared = _Env(opened, readonly=readonly, audit=audit)
+                shared = _Env(opened, path=path, readonly=readonly, audit=audit)
                 _clear_stale_readers(shared.env)
                 start = True
             elif shared.readonly and not readonly:
@@ -346,7 +368,7 @@ class Index:
             except BaseException:
                 self.close()
                 raise
-            shared.audit.mark_passed()
+            shared.audit.set_passed()
 
     def _check_all_pages(self) -> None:
         """:func:`kvstore.disk.storecheck.check_index_pages` on the open environment."""
@@ -418,7 +440,7 @@ class Index:
             raise self._shared.note_damage(
                 storecheck.store_name(self.path), e.problem
             ) from None
-        audit.mark_passed()
+        audit.set_passed()
 
     def cover(self, txn, name: str, prefix: bytes = b"") -> bool:
         """Make sure a cursor of ``txn`` on database ``name`` confined to keys
@@ -573,9 +595,13 @@ class Index:
         while True:
             full = None
             with self._shared.gate.shared():
+                watch, looked, txnid = self._shared.audit.watch, False, None
                 try:
                     with self.env.begin(write=True) as txn:
+                        watch.before_commit()  # inside LMDB's writer lock
+                        looked = True
                         out = fn(txn)
+                        txnid = txn.id()
                 except lmdb.DiskError:
                     freed = spare.release(self.path) if frees else 0
                     if not freed:
@@ -598,8 +624,13 @@ class Index:
                 except _DAMAGE_ERRORS as e:
                     raise self._damaged(e) from None
                 else:
+                    watch.after_commit(txnid)
+                    looked = False
                     self.check_lock_file(committed=True)
                     return out
+                finally:
+                    if looked:  # aborted, or the commit failed
+                        watch.after_commit(None)
             if full is None:
                 self._adopt_map_size()
             elif not _clear_stale_readers(self.env):

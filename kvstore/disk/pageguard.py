@@ -15,6 +15,9 @@ it has passed:
   a write reads the free list (which must name no page in use) and a deletion
   moves records between neighbouring pages.
 
+An open that finds the clean mark the last close left (:mod:`kvstore.disk.cleanmark`:
+that process's check passed and nothing else changed the file since) passes at once.
+
 Once it has passed, every page this process can reach is one it checked or one LMDB
 wrote since (LMDB copies a page before changing it and writes every page it hands
 out), and nothing is checked or waited for any more. Damage written into the file
@@ -30,7 +33,7 @@ import threading
 from typing import Callable, Dict, Optional, Set, Tuple
 
 from ..platform import fsutil
-from . import mdbcheck
+from . import cleanmark, mdbcheck
 
 log = logging.getLogger("kvstore")
 
@@ -74,7 +77,9 @@ class PageAudit:
     """
 
     def __init__(self, data: str, *, passed: bool):
+        self._dir = os.path.dirname(data)
         self._fd = fsutil.open_regular(data)
+        self.watch = cleanmark.Watch(self._fd)  # changes since the check began
         self.done = threading.Event()  # passed, failed or stopped
         self.failure: Optional[str] = None  # why it did not pass: damage, or stopped
         self.sound: Set[int] = set()  # leaves checked by cover()
@@ -82,18 +87,37 @@ class PageAudit:
         self._stop = threading.Event()
         self._paced = 0  # pages the full check read
         self._thread: Optional[threading.Thread] = None
-        self.checked_by: Optional[str] = None  # "thread" or "process", once begun
+        # "thread" or "process", once begun; "mark": the clean mark named the file
+        self.checked_by: Optional[str] = None
         self._child: Optional[subprocess.Popen] = None  # the check's process, running
         # (txn id, its meta page, its named databases) of the last cover()
         self._snapshot: Optional[Tuple[int, mdbcheck.MetaPage, Dict]] = None
         if passed:
+            self.watch.begin()
             self.done.set()
 
     @property
     def passed(self) -> bool:
         return self.done.is_set() and self.failure is None
 
-    def mark_passed(self) -> None:
+    def trust_mark(self) -> bool:
+        """Pass at once where ``index/checked`` names the file as it is now
+        (:mod:`kvstore.disk.cleanmark`); returns whether the check has passed."""
+        if not self.done.is_set() and cleanmark.matches(self._dir, self._fd):
+            self.watch.begin()
+            self.checked_by = "mark"
+            self.done.set()
+        return self.passed
+
+    def leave_mark(self) -> bool:
+        """At the close, with the index's data on disk: leave the clean mark if the
+        check passed and nothing but this process's commits changed the file since
+        it began."""
+        if not (self.passed and self.watch.unchanged()):
+            return False
+        return cleanmark.write(self._dir, self._fd)
+
+    def set_passed(self) -> None:
         """Every page was checked meanwhile (a full-check open of the same index)."""
         self._stop.set()
         self._join()
@@ -145,6 +169,7 @@ class PageAudit:
         meta = self._meta(txn)
         if meta is None:
             return None
+        self.watch.begin(txn.id())
         size = os.fstat(self._fd).st_size
         if size // meta.page_size > CHILD_PAGES:
             return self._check_in_child(meta, size)
