@@ -203,3 +203,30 @@ def test_a_large_index_without_a_mark_is_still_checked_in_a_child(
     os.unlink(os.path.join(path, "index", cleanmark.MARK_NAME))
     monkeypatch.setattr(pageguard, "CHILD_PAGES", 0)
     assert _audit_of_open(path) == ("process", None)
+
+
+def test_without_futimens_the_stamp_is_set_by_path(tmp_path, monkeypatch):
+    """Platforms whose os.utime takes no descriptor: the stamp goes through the
+    path, and the mark holds as before."""
+    monkeypatch.setattr(cleanmark.os, "supports_fd", os.supports_fd - {os.utime})
+    path = _store(tmp_path)
+    assert _marked(path)
+    assert _audit_of_open(path) == ("mark", None)
+
+
+def test_a_mark_that_cannot_be_written_costs_only_the_next_check(tmp_path, monkeypatch):
+    """An error while leaving the mark (a read-only directory, say) is logged; the
+    close completes and the next open checks every page."""
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cleanmark.os, "replace", refuse)
+    path = _store(tmp_path)
+    assert not _marked(path)
+    assert sorted(os.listdir(os.path.join(path, "index"))) == [
+        "data.mdb",
+        "kvstore.lock",
+        "lock.mdb",
+    ]  # no temporary mark left behind
+    assert _audit_of_open(path)[0] == "thread"

@@ -157,7 +157,7 @@ def write(index_dir: str, fd: int) -> bool:
         # A time of this instant to the nanosecond, with random low digits: no
         # coarse-clock time a later write gets can equal it.
         stamp = time.time_ns() // 1000 * 1000 + 1 + secrets.randbelow(999)
-        os.utime(fd, ns=(stamp, stamp))
+        _set_time(fd, os.path.join(index_dir, "data.mdb"), stamp)
         state = _state(fd)
         if state is None or state["mtime_ns"] != stamp:
             unlink(index_dir)  # truncated by the file system, or a commit meanwhile
@@ -166,17 +166,34 @@ def write(index_dir: str, fd: int) -> bool:
         tmp = os.path.join(
             index_dir, f"{_TMP_PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
         )
-        with open(tmp, "x") as f:
-            json.dump(state, f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "x") as f:
+                json.dump(state, f)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         if os.fstat(fd).st_mtime_ns != stamp:  # a commit between the stamp and now
             unlink(index_dir)
             return False
         return True
-    except OSError as e:
+    except (OSError, NotImplementedError) as e:
         log.debug("kvstore: no checked mark left in %s: %s", index_dir, e)
         unlink(index_dir)
         return False
+
+
+def _set_time(fd: int, path: str, ns: int) -> None:
+    """Set the file's access and modification times: through its descriptor where the
+    platform can (``futimens``), else by path (the state read back from the descriptor
+    afterwards then tells whether the path still names that file)."""
+    if os.utime in os.supports_fd:
+        os.utime(fd, ns=(ns, ns))
+    else:
+        os.utime(path, ns=(ns, ns), follow_symlinks=False)
 
 
 def unlink(index_dir: str) -> None:

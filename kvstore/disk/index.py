@@ -232,7 +232,10 @@ class _Env:
 
     def close(self) -> None:
         if not self.readonly and self.damage is None and self.problem is None:
-            self._leave_mark()
+            try:
+                self._leave_mark()
+            except Exception:  # a mark is an optimisation: never a failed close
+                log.exception("kvstore: %s: leaving the clean mark failed", self.path)
         self.audit.close()  # its thread reads in a transaction: stopped first
         self.env.close()
         if self.lock_fd is not None:
