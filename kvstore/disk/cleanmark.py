@@ -167,7 +167,9 @@ def write(index_dir: str, fd: int) -> bool:
             index_dir, f"{_TMP_PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
         )
         try:
-            with open(tmp, "x") as f:
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(out, "w") as f:
+                os.fchmod(out, 0o644)  # whatever the umask, as the store's files
                 json.dump(state, f)
             os.replace(tmp, path)
         except BaseException:
