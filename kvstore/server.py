@@ -68,6 +68,7 @@ from .serve.request_salts import (
     response_generator_class,
 )
 from .serve.timing import (
+    Activity,
     PrefillClock,
     timed_batch_generator_class,
     timed_response_generator_class,
@@ -449,6 +450,7 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             salts=router,
         )
         cache.prefill_clock = clock
+        cache.activity = activity
         if not cache.use_threads(prefetcher):
             log.warning(
                 "kvstore: this mlx-lm's LRU cannot be searched: restores and saves "
@@ -461,7 +463,7 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         if caches:
             caches[-1].note_prefill(tokens, seconds)
 
-    router, clock = SaltRouter(), PrefillClock()
+    router, clock, activity = SaltRouter(), PrefillClock(), Activity()
     policy = SaltPolicy(header=args.salt_header, required=args.require_salt)
     handler = make_handler_class(
         mls.APIHandler, patterns, policy, api_metrics=args.api_metrics
@@ -494,11 +496,11 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     )
     if getattr(mls, "Response", None) is not None:  # the sequential path's tokens
         generator = timed_response_generator_class(
-            generator, mls.Response, clock, on_prefill
+            generator, mls.Response, clock, on_prefill, activity
         )
     mls.ResponseGenerator = generator
     mls.BatchGenerator = timed_batch_generator_class(
-        batch_generator_class(saved["BatchGenerator"], router), on_prefill
+        batch_generator_class(saved["BatchGenerator"], router), on_prefill, activity
     )
     mls._run_http_server = functools.partial(
         saved["_run_http_server"], handler_class=handler

@@ -154,12 +154,15 @@ def run_kvstore(*args, timeout=SUBPROCESS_TIMEOUT):
 
 
 def settled_stats(port, timeout=30):
-    """``/kvstore/stats`` once the store's writer has nothing left to do. (The last
-    save of a request is queued after its answer is sent.)"""
+    """``/kvstore/stats`` once no save is queued and the store's writer has nothing
+    left to do. (The last save of a request is queued after its answer is sent, and
+    waits for the generation loop to rest.)"""
     deadline, last = time.monotonic() + timeout, None
     while True:
         stats = request(port, "/kvstore/stats")
-        idle = not any(s["pending_write_jobs"] for s in stats["stores"])
+        idle = not stats["saves_queued"] and not any(
+            s["pending_write_jobs"] for s in stats["stores"]
+        )
         if idle and last is not None and last["saves"] == stats["saves"]:
             return stats
         last = stats if idle else None

@@ -156,3 +156,96 @@ def test_prompt_cache_saves_on_its_own_thread(tmp_path, model, tokenizer, monkey
     assert (s["saves_skipped"], s["store_errors"]) == (1, 1)
     pc.close()
     pc.close()
+
+
+class Loop:
+    """A generation loop that is busy until told otherwise (SaveQueue's idle_for)."""
+
+    def __init__(self):
+        self.busy = True
+
+    def idle_for(self) -> float:
+        return 0.0 if self.busy else float("inf")
+
+
+def test_a_save_waits_for_the_generation_loop_to_rest(tmp_path, model):
+    """While the loop works, a save waits (counted as held) and a later turn of the
+    same conversation merges into it; once the loop rests, the merged save goes."""
+    tokens = random_tokens(130, seed=48)
+    counts, loop = Counts(), Loop()
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        q = SaveQueue(in_ram=lambda j: j.cache, count=counts, idle_for=loop.idle_for)
+        q.put(job(store, tokens[:70], compute_cache(model, tokens[:70])))
+        threading.Event().wait(0.4)
+        store.flush()
+        assert store.lookup(tokens + [1]) == 0 and q.queued == 1
+        assert counts["saves_held"] == 1
+        q.put(job(store, tokens, compute_cache(model, tokens)))
+        assert counts["saves_merged"] == 1 and q.queued == 1
+        loop.busy = False
+        deadline = threading.Event()
+        for _ in range(100):
+            if q.queued == 0:
+                break
+            deadline.wait(0.05)
+        store.flush()
+        assert q.queued == 0 and store.lookup(tokens + [1]) == 130
+        q.close()
+
+
+@pytest.mark.parametrize("why", ["max_defer", "crowded", "flush", "close"])
+def test_a_save_waits_for_rest_only_so_long(tmp_path, model, why):
+    """A busy loop holds a save back no longer than max_defer_s, not at all while
+    mlx-lm's RAM cache is full, and never past a flush or a close."""
+    tokens = random_tokens(100, seed=49)
+    counts, loop = Counts(), Loop()
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        q = SaveQueue(
+            in_ram=lambda j: j.cache,
+            count=counts,
+            idle_for=loop.idle_for,
+            crowded=lambda: why == "crowded",
+            max_defer_s=0.3 if why == "max_defer" else 3600,
+        )
+        q.put(job(store, tokens, compute_cache(model, tokens)))
+        if why in ("flush", "close"):
+            for _ in range(100):  # held first: the flush or close lets it go
+                if counts.get("saves_held"):
+                    break
+                threading.Event().wait(0.02)
+            assert q.queued == 1
+        if why == "flush":
+            q.flush()
+        elif why == "close":
+            q.close()
+        else:
+            for _ in range(100):
+                if q.queued == 0:
+                    break
+                threading.Event().wait(0.05)
+        store.flush()
+        assert store.lookup(tokens + [1]) == 100
+        assert counts.get("saves_held", 0) == (0 if why == "crowded" else 1)
+        q.close()
+
+
+def test_the_batch_path_tells_when_the_loop_works():
+    """A BatchGenerator step that returned responses touches the activity; an
+    empty step (nothing to do) does not."""
+    from kvstore.serve.timing import Activity, timed_batch_generator_class
+
+    class Base:
+        def __init__(self):
+            self.out = ([], [])
+
+        def next(self):
+            return self.out
+
+    activity = Activity()
+    gen = timed_batch_generator_class(Base, lambda *a: None, activity)()
+    assert activity.idle_for() == float("inf")
+    gen.next()
+    assert activity.idle_for() == float("inf")
+    gen.out = ([], ["a token"])
+    gen.next()
+    assert activity.idle_for() < 1.0

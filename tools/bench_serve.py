@@ -168,14 +168,17 @@ class Server:
             return json.loads(r.read())
 
     def settle(self, timeout: float = 600) -> float:
-        """kvstore: wait until the writer is idle; the seconds waited (0 for plain)."""
+        """kvstore: wait until no save is queued and the writer is idle; the seconds
+        waited (0 for plain)."""
         if self.name != "kvstore":
             return 0.0
         tic = time.perf_counter()
         last = None
         while time.perf_counter() - tic < timeout:
             stats = self.get("/kvstore/stats")
-            idle = not any(s.get("pending_write_jobs") for s in stats["stores"])
+            idle = not stats.get("saves_queued") and not any(
+                s.get("pending_write_jobs") for s in stats["stores"]
+            )
             if idle and last == stats["saves"]:
                 break
             last = stats["saves"] if idle else None

@@ -137,6 +137,18 @@ SERVER_METRICS = (
         "saves_deferred",
     ),
     (
+        "kvstore_saves_held",
+        "counter",
+        "Saves that waited for the generation loop to rest before copying KV",
+        "saves_held",
+    ),
+    (
+        "kvstore_saves_queued",
+        "gauge",
+        "Saves queued, not yet handed to the background writer",
+        "saves_queued",
+    ),
+    (
         "kvstore_saves_merged",
         "counter",
         "Queued saves covered by a later save of the same prompt",

@@ -31,6 +31,7 @@ from .request_salts import (
 from .saves import SaveJob, SaveQueue, evaluate
 from .shared import SharedRestores
 from .timing import (
+    Activity,
     PrefillClock,
 )
 
@@ -55,6 +56,7 @@ _COUNTER_NAMES = (
     "saves_skipped",
     "saves_unattributed",
     "saves_deferred",
+    "saves_held",
     "saves_merged",
     "saves_lost",
     "store_errors",
@@ -126,6 +128,9 @@ class PersistentPromptCache:
         self.metrics = ServeMetrics(self.stats)
         # Started at each lookup: a sequential request's prefill is timed from here.
         self.prefill_clock = PrefillClock()
+        # When the generation loop last did work (kvstore serve sets one shared with
+        # its batch and sequential paths): saves wait for it to rest.
+        self.activity = Activity()
         # Restores started when requests arrive (kvstore serve sets one), and
         # those whose prefix one in progress shares.
         self.prefetcher: Optional[Prefetcher] = None
@@ -386,8 +391,20 @@ class PersistentPromptCache:
         if not self.can_prefetch():
             return False
         self.prefetcher = prefetcher
-        self.saves = SaveQueue(in_ram=self._save_in_ram, count=self.count)
+        self.saves = SaveQueue(
+            in_ram=self._save_in_ram,
+            count=self.count,
+            idle_for=lambda: self.activity.idle_for(),
+            crowded=self._ram_crowded,
+        )
         return True
+
+    def _ram_crowded(self) -> bool:
+        """Whether mlx-lm's RAM cache is full: its next entry evicts one (maybe the
+        prefix of a save waiting for the generation loop to rest)."""
+        with self._lru_lock:
+            lru = self._lru
+            return len(lru) >= lru.max_size or lru.nbytes >= 0.9 * lru.max_bytes
 
     def _save_in_ram(self, job: SaveJob) -> Optional[List[Any]]:
         """The RAM LRU cache holding the tokens ``job`` saves (a deferred save): its
@@ -511,6 +528,7 @@ class PersistentPromptCache:
         with self._lock:
             out: Dict[str, Any] = dict(self._counters)
             stores = [s for s in self._stores.values() if s is not None]
+        out["saves_queued"] = self.saves.queued if self.saves is not None else 0
         out["ram_sequences"] = len(self._lru)
         out["ram_bytes"] = self._lru.nbytes
         out["stores"] = []

@@ -12,10 +12,13 @@ by what it measured before (the store keeps the rate):
   from its prompt cache lookup to its first token (:class:`PrefillClock`).
 
 Each measurement goes to a callback (the prompt cache's ``note_prefill``); a
-failure there is logged, never raised into mlx-lm's generation thread.
+failure there is logged, never raised into mlx-lm's generation thread. Both paths
+also tell an :class:`Activity` when the loop did work, so that saves can wait for
+it to rest (:mod:`kvstore.serve.saves`).
 """
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Optional
@@ -32,20 +35,50 @@ def _report(on_prefill: OnPrefill, tokens: int, seconds: float) -> None:
         log.exception("kvstore: recording the prefill rate failed")
 
 
-def timed_batch_generator_class(base, on_prefill: OnPrefill):
+class Activity:
+    """When mlx-lm's generation loop last did work: a batch step that processed
+    prompt tokens or generated any, or a token of a sequential request."""
+
+    def __init__(self):
+        self._last: Optional[float] = None
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+
+    def idle_for(self) -> float:
+        """Seconds since the loop last did work (infinite: it never did)."""
+        last = self._last
+        return math.inf if last is None else time.monotonic() - last
+
+
+def _did_work(out) -> bool:
+    """Whether a ``BatchGenerator.next()`` result holds any response: mlx-lm returns
+    ``(prompt_responses, generation_responses)``, older ones one list."""
+    if isinstance(out, tuple):
+        return any(bool(part) for part in out)
+    return bool(out)
+
+
+def timed_batch_generator_class(
+    base, on_prefill: OnPrefill, activity: Optional[Activity] = None
+):
     """mlx-lm's ``BatchGenerator`` reporting the prompt tokens each step processed
-    and the seconds it took (its own ``stats()`` counters)."""
+    and the seconds it took (its own ``stats()`` counters), and each step that did
+    work to ``activity``."""
 
     class TimedBatchGenerator(base):
         def next(self, *args, **kwargs):
             stats = getattr(self, "stats", None)
             if stats is None:  # an mlx-lm without the counters: nothing measured
-                return super().next(*args, **kwargs)
-            with stats() as window:
                 out = super().next(*args, **kwargs)
-            tokens = getattr(window, "prompt_tokens", 0)
-            if tokens:
-                _report(on_prefill, tokens, getattr(window, "prompt_time", 0.0))
+            else:
+                with stats() as window:
+                    out = super().next(*args, **kwargs)
+                tokens = getattr(window, "prompt_tokens", 0)
+                if tokens:
+                    _report(on_prefill, tokens, getattr(window, "prompt_time", 0.0))
+            if activity is not None and _did_work(out):
+                activity.touch()
             return out
 
     return TimedBatchGenerator
@@ -73,14 +106,19 @@ class PrefillClock:
 class _FirstTokenQueue:
     """A request's response queue that stops the clock at its first token."""
 
-    def __init__(self, queue, response_class, clock: PrefillClock, on_prefill):
+    def __init__(
+        self, queue, response_class, clock: PrefillClock, on_prefill, activity
+    ):
         self._queue = queue
         self._response_class = response_class
         self._clock = clock
         self._on_prefill = on_prefill
+        self._activity = activity
         self._done = False
 
     def put(self, item, *args, **kwargs):
+        if self._activity is not None:
+            self._activity.touch()
         if not self._done and isinstance(item, self._response_class):
             self._done = True
             lap = self._clock.take()
@@ -93,17 +131,24 @@ class _FirstTokenQueue:
 
 
 def timed_response_generator_class(
-    base, response_class, clock: PrefillClock, on_prefill: OnPrefill
+    base,
+    response_class,
+    clock: PrefillClock,
+    on_prefill: OnPrefill,
+    activity: Optional[Activity] = None,
 ):
     """mlx-lm's ``ResponseGenerator`` whose sequential requests report the time from
-    their prompt cache lookup (``clock``) to their first token."""
+    their prompt cache lookup (``clock``) to their first token, and each item they
+    stream to ``activity``."""
 
     class TimedResponseGenerator(base):
         def _serve_single(self, request, *args, **kwargs):
             try:
                 rqueue, req, gen_args = request
                 request = (
-                    _FirstTokenQueue(rqueue, response_class, clock, on_prefill),
+                    _FirstTokenQueue(
+                        rqueue, response_class, clock, on_prefill, activity
+                    ),
                     req,
                     gen_args,
                 )
