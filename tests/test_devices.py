@@ -175,3 +175,70 @@ def test_saves_in_slices_write_the_same_files(tmp_path, monkeypatch):
                     _data(p.read_bytes()) for p in path.rglob("*.safetensors")
                 )
     assert files["in place"] == files["sliced"] and len(files["sliced"]) == 6
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_the_writer_steps_aside_while_the_foreground_is_busy(
+    tmp_path, monkeypatch, on_cuda
+):
+    """With ``writer.yield_to`` saying the foreground is busy, a save's files wait
+    (on CUDA between the slices of its host copy too), and are written once it
+    rests, bit for bit; a flush never waits for it."""
+    import threading
+
+    if on_cuda:
+        monkeypatch.setattr(devices, "host_access_moves_arrays", lambda: True)
+        monkeypatch.setattr(devices, "HOST_SLICE_BYTES", 1024)
+    model = tiny_llama(0)
+    tokens = random_tokens(100, seed=3)
+    cache = compute_cache(model, tokens)
+    busy, asked = [True], []
+
+    def yield_to():
+        asked.append(threading.current_thread().name)
+        return busy[0]
+
+    with kvstore.KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        store.writer.yield_to = yield_to
+        store.save(tokens, cache)
+        threading.Event().wait(0.3)
+        assert store.stats()["pending_write_jobs"] == 1  # waiting for its turn
+        assert store.lookup(tokens + [1]) == 0
+        busy[0] = False
+        store.flush()
+        assert store.lookup(tokens + [1]) == 100
+        assert set(asked) == {"kvstore-writer"}
+        assert store.stats()["write_yielded_seconds"] >= 0.25
+        restored, n = store.fetch(tokens + [1])
+        assert n == 100
+        fresh = compute_cache(model, tokens)
+        np.testing.assert_allclose(
+            np.array(next_logits(model, restored, [1])),
+            np.array(next_logits(model, fresh, [1])),
+            atol=1e-4,
+        )
+        busy[0] = True  # a flush hurries the writer
+        more = random_tokens(64, seed=4)
+        store.save(more, compute_cache(model, more))
+        store.flush()
+        assert store.lookup(more + [1]) == 64
+
+
+def test_a_busy_foreground_holds_a_job_back_no_longer_than_max_yield_s(tmp_path):
+    model = tiny_llama(0)
+    tokens = random_tokens(64, seed=5)
+    with kvstore.KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        store.writer.yield_to = lambda: True
+        store.writer.max_yield_s = 0.3
+        store.save(tokens, compute_cache(model, tokens))
+        for _ in range(100):
+            if store.lookup(tokens + [1]) == 64:
+                break
+            threading_wait(0.05)
+        assert store.lookup(tokens + [1]) == 64
+
+
+def threading_wait(seconds):
+    import threading
+
+    threading.Event().wait(seconds)

@@ -249,3 +249,14 @@ def test_the_batch_path_tells_when_the_loop_works():
     gen.out = ([], ["a token"])
     gen.next()
     assert activity.idle_for() < 1.0
+
+
+def test_the_store_writer_steps_aside_while_the_loop_works(tmp_path, model, tokenizer):
+    """kvstore serve's store: its writer asks the prompt cache's activity."""
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    store = pc.open_store(KEY)
+    busy = store.writer.yield_to
+    assert busy is not None and not busy()  # the loop never worked
+    pc.activity.touch()
+    assert busy()
+    pc.close()

@@ -184,6 +184,7 @@ class Parts:
             "writes_failed": self.writer.failed,
             "pending_write_bytes": self.writer.pending_bytes,
             "pending_write_jobs": self.writer.depth,
+            "write_yielded_seconds": round(self.writer.yielded_s, 3),
             "store_problem": self._store_problem(),
             **self.policy.stats(),
         }

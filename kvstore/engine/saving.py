@@ -7,7 +7,7 @@ serializing, reserving disk bytes, publishing the files and committing their nod
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -49,9 +49,15 @@ class HeldTokens:
     device memory, and ``save()`` does not wait for the copy to reach the host.
     """
 
-    def __init__(self, views: Dict[str, mx.array]):
+    def __init__(
+        self,
+        views: Dict[str, mx.array],
+        *,
+        pause: Optional[Callable[[], None]] = None,
+    ):
         self._arrays = devices.readable_copies(views)
         self._host: Optional[Dict[str, np.ndarray]] = None
+        self._pause = pause  # the writer's wait_turn, between slices of the copy
         if not devices.host_access_moves_arrays():
             self.host()
 
@@ -59,7 +65,8 @@ class HeldTokens:
         """``name -> (1, heads, tokens, width)`` host arrays (made once)."""
         if self._host is None:
             self._host = {
-                k: devices.host_copy(v, lock=MLX_LOCK) for k, v in self._arrays.items()
+                k: devices.host_copy(v, lock=MLX_LOCK, pause=self._pause)
+                for k, v in self._arrays.items()
             }
             self._arrays = {}
         return self._host
@@ -241,7 +248,7 @@ class WritePath:
                 state = self.layout.state_arrays(cache)
                 copies = devices.readable_copies({k: a for k, (_, a) in state.items()})
                 state = {k: (dtype, copies[k]) for k, (dtype, _) in state.items()}
-            held = HeldTokens(views)
+            held = HeldTokens(views, pause=self.writer.wait_turn)
         for (s, e), h in zip(spans, hashes):
             a, b = s - spans[0][0], e - spans[0][0]
             nbytes += held.nbytes(a, b)
@@ -396,7 +403,10 @@ class WritePath:
         quota the tree counts against (a tenant's, :func:`kvstore.disk.salts.tree_of`).
         """
         ns = self.namespace
-        files = [self._serialize(node) for node in nodes]
+        files = []
+        for node in nodes:
+            self.writer.wait_turn()  # between nodes: decoding goes first
+            files.append(self._serialize(node))
         reservation, batch = None, WriteBatch(self.blobs)
         try:
             # Reserve (evicting), unlink the evicted files, only then write: files on

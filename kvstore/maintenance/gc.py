@@ -5,7 +5,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Set
 
 from ..disk import reservations, spare
-from ..disk.chunking import HASH_BYTES, root_hash
+from ..disk.chunking import root_hash
 from ..disk.index import CorruptRecord, Index, StoreError
 from .common import (
     Eviction,

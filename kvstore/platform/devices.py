@@ -10,7 +10,7 @@ reads the copy. On the CPU and Metal (unified memory), reading in place is free.
 """
 
 import contextlib
-from typing import Dict, Iterable
+from typing import Callable, Dict, Iterable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -69,14 +69,17 @@ def sample_slices(a: mx.array, sample: int) -> Iterable[mx.array]:
     return [flat[s : s + sample] for s in (0, mid - sample // 2, n - sample)]
 
 
-def host_copy(a: mx.array, *, lock=None) -> np.ndarray:
+def host_copy(
+    a: mx.array, *, lock=None, pause: Optional[Callable[[], None]] = None
+) -> np.ndarray:
     """An unsigned-int ``(1, heads, tokens, width)`` array on the host.
 
     Where host access moves arrays (CUDA), in slices of the token axis of at most
     :data:`HOST_SLICE_BYTES`, each copied on the device into a buffer of its own
     first (evaluated without the GIL), so that no single move holds Python's GIL
-    for long; ``lock`` (kvstore's MLX lock) is held for one slice at a time.
-    Elsewhere the array is read in place.
+    for long; ``lock`` (kvstore's MLX lock) is held for one slice at a time, and
+    ``pause()`` runs before each (the writer stepping aside for decoding). Elsewhere
+    the array is read in place.
     """
     lock = lock if lock is not None else contextlib.nullcontext()
     if not host_access_moves_arrays():
@@ -88,6 +91,8 @@ def host_copy(a: mx.array, *, lock=None) -> np.ndarray:
     step = max(1, HOST_SLICE_BYTES // row)
     for start in range(0, tokens, step):
         end = min(tokens, start + step)
+        if pause is not None:
+            pause()
         with lock:
             part = device_copy(a[:, :, start:end])
             mx.eval(part)

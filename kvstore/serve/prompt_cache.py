@@ -28,7 +28,7 @@ from .request_salts import (
     SaltedCache,
     SaltRouter,
 )
-from .saves import SaveJob, SaveQueue, evaluate
+from .saves import IDLE_S, SaveJob, SaveQueue, evaluate
 from .shared import SharedRestores
 from .timing import (
     Activity,
@@ -399,6 +399,10 @@ class PersistentPromptCache:
         )
         return True
 
+    def _loop_busy(self) -> bool:
+        """Whether the generation loop did work within the last ``IDLE_S``."""
+        return self.activity.idle_for() < IDLE_S
+
     def _ram_crowded(self) -> bool:
         """Whether mlx-lm's RAM cache is full: its next entry evicts one (maybe the
         prefix of a save waiting for the generation loop to rest)."""
@@ -474,6 +478,8 @@ class PersistentPromptCache:
                     provider.tokenizer,
                     **self.store_kwargs,
                 )
+                # Its writer steps aside while the generation loop works.
+                store.writer.yield_to = self._loop_busy
                 log.info(
                     "kvstore: store %s opened for %s",
                     self.store_dir,
