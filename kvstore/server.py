@@ -383,8 +383,9 @@ def _check_options(args) -> Tuple[List["re.Pattern"], str]:
 
     try:
         # A bad --store fails now, before the model loads; every page of the index
-        # is checked once, so a damaged one is refused here, not met while serving.
-        check_store(store_dir, check="full")
+        # is checked once (unless the last close left the clean mark: checked then),
+        # so a damaged one is refused here, not met while serving.
+        check_store(store_dir, check="marked")
     except StoreError as e:
         raise _BadOption(f"bad --store: {e}") from None
     if args.salt_header is not None and not _HEADER_NAME.fullmatch(args.salt_header):

@@ -616,8 +616,9 @@ def check_store(path: str, *, check: str = "roots") -> None:
     Args:
         path: The store directory.
         check: How much of the index's pages to check: ``"roots"`` (what every open
-            checks) or ``"full"`` (every page: ``kvstore serve``'s start, whose
-            time then grows with the index; see :class:`kvstore.disk.index.Index`).
+            checks), ``"full"`` (every page, in a time that grows with the index) or
+            ``"marked"`` (every page unless the last close left the clean mark:
+            ``kvstore serve``'s start; see :class:`kvstore.disk.index.Index`).
 
     Raises:
         StoreError: with one line naming the store and the problem.

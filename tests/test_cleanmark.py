@@ -230,3 +230,27 @@ def test_a_mark_that_cannot_be_written_costs_only_the_next_check(tmp_path, monke
         "lock.mdb",
     ]  # no temporary mark left behind
     assert _audit_of_open(path)[0] == "thread"
+
+
+def test_a_marked_open_checks_every_page_only_without_the_mark(tmp_path):
+    """check="marked" (kvstore serve's start): the mark stands for the full check;
+    without it, or after damage, every page is checked before the open returns."""
+    from kvstore.disk.storecheck import StoreError
+
+    path = _store(tmp_path)
+    index_dir = os.path.join(path, "index")
+    idx = Index(index_dir, create=False, check="marked")
+    assert idx._shared.audit.checked_by == "mark" and idx._shared.audit.passed
+    idx.close()
+    os.unlink(os.path.join(index_dir, cleanmark.MARK_NAME))
+    idx = Index(index_dir, create=False, check="marked")
+    assert idx._shared.audit.passed and idx._shared.audit.checked_by is None
+    idx.close()  # checked whole: the close marks it again
+    assert _marked(path)
+    damage.zero_page(path, damage.find(path, "nodes", leaf=True)[3])
+    try:
+        Index(index_dir, create=False, check="marked").close()
+    except StoreError as e:
+        assert "is zeroed" in str(e)
+    else:
+        raise AssertionError("a zeroed leaf opened")

@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Optional, Tuple
 
+from ..platform import fsutil
 from . import mdbcheck
 
 log = logging.getLogger("kvstore")
@@ -145,6 +146,19 @@ def matches(index_dir: str, fd: int) -> bool:
     except OSError:
         return False
     return state is not None and isinstance(mark, dict) and mark == state
+
+
+def names_file(index_dir: str) -> bool:
+    """:func:`matches` for ``index_dir/data.mdb`` before anything opened it (False
+    for a file that is missing or not a regular file: the open then says why)."""
+    try:
+        fd = fsutil.open_regular(os.path.join(index_dir, "data.mdb"))
+    except OSError:
+        return False
+    try:
+        return matches(index_dir, fd)
+    finally:
+        os.close(fd)
 
 
 def write(index_dir: str, fd: int) -> bool:

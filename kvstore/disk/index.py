@@ -280,9 +280,10 @@ class Index:
             close the index had checked it and nothing changed the file since
             (:mod:`kvstore.disk.cleanmark`). ``"full"``: every page a read can
             reach before the open returns, for an open followed by a scan of the
-            whole index (the maintenance commands, ``kvstore serve``'s start; even
-            where this process has the index open already). See
-            :mod:`kvstore.disk.mdbcheck`.
+            whole index (the maintenance commands; even where this process has the
+            index open already). ``"marked"``: ``"roots"`` where the clean mark
+            names the file as it is (every page was checked), else ``"full"``
+            (``kvstore serve``'s start). See :mod:`kvstore.disk.mdbcheck`.
 
     Raises:
         StoreError: not a kvstore index, another format version, files that are not
@@ -316,6 +317,8 @@ class Index:
         self.readonly = readonly
         self.pid = os.getpid()
         self._key = (os.path.realpath(path), self.pid)
+        if check == "marked":
+            check = "roots" if cleanmark.names_file(path) else "full"
         self._closed = True
         # LMDB allows one environment per directory and process: stores opened on one
         # path in one process (two models, say) share it.
