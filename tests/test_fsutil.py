@@ -209,3 +209,23 @@ def test_lock_byte_without_record_locks_locks_nothing(tmp_path, monkeypatch):
         fsutil.unlock_byte(fd, 0)
     finally:
         os.close(fd)
+
+
+def test_remove_leftovers_takes_only_old_files_of_the_prefix(tmp_path):
+    """What a killed writer left (old, of the prefix) goes; a live writer's file
+    (young) and other files stay."""
+    import time
+
+    names = [".checked.1.aa", ".checked.2.bb", "checked", ".spare.3.cc"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    old = time.time() - 120
+    for name in (".checked.1.aa", ".spare.3.cc", "checked"):
+        os.utime(tmp_path / name, (old, old))
+    fsutil.remove_leftovers(str(tmp_path), ".checked.", older_than_s=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".checked.2.bb",
+        ".spare.3.cc",
+        "checked",
+    ]
+    fsutil.remove_leftovers(str(tmp_path / "missing"), ".x", older_than_s=0)

@@ -225,15 +225,4 @@ def unlink(index_dir: str) -> None:
 def _remove_leftovers(index_dir: str) -> None:
     """Unlink marks that processes killed while writing them left (a mark takes
     microseconds to write: any older than a minute is one)."""
-    try:
-        names = [n for n in os.listdir(index_dir) if n.startswith(_TMP_PREFIX)]
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        path = os.path.join(index_dir, name)
-        try:
-            if now - os.lstat(path).st_mtime > 60:
-                os.unlink(path)
-        except OSError:
-            pass
+    fsutil.remove_leftovers(index_dir, _TMP_PREFIX, older_than_s=60)

@@ -15,7 +15,8 @@ import errno
 import logging
 import os
 import secrets
-import time
+
+from ..platform import fsutil
 
 log = logging.getLogger("kvstore")
 
@@ -74,19 +75,9 @@ def ensure(index_dir: str) -> bool:
 def _remove_leftovers(index_dir: str) -> None:
     """Unlink spares that processes killed while writing them left (a spare takes
     milliseconds to write: any older than :data:`_LEFTOVER_SECONDS` is one)."""
-    prefix = f".{SPARE_NAME}."
-    try:
-        names = [n for n in os.listdir(index_dir) if n.startswith(prefix)]
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        path = os.path.join(index_dir, name)
-        try:
-            if now - os.lstat(path).st_mtime > _LEFTOVER_SECONDS:
-                os.unlink(path)
-        except OSError:
-            pass
+    fsutil.remove_leftovers(
+        index_dir, f".{SPARE_NAME}.", older_than_s=_LEFTOVER_SECONDS
+    )
 
 
 def release(index_dir: str) -> int:

@@ -15,6 +15,7 @@ import functools
 import os
 import stat
 import sys
+import time
 from typing import List, Optional, Sequence
 
 # Resolved at call time (not import time), so tests can hide them with monkeypatch.
@@ -454,3 +455,22 @@ def unlink_if_exists(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_leftovers(directory: str, prefix: str, *, older_than_s: float) -> None:
+    """Unlink the files in ``directory`` whose names start with ``prefix`` and that
+    were last changed more than ``older_than_s`` ago: temporary files that a process
+    killed while writing them left (a live writer's file is younger). Errors are
+    ignored: another process may remove them first."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if now - os.lstat(path).st_mtime > older_than_s:
+                os.unlink(path)
+        except OSError:
+            pass
