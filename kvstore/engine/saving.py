@@ -81,10 +81,6 @@ class HeldTokens:
         moved = read and devices.host_access_moves_arrays()
         self._host, self._arrays = None, {}
         if moved:
-            # Clearing frees every buffer in MLX's cache under its allocator's lock,
-            # which the decoding streams' allocations then wait for: not while busy.
-            if self._pause is not None:
-                self._pause()
             mx.clear_cache()
 
     def nbytes(self, a: int, b: int) -> int:
