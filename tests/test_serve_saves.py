@@ -159,13 +159,13 @@ def test_prompt_cache_saves_on_its_own_thread(tmp_path, model, tokenizer, monkey
 
 
 class Loop:
-    """A generation loop that is busy until told otherwise (SaveQueue's idle_for)."""
+    """A generation loop that is busy until told otherwise (SaveQueue's busy)."""
 
     def __init__(self):
-        self.busy = True
+        self.working = True
 
-    def idle_for(self) -> float:
-        return 0.0 if self.busy else float("inf")
+    def busy(self) -> bool:
+        return self.working
 
 
 def test_a_save_waits_for_the_generation_loop_to_rest(tmp_path, model):
@@ -174,7 +174,7 @@ def test_a_save_waits_for_the_generation_loop_to_rest(tmp_path, model):
     tokens = random_tokens(130, seed=48)
     counts, loop = Counts(), Loop()
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
-        q = SaveQueue(in_ram=lambda j: j.cache, count=counts, idle_for=loop.idle_for)
+        q = SaveQueue(in_ram=lambda j: j.cache, count=counts, busy=loop.busy)
         q.put(job(store, tokens[:70], compute_cache(model, tokens[:70])))
         threading.Event().wait(0.4)
         store.flush()
@@ -182,7 +182,7 @@ def test_a_save_waits_for_the_generation_loop_to_rest(tmp_path, model):
         assert counts["saves_held"] == 1
         q.put(job(store, tokens, compute_cache(model, tokens)))
         assert counts["saves_merged"] == 1 and q.queued == 1
-        loop.busy = False
+        loop.working = False
         deadline = threading.Event()
         for _ in range(100):
             if q.queued == 0:
@@ -203,7 +203,7 @@ def test_a_save_waits_for_rest_only_so_long(tmp_path, model, why):
         q = SaveQueue(
             in_ram=lambda j: j.cache,
             count=counts,
-            idle_for=loop.idle_for,
+            busy=loop.busy,
             crowded=lambda: why == "crowded",
             max_defer_s=0.3 if why == "max_defer" else 3600,
         )
@@ -260,3 +260,14 @@ def test_the_store_writer_steps_aside_while_the_loop_works(tmp_path, model, toke
     pc.activity.touch()
     assert busy()
     pc.close()
+
+
+def test_the_loop_is_busy_until_it_rested_rest_s():
+    from kvstore.serve.timing import REST_S, Activity
+
+    activity = Activity()
+    assert not activity.busy()  # it never worked
+    activity.touch()
+    assert activity.busy()
+    threading.Event().wait(REST_S + 0.05)
+    assert not activity.busy()

@@ -28,7 +28,7 @@ from .request_salts import (
     SaltedCache,
     SaltRouter,
 )
-from .saves import IDLE_S, SaveJob, SaveQueue, evaluate
+from .saves import SaveJob, SaveQueue, evaluate
 from .shared import SharedRestores
 from .timing import (
     Activity,
@@ -394,14 +394,16 @@ class PersistentPromptCache:
         self.saves = SaveQueue(
             in_ram=self._save_in_ram,
             count=self.count,
-            idle_for=lambda: self.activity.idle_for(),
+            busy=self._loop_busy,
             crowded=self._ram_crowded,
         )
         return True
 
     def _loop_busy(self) -> bool:
-        """Whether the generation loop did work within the last ``IDLE_S``."""
-        return self.activity.idle_for() < IDLE_S
+        """Whether the generation loop works now (:meth:`Activity.busy`): saves and
+        the store's writer wait while it does. (``kvstore serve`` replaces
+        ``activity`` after construction: looked up at each call.)"""
+        return self.activity.busy()
 
     def _ram_crowded(self) -> bool:
         """Whether mlx-lm's RAM cache is full: its next entry evicts one (maybe the

@@ -10,8 +10,8 @@ captures on a thread of its own:
   never changes it) after evaluating it there;
 * a queued save whose tokens a later one of the same tree extends is merged into
   it (the later save writes every node the earlier one would have);
-* a save waits while the generation loop is busy (``idle_for`` below
-  :data:`IDLE_S`): its device-to-host copies and the writer's work slow the decoding
+* a save waits while the generation loop is busy (``busy()``: it did work within
+  :data:`kvstore.serve.timing.REST_S`): its device-to-host copies and the writer's work slow the decoding
   of every stream (with CUDA, a stream decoded at 0.80-0.85x of its speed while KV
   moved to the host beside it). It goes ahead once the loop rests, after
   :data:`MAX_DEFER_S`, while more than :data:`MAX_HELD` saves wait, when mlx-lm's RAM
@@ -27,7 +27,6 @@ captures on a thread of its own:
 
 import collections
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,9 +38,8 @@ log = logging.getLogger("kvstore.server")
 
 # How often a waiting save looks at the writer (and the generation loop) again.
 POLL_S = 0.05
-# Saves wait until the generation loop did no work for this long...
-IDLE_S = 0.25
-# ...but no longer than this after they were queued, nor while more than this many wait.
+# Saves wait for the generation loop to rest, but no longer than this after they were
+# queued, nor while more than MAX_HELD wait.
 MAX_DEFER_S = 30.0
 MAX_HELD = 16
 # Queued saves at most (each holds a cache that RAM may drop); the oldest goes first.
@@ -80,12 +78,10 @@ class SaveQueue:
             own, or a longer one), or None once no entry holds it.
         count: ``count(**deltas)``: the prompt cache's counters.
         max_queued: Saves queued at most.
-        idle_for: Seconds since the generation loop last did work (infinite: it
-            never did, or nothing tells).
+        busy: Whether the generation loop works now (a save waits while it does;
+            never, by default).
         crowded: Whether mlx-lm's RAM cache is full (its next entry evicts one).
-        idle_s: How long the loop must rest before a save goes ahead (0: saves
-            never wait for it).
-        max_defer_s: How long a save waits for that at most.
+        max_defer_s: How long a save waits for the loop to rest at most.
     """
 
     def __init__(
@@ -94,17 +90,15 @@ class SaveQueue:
         in_ram: Callable[[SaveJob], Optional[List[Any]]],
         count: Callable[..., None],
         max_queued: int = MAX_QUEUED,
-        idle_for: Callable[[], float] = lambda: math.inf,
+        busy: Callable[[], bool] = lambda: False,
         crowded: Callable[[], bool] = lambda: False,
-        idle_s: float = IDLE_S,
         max_defer_s: float = MAX_DEFER_S,
     ):
         self._in_ram = in_ram
         self._count = count
         self._max_queued = max_queued
-        self._idle_for = idle_for
+        self._busy_loop = busy
         self._crowded = crowded
-        self._idle_s = idle_s
         self._max_defer_s = max_defer_s
         self._jobs: Deque[SaveJob] = collections.deque()
         self._held: Optional[SaveJob] = None  # the oldest job, counted as held
@@ -200,12 +194,12 @@ class SaveQueue:
 
     def _wait_for_rest(self, oldest: SaveJob, waiting: int) -> bool:
         """Whether the oldest job waits for the generation loop to rest."""
-        if self._idle_s <= 0 or waiting > MAX_HELD:
+        if waiting > MAX_HELD:
             return False
         if time.monotonic() - oldest.queued_at >= self._max_defer_s:
             return False
         try:
-            return self._idle_for() < self._idle_s and not self._crowded()
+            return self._busy_loop() and not self._crowded()
         except Exception:
             log.exception("kvstore: cannot tell whether the generation loop rests")
             return False

@@ -25,6 +25,10 @@ from typing import Callable, Optional
 
 log = logging.getLogger("kvstore.server")
 
+# The generation loop rests once it did no work for this long (between two decode
+# steps of a busy batch there are milliseconds).
+REST_S = 0.25
+
 OnPrefill = Callable[[int, float], None]
 
 
@@ -49,6 +53,10 @@ class Activity:
         """Seconds since the loop last did work (infinite: it never did)."""
         last = self._last
         return math.inf if last is None else time.monotonic() - last
+
+    def busy(self) -> bool:
+        """Whether the loop did work within the last :data:`REST_S`."""
+        return self.idle_for() < REST_S
 
 
 def _did_work(out) -> bool:
