@@ -7,7 +7,8 @@ replaced while it runs:
   :class:`~kvstore.serve.prompt_cache.PersistentPromptCache` (mlx-lm's own
   ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
 * ``ModelProvider`` by a subclass that lets the cache find the loaded model;
-* ``_run_http_server`` by a call with :class:`KVStoreAPIHandler`, which applies
+* ``_run_http_server`` by a call with :class:`kvstore.serve.listener.ApiServer` (a
+  listen backlog for users who connect at once) and :class:`KVStoreAPIHandler`, which applies
   ``--strip-pattern`` to request bodies (refusing a prompt left empty), reads each
   request's cache salt, and with ``--api-metrics`` adds ``GET /kvstore/stats`` and
   ``GET /metrics`` (else they are served on ``--metrics-port`` only,
@@ -504,7 +505,9 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         batch_generator_class(saved["BatchGenerator"], router), on_prefill, activity
     )
     mls._run_http_server = functools.partial(
-        saved["_run_http_server"], handler_class=handler
+        saved["_run_http_server"],
+        server_class=serve_metrics.ApiServer,
+        handler_class=handler,
     )
     return caches, saved
 

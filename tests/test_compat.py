@@ -104,6 +104,15 @@ def test_changed_signature_of_run_http_server(monkeypatch):
     assert "_run_http_server" in problem and "handler_class" in problem
 
 
+def test_run_http_server_without_server_class(monkeypatch):
+    def _run_http_server(host, port, response_generator, handler_class=None):
+        pass
+
+    monkeypatch.setattr(mls, "_run_http_server", _run_http_server)
+    (problem,) = server_problems()
+    assert "_run_http_server" in problem and "server_class" in problem
+
+
 def test_run_no_longer_looks_up_the_replaced_names(monkeypatch):
     def run(host, port, model_provider):
         return mls.ResponseGenerator  # builds its cache some other way

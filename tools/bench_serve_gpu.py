@@ -35,7 +35,10 @@ Before the first phase, two discarded plain rounds at the largest ``--users`` va
 the first large batched prefill on a machine compiles MLX's kernels, and so does the
 first batched prefill of a follow-up over caches of thousands of tokens (seen on an
 H200: round 2 of whichever phase ran first took 1.3-1.9 s where later phases took
-0.6 s), seconds that no measured phase should pay (``--no-prime`` skips it).
+0.6 s), and the first time a batch drops one of its members while others decode
+(``gather`` of the batch's tokens: 3-4 s of every stream on an H100; the priming
+requests end one step apart for it). Seconds that no measured phase should pay
+(``--no-prime`` skips it).
 
 Per round: time to first token (TTFT) of every request, its decode rate (tokens
 after the first over the time between the first and the last), and the round's
@@ -437,6 +440,8 @@ class Phase:
         out["rounds"] = []
         for rnd in range(rounds):
             bodies = [chat.request(rnd, self.workload) for chat in chats]
+            if out["phase"] == "prime":
+                stagger(bodies)
             results, wall, errors = run_round(server.port, bodies)
             if errors:
                 out["error"] = f"round {rnd + 1}: " + "; ".join(errors)
@@ -449,6 +454,15 @@ class Phase:
             stats = server.get("/kvstore/stats")
             out["kvstore"] = {k: v for k, v in stats.items() if k != "stores"}
             out["store"] = stats["stores"][0] if stats["stores"] else None
+
+
+def stagger(bodies: List[dict]) -> None:
+    """Give each request one output token fewer than the one before: the batch then
+    drops members one step at a time, whose first time on a machine compiles MLX's
+    kernels for it (3-4 s of every stream on an H100; the measured rounds' requests
+    end together in a plain server, not always in kvstore's)."""
+    for i, body in enumerate(bodies):
+        body["max_tokens"] = max(1, body["max_tokens"] - i)
 
 
 def round_record(results: List[dict], wall: float) -> dict:

@@ -123,7 +123,7 @@ def _public(cls: type) -> Set[str]:
 _SERVER_NAMES = (
     ("LRUPromptCache", "replaced by PersistentPromptCache's factory"),
     ("ModelProvider", "subclassed and replaced"),
-    ("_run_http_server", "replaced to pass kvstore's request handler"),
+    ("_run_http_server", "replaced to pass kvstore's server class and handler"),
     ("APIHandler", "subclassed (GET /kvstore/stats, --strip-pattern)"),
     ("ResponseGenerator", "holds the prompt cache read by GET /kvstore/stats"),
     ("run", "must look the replaced names up when it runs"),
@@ -160,10 +160,12 @@ def _server_module_problems(mls) -> List[str]:
                 "(kvstore serve replaces them there)"
             )
     params = _params_all(mls._run_http_server)
-    if params is None or "handler_class" not in params or len(params) < 3:
+    wanted = ("server_class", "handler_class")
+    if params is None or any(p not in params for p in wanted) or len(params) < 4:
         problems.append(
             "mlx_lm.server._run_http_server(host, port, response_generator, *, "
-            f"handler_class) has another signature: {_sig(mls._run_http_server)}"
+            "server_class, handler_class) has another signature: "
+            f"{_sig(mls._run_http_server)}"
         )
     provider = mls.ModelProvider
     if not callable(getattr(provider, "_load", None)):

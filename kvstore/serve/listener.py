@@ -1,4 +1,5 @@
-"""Where ``kvstore serve`` answers ``GET /metrics`` and ``GET /kvstore/stats``.
+"""Where ``kvstore serve`` listens: the API port's server class, and the listener
+that answers ``GET /metrics`` and ``GET /kvstore/stats``.
 
 Both tell what every tenant's requests do (prompt lengths, reuse, saves, in real
 time), so by default they are not served on the API port: ``--metrics-port`` serves
@@ -18,6 +19,11 @@ from typing import Any, Callable, Optional, Tuple
 log = logging.getLogger("kvstore.server")
 
 PATHS = ("/kvstore/stats", "/metrics")
+# socketserver listens with a backlog of 5 connections. Users who connect at once
+# overflow it while the accepting thread waits for the GIL (the generation, prefetch
+# and save threads hold it in turn), and the client's TCP stack retries a dropped
+# handshake only a second later: one user in eight started 1.04 s late on an H100.
+LISTEN_BACKLOG = 128
 OFF_API_PORT = (
     "not served on this port: the server was started without --api-metrics "
     "(see --metrics-port)"
@@ -54,6 +60,13 @@ def respond(cache, path: str) -> Tuple[int, str, bytes]:
     return 200, "application/json", json.dumps(cache.stats()).encode()
 
 
+class ApiServer(ThreadingHTTPServer):
+    """mlx-lm's HTTP server class (a thread per request) with room in the listen
+    backlog for a burst of users connecting at once (:data:`LISTEN_BACKLOG`)."""
+
+    request_queue_size = LISTEN_BACKLOG
+
+
 class MetricsListener:
     """``GET /metrics``, ``GET /kvstore/stats`` and ``GET /health`` on an address of
     their own, in a daemon thread.
@@ -88,7 +101,7 @@ class MetricsListener:
         # IPv4 or IPv6, as the host resolves (ThreadingHTTPServer assumes IPv4).
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
 
-        class Server(ThreadingHTTPServer):
+        class Server(ApiServer):
             address_family = family
             daemon_threads = True
 
