@@ -45,6 +45,19 @@ def test_small_prefills_do_not_move_the_rate():
     assert 1000 < rates.prefill < 2000
 
 
+def test_prefill_samples_weigh_by_their_seconds():
+    """A short batch step (a few tokens of prompt, mostly fixed cost) moves the
+    rate by the little time it took; by one vote each, a server's many such steps
+    pulled its rate far below what its long prefills ran at."""
+    rates = Rates()
+    for _ in range(10):
+        rates.note_prefill(14_000, 1.0)
+    rates.note_prefill(96, 0.05)  # 1,920 tokens/s
+    assert rates.prefill > 13_000
+    rates.note_prefill(96 * 20, 1.0)  # as slow, for a second: moves it as before
+    assert rates.prefill < 0.8 * 14_000
+
+
 def test_a_restore_mostly_of_fixed_time_gives_no_byte_rate():
     """A server's warm-up request restores 61 tokens (8 MB in 15.7 ms on an H100):
     rated by bytes over seconds, that put a returning user's 0.85 GB at 1.6 s, above
