@@ -58,6 +58,16 @@ def test_prefill_samples_weigh_by_their_seconds():
     assert rates.prefill < 0.8 * 14_000
 
 
+def test_a_short_first_prefill_does_not_hold_the_rate_down():
+    """A server's warm-up request (61 tokens in 0.18 s on an H100, 340 tokens/s)
+    came first; clipped to 4x a sample, its long prefills at 15,000 tokens/s
+    brought the rate to 2,300 after three."""
+    rates = Rates()
+    rates.note_prefill(61, 0.18)
+    rates.note_prefill(16_384, 1.08)
+    assert rates.prefill > 10_000
+
+
 def test_a_restore_mostly_of_fixed_time_gives_no_byte_rate():
     """A server's warm-up request restores 61 tokens (8 MB in 15.7 ms on an H100):
     rated by bytes over seconds, that put a returning user's 0.85 GB at 1.6 s, above

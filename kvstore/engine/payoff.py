@@ -125,16 +125,19 @@ class Rates:
                 "finite"
             )
         weight = min(seconds, MAX_PREFILL_WEIGHT_S)
-        # Samples of MAX_PREFILL_WEIGHT_S settle at this weight, where each new one
-        # moves the rate by SMOOTHING; a rate set from outside (kept) starts there.
-        settled = MAX_PREFILL_WEIGHT_S / SMOOTHING
         with self._lock:
             old = self.prefill
-            if old is None:
-                self.prefill, self._prefill_weight = rate, settled
+            if old is None:  # it stands for a run of samples like it
+                self.prefill, self._prefill_weight = rate, weight / SMOOTHING
                 return True
-            kept = (self._prefill_weight or settled) * (1 - SMOOTHING)
-            sample = _within_step(old, rate)
+            # A rate set from outside (kept) stands for a run of full samples, where
+            # each new one moves the rate by SMOOTHING.
+            kept = self._prefill_weight or MAX_PREFILL_WEIGHT_S / SMOOTHING
+            kept *= 1 - SMOOTHING
+            # Outliers are clipped only once the rate stands on a full sample: a
+            # server's first request (a short warm-up, mostly fixed cost) must not
+            # hold the rate down for the many samples clipping would take.
+            sample = _within_step(old, rate) if kept >= MAX_PREFILL_WEIGHT_S else rate
             self.prefill = (old * kept + sample * weight) / (kept + weight)
             self._prefill_weight = kept + weight
         return True
