@@ -363,3 +363,11 @@ def test_restores_beside_each_other_are_rated_by_their_time_alone(monkeypatch):
     policy.record(decision, nbytes=1_000_000, seconds=0.001)  # the fixed time
     policy.record(decision, nbytes=3_000_000_000, seconds=2.001, sharing=2.0)
     assert policy.rates.restore == pytest.approx(3e9, rel=0.01)
+
+
+def test_a_decision_that_may_not_explore_never_restores_what_loses():
+    policy = RestorePolicy(rates=rated(Rates(prefill=1_000_000.0), 1e6))
+    lost = [policy.decide([100], [1 << 30], explore=False) for _ in range(40)]
+    assert not any(d.restore or d.explored for d in lost)
+    explored = [policy.decide([100], [1 << 30]) for _ in range(payoff.EXPLORE_EVERY)]
+    assert sum(d.explored for d in explored) == 1

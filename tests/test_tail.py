@@ -8,6 +8,7 @@ from families import build
 
 from kvstore import KVStore
 from kvstore.disk.adapters import LayoutMismatch
+from kvstore.engine.payoff import EXPLORE_EVERY
 
 C = 32  # tokens per node
 
@@ -91,6 +92,11 @@ def test_tail_weighed_against_prefilling_the_difference(tmp_path, model, monkeyp
         assert store.fetch_beyond(stored + [1], 310) is None
         assert store.stats()["recomputes_chosen"] == 1
         assert store.fetch_beyond(stored + [1], 0) is not None
+        # Never restored just to measure the rate (whole prefixes are, 1 in 16).
+        tails = [
+            store.fetch_beyond(stored + [1], 310) for _ in range(2 * EXPLORE_EVERY)
+        ]
+        assert tails == [None] * (2 * EXPLORE_EVERY)
 
 
 def store_arr(tokens):

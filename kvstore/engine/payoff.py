@@ -268,10 +268,18 @@ class RestorePolicy:
         return fixed + (nbytes / rates.restore if rates.restore else 0.0)
 
     def decide(
-        self, takes: Sequence[int], nbytes: Sequence[int], *, cuttable: bool = True
+        self,
+        takes: Sequence[int],
+        nbytes: Sequence[int],
+        *,
+        cuttable: bool = True,
+        explore: bool = True,
     ) -> Decision:
         """What to restore of a stored path whose node ``i`` holds ``takes[i]`` of the
         prompt's tokens and costs ``nbytes[i]`` bytes to read (0 when it is in memory).
+        ``explore=False``: a path chosen to be recomputed is never restored to measure
+        the restore rate (a short tail past a caller's own copy rates mostly fixed
+        costs, and in a server it holds up every request batched with it).
 
         The cheapest of: every node, none, or (``cuttable``) the first few, each
         costed as reading its nodes plus prefilling the rest. Nodes in the RAM tier
@@ -301,9 +309,10 @@ class RestorePolicy:
                 restored / prefill,
                 nodes=best if best < len(takes) else None,
             )
-        with self._lock:
-            self._decisions += 1
-            explore = self._decisions % EXPLORE_EVERY == 0
+        if explore:
+            with self._lock:
+                self._decisions += 1
+                explore = self._decisions % EXPLORE_EVERY == 0
         restore_s = self.read_seconds(sum(nbytes))
         return Decision(explore, total, restore_s, total / prefill, explored=explore)
 
