@@ -37,7 +37,7 @@ first batched prefill of a follow-up over caches of thousands of tokens (seen on
 H200: round 2 of whichever phase ran first took 1.3-1.9 s where later phases took
 0.6 s), and the first time a batch drops one of its members while others decode
 (``gather`` of the batch's tokens: 3-4 s of every stream on an H100; the priming
-requests end one step apart for it). Seconds that no measured phase should pay
+requests of the last round end one step apart for it). Seconds that no measured phase should pay
 (``--no-prime`` skips it).
 
 Per round: time to first token (TTFT) of every request, its decode rate (tokens
@@ -440,8 +440,8 @@ class Phase:
         out["rounds"] = []
         for rnd in range(rounds):
             bodies = [chat.request(rnd, self.workload) for chat in chats]
-            if out["phase"] == "prime":
-                stagger(bodies)
+            if out["phase"] == "prime" and rnd == rounds - 1:
+                stagger(bodies)  # the last: earlier answers make later prompts
             results, wall, errors = run_round(server.port, bodies)
             if errors:
                 out["error"] = f"round {rnd + 1}: " + "; ".join(errors)
