@@ -36,9 +36,9 @@ the first large batched prefill on a machine compiles MLX's kernels, and so does
 first batched prefill of a follow-up over caches of thousands of tokens (seen on an
 H200: round 2 of whichever phase ran first took 1.3-1.9 s where later phases took
 0.6 s), and the first time a batch drops one of its members while others decode
-(``gather`` of the batch's tokens: 3-4 s of every stream on an H100; the priming
-requests of the last round end one step apart for it). Seconds that no measured phase should pay
-(``--no-prime`` skips it).
+(``gather`` of the batch's tokens: 3-4 s of every stream on an H100; the requests
+of the final priming round end one step apart for it). Seconds that no measured
+phase should pay (``--no-prime`` skips it).
 
 Per round: time to first token (TTFT) of every request, its decode rate (tokens
 after the first over the time between the first and the last), and the round's
@@ -441,7 +441,7 @@ class Phase:
         for rnd in range(rounds):
             bodies = [chat.request(rnd, self.workload) for chat in chats]
             if out["phase"] == "prime" and rnd == rounds - 1:
-                stagger(bodies)  # the last: earlier answers make later prompts
+                stagger(bodies)  # the final one: answers make the next prompts
             results, wall, errors = run_round(server.port, bodies)
             if errors:
                 out["error"] = f"round {rnd + 1}: " + "; ".join(errors)
