@@ -8,10 +8,10 @@ replaced while it runs:
   ``LRUPromptCache`` for RAM, plus a :class:`kvstore.KVStore` per model on disk);
 * ``ModelProvider`` by a subclass that lets the cache find the loaded model;
 * ``_run_http_server`` by a call with :class:`kvstore.serve.listener.ApiServer` (a
-  listen backlog for users who connect at once) and :class:`KVStoreAPIHandler`, which applies
-  ``--strip-pattern`` to request bodies (refusing a prompt left empty), reads each
-  request's cache salt, and with ``--api-metrics`` adds ``GET /kvstore/stats`` and
-  ``GET /metrics`` (else they are served on ``--metrics-port`` only,
+  listen backlog for users who connect at once) and :class:`KVStoreAPIHandler`, which
+  applies ``--strip-pattern`` to request bodies (refusing a prompt left empty), reads
+  each request's cache salt, and with ``--api-metrics`` adds ``GET /kvstore/stats``
+  and ``GET /metrics`` (else they are served on ``--metrics-port`` only,
   :mod:`kvstore.serve.listener`);
 * ``ResponseGenerator`` and ``BatchGenerator`` by subclasses that carry each
   request's salt to the prompt cache (:mod:`kvstore.serve.request_salts`).

@@ -48,7 +48,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Sequence, Set
+from typing import Any, Dict, Iterator, Optional, Sequence, Set, Tuple
 
 # How a store decides: "auto" by the measured rates, or always / never restore.
 MODES = ("auto", "always", "never")
@@ -131,15 +131,18 @@ class Rates:
                 self.prefill, self._prefill_weight = rate, weight / SMOOTHING
                 return True
             # A rate set from outside (kept) stands for a run of full samples, where
-            # each new one moves the rate by SMOOTHING.
-            kept = self._prefill_weight or MAX_PREFILL_WEIGHT_S / SMOOTHING
-            kept *= 1 - SMOOTHING
-            # Outliers are clipped only once the rate stands on a full sample: a
-            # server's first request (a short warm-up, mostly fixed cost) must not
-            # hold the rate down for the many samples clipping would take.
-            sample = _within_step(old, rate) if kept >= MAX_PREFILL_WEIGHT_S else rate
-            self.prefill = (old * kept + sample * weight) / (kept + weight)
-            self._prefill_weight = kept + weight
+            # each new one moves the rate by SMOOTHING. Outliers are clipped only once
+            # the rate stands on a full sample: a server's first request (a short
+            # warm-up, mostly fixed cost) must not hold the rate down for the many
+            # samples clipping would take.
+            self.prefill, self._prefill_weight = _weighted_mix(
+                old,
+                self._prefill_weight,
+                rate,
+                weight,
+                unweighted=MAX_PREFILL_WEIGHT_S / SMOOTHING,
+                clip_from=MAX_PREFILL_WEIGHT_S,
+            )
         return True
 
     def note_restore(self, nbytes: int, seconds: float) -> None:
@@ -161,12 +164,10 @@ class Rates:
             if old is None:
                 self.restore, self._restore_weight = sample, weight
                 return
-            sample = _within_step(old, sample)
             # A rate set from outside (kept by an earlier process) has no weight yet.
-            kept = self._restore_weight if self._restore_weight > 0 else PRIOR_RESTORE_S
-            kept *= 1 - SMOOTHING
-            self.restore = (old * kept + sample * weight) / (kept + weight)
-            self._restore_weight = kept + weight
+            self.restore, self._restore_weight = _weighted_mix(
+                old, self._restore_weight, sample, weight, unweighted=PRIOR_RESTORE_S
+            )
 
 
 class Overlaps:
@@ -223,6 +224,26 @@ READS = Overlaps()
 def _within_step(old: float, new: float) -> float:
     """``new`` moved to within :data:`MAX_STEP` of ``old``: one outlier moves little."""
     return min(max(new, old / MAX_STEP), old * MAX_STEP)
+
+
+def _weighted_mix(
+    old: float,
+    old_weight: float,
+    sample: float,
+    weight: float,
+    *,
+    unweighted: float,
+    clip_from: float = 0.0,
+) -> Tuple[float, float]:
+    """``(mean, its weight)`` of a running rate ``old`` (standing on ``old_weight``
+    decayed seconds, or ``unweighted`` where it has none: a rate set from outside)
+    and a ``sample`` that weighs ``weight`` seconds. Older weight fades by
+    :data:`SMOOTHING` a sample; the sample is clipped to :data:`MAX_STEP` of the mean
+    once the faded weight is at least ``clip_from``."""
+    kept = (old_weight if old_weight > 0 else unweighted) * (1 - SMOOTHING)
+    if kept >= clip_from:
+        sample = _within_step(old, sample)
+    return (old * kept + sample * weight) / (kept + weight), kept + weight
 
 
 def _check_number(name: str, value, *, positive: bool) -> None:

@@ -11,12 +11,13 @@ captures on a thread of its own:
 * a queued save whose tokens a later one of the same tree extends is merged into
   it (the later save writes every node the earlier one would have);
 * a save waits while the generation loop is busy (``busy()``: it did work within
-  :data:`kvstore.serve.timing.REST_S`): its device-to-host copies and the writer's work slow the decoding
-  of every stream (with CUDA, a stream decoded at 0.80-0.85x of its speed while KV
-  moved to the host beside it). It goes ahead once the loop rests, after
-  :data:`MAX_DEFER_S`, while more than :data:`MAX_HELD` saves wait, when mlx-lm's RAM
-  cache is full (its next entry evicts one, perhaps a waiting save's), and at a flush
-  or close; meanwhile later turns of the same conversation merge into it;
+  :data:`kvstore.serve.timing.REST_S`): its device-to-host copies and the writer's
+  work slow the decoding of every stream (with CUDA, a stream decoded at 0.80-0.85x of
+  its speed while KV moved to the host beside it). It goes ahead once the loop rests,
+  after :data:`MAX_DEFER_S`, while more than :data:`MAX_HELD` saves wait, when
+  mlx-lm's RAM cache is full (its next entry evicts one, perhaps a waiting save's),
+  and at a flush or close; meanwhile later turns of the same conversation merge into
+  it;
 * while the writer is full a save waits, and is retried when the writer drains,
   as long as its prefix is still in RAM: in its own entry, or in a longer entry
   that replaced it (mlx-lm drops a trimmable cache's prefixes when it stores a
