@@ -214,7 +214,7 @@ def _open_parts(
     parts = Parts(
         model=model,
         index=index,
-        blobs=Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine")),
+        blobs=Blobs.of_store(path, index.format_version),
         ram=RamTier(ram_bytes),
         writer=BackgroundWriter(max_pending_bytes=max_pending_bytes),
         policy=payoff.RestorePolicy(restore, rates=rates),

@@ -110,7 +110,7 @@ def test_write_read_all_round_trip(written):
     blobs, tensors, data, checksum, path = written
     assert os.path.isfile(path)
     assert path == os.path.join(
-        blobs.root, NS.hex(), H.hex()[:2], H.hex() + ".safetensors"
+        blobs.root, NS.hex(), H.hex()[:3], H.hex() + ".safetensors"
     )
     got, parsed, meta = blobs.read_all(
         NS, H, nbytes=len(data), checksum=checksum, expected=expected_of(tensors)

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 import kvstore.disk.namespace as namespace
 from kvstore import KVStore, maintenance
 from kvstore.disk import adapters
-from kvstore.disk.index import FORMAT_VERSION, MODEL_KEY_PREFIX
+from kvstore.disk.index import MODEL_KEY_PREFIX
 
 C = 16
 
@@ -86,7 +86,7 @@ def reference_fingerprint(model, tokenizer, layout, chunk_tokens):
         json.dumps(dataclasses.asdict(model.args), sort_keys=True, default=str)
     )
     description = {
-        "format_version": FORMAT_VERSION,
+        "format_version": 1,  # as stores made then recorded it
         "model_type": config.get("model_type"),
         "config": config,
         "weight_headers": headers.hexdigest(),

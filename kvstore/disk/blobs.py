@@ -341,8 +341,16 @@ DELTA_PART, STATE_PART = (
 )  # a node's two files: its own tokens' KV; a checkpoint
 
 
+# Hex digits of a node's hash that name its directory, by the store's format version
+# (kvstore.disk.index.READ_FORMATS). 256 directories per namespace put ~4,000 files
+# in each at a million nodes, where creating and fsyncing a file grew dearer;
+# 4,096 keep them to a few hundred.
+FANOUT_CHARS = {1: 2, 2: 3}
+
+
 class Blobs:
-    """Content-addressed chunk files under ``<root>/<ns>/<h[:2]>/<h>.safetensors``.
+    """Content-addressed chunk files under ``<root>/<ns>/<h[:k]>/<h>.safetensors``,
+    ``k`` the store format's :data:`FANOUT_CHARS`.
 
     A node may also have a state file, ``<h>.state.safetensors``: the checkpoint of
     the layers whose state does not concatenate (see :mod:`kvstore.disk.adapters`).
@@ -355,22 +363,47 @@ class Blobs:
         root: The blobs directory.
         quarantine: Where broken files are moved for inspection.
         create: Create ``root`` when missing (a read-only open does not).
+        format_version: The store's format version (its index records it), which
+            sets the layout. The default: a new store's.
     """
 
     SUFFIX = ".safetensors"
 
-    def __init__(self, root: str, quarantine: str, *, create: bool = True):
+    def __init__(
+        self,
+        root: str,
+        quarantine: str,
+        *,
+        create: bool = True,
+        format_version: int = max(FANOUT_CHARS),
+    ):
+        if format_version not in FANOUT_CHARS:
+            raise ValueError(f"no file layout for store format {format_version}")
         self.root = root
         self.quarantine_dir = quarantine
+        self.fanout = FANOUT_CHARS[format_version]
         self._headers: Dict[tuple, tuple] = {}  # validated headers, by their bytes
         if create:
             fsutil.makedirs(root)
+
+    @classmethod
+    def of_store(
+        cls, path: str, format_version: int, *, create: bool = True
+    ) -> "Blobs":
+        """The node files of the store directory ``path`` (``blobs/``, broken ones
+        moved to ``quarantine/``), laid out as its ``format_version`` says."""
+        return cls(
+            os.path.join(path, "blobs"),
+            os.path.join(path, "quarantine"),
+            create=create,
+            format_version=format_version,
+        )
 
     def path_parts(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> List[str]:
         """Node ``h``'s file path below :attr:`root`: namespace directory, fan-out
         directory, file name."""
         hx = h.hex()
-        return [ns.hex(), hx[:2], hx + part + self.SUFFIX]
+        return [ns.hex(), hx[: self.fanout], hx + part + self.SUFFIX]
 
     def path(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> str:
         return os.path.join(self.root, *self.path_parts(ns, h, part))
@@ -664,7 +697,7 @@ class Blobs:
             h = bytes.fromhex(stem)
         except ValueError:
             return None
-        if len(ns) != 16 or len(h) != 16 or rel[1] != rel[2][:2]:
+        if len(ns) != 16 or len(h) != 16 or rel[1] != rel[2][: self.fanout]:
             return None
         return ns, h
 

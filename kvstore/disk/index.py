@@ -26,7 +26,12 @@ from .storecheck import IndexDamaged, StoreError
 
 log = logging.getLogger("kvstore")
 
-FORMAT_VERSION = 1  # of the store directory (meta db); records carry their own
+# Of the store directory (meta db); records carry their own. A new store gets
+# FORMAT_VERSION; every version in READ_FORMATS still opens. Version 1 spread node
+# files over 256 directories per namespace, version 2 over 4,096
+# (kvstore.disk.blobs.FANOUT_CHARS): a million files then share no big directory.
+FORMAT_VERSION = 2
+READ_FORMATS = (1, 2)
 RECORD_VERSION = 2  # 2 added the optional state (checkpoint) file; 1 still decodes
 KINDS = ("assistant", "user", "system")  # eviction order: first goes first
 CHILD_KEY_TOKENS = 64  # first tokens of a child kept in its edge key
@@ -207,6 +212,7 @@ class _Env:
         self.readonly = readonly
         self.lock_fd = opened.lock_fd  # kvstore.lock, held shared while open (or None)
         self.lock_id = opened.lock_id  # (st_dev, st_ino) of lock.mdb as opened
+        self.format_version = opened.format_version
         self.refs = 0
         self.problem: Optional[str] = None  # set when lock.mdb was deleted under us
         self.damage: Optional[IndexDamaged] = None  # damage met since the open
@@ -261,7 +267,8 @@ class Index:
     Opening checks the directory before LMDB maps anything (:mod:`kvstore.disk.storecheck`):
     its files must be regular files, ``data.mdb`` an LMDB file holding every page its
     meta page names (a truncated one would kill the process with SIGBUS on a read),
-    and its contents kvstore's own databases of this format version. Only an empty
+    and its contents kvstore's own databases of a format version this kvstore reads
+    (:data:`READ_FORMATS`). Only an empty
     directory, or a store kvstore created, is ever written to.
 
     Args:
@@ -284,6 +291,8 @@ class Index:
             index open already). ``"marked"``: ``"roots"`` where the clean mark
             names the file as it is (every page was checked), else ``"full"``
             (``kvstore serve``'s start). See :mod:`kvstore.disk.mdbcheck`.
+        format_version: What a new index records (an existing one keeps its own:
+            :attr:`format_version`); a salvage rebuilds an index in its store's.
 
     Raises:
         StoreError: not a kvstore index, another format version, files that are not
@@ -312,7 +321,10 @@ class Index:
         readonly: bool = False,
         map_size: Optional[int] = None,
         check: str = "roots",
+        format_version: int = FORMAT_VERSION,
     ):
+        if format_version not in READ_FORMATS:
+            raise ValueError(f"format_version must be one of {READ_FORMATS}")
         self.path = path
         self.readonly = readonly
         self.pid = os.getpid()
@@ -332,7 +344,8 @@ class Index:
                     create=create,
                     readonly=readonly,
                     map_size=map_size or initial_map_size(),
-                    format_version=FORMAT_VERSION,
+                    format_version=format_version,
+                    reads=READ_FORMATS,
                     check=check,
                 )
                 try:
@@ -406,6 +419,11 @@ class Index:
             memutil.release_ranges(shared.mapped)
         finally:
             shared.gate.exit()
+
+    @property
+    def format_version(self) -> int:
+        """The store's format version (one of :data:`READ_FORMATS`)."""
+        return self._shared.format_version
 
     @property
     def problem(self) -> Optional[str]:

@@ -39,7 +39,7 @@ from .adapters import (
     layer_codec,
     probe_layout,
 )
-from .index import FORMAT_VERSION, Index
+from .index import Index
 
 log = logging.getLogger("kvstore")
 
@@ -52,6 +52,10 @@ _SAMPLE = 1 << 20
 # three places of every tensor, ~40 MB for an 8B model.
 DEVICE_SAMPLE = 64 << 10
 MODEL_KEY_VERSION = 1  # of what model_key() hashes
+# "format_version" in namespace descriptions and model keys: what a node's hash and
+# KV mean. The store's file layout (kvstore.disk.index.FORMAT_VERSION) is not part
+# of it; raising it would orphan every stored prefix.
+NAMESPACE_FORMAT = 1
 
 
 def _config(model) -> Any:
@@ -142,7 +146,7 @@ def fingerprint(
     weight_headers, weight_content = weights or weights_digest(model)
     config = _config(model)
     description = {
-        "format_version": FORMAT_VERSION,
+        "format_version": NAMESPACE_FORMAT,
         "model_type": (
             (config or {}).get("model_type") if isinstance(config, dict) else None
         ),
@@ -278,7 +282,7 @@ def model_key(
         return None
     key = {
         "key_version": MODEL_KEY_VERSION,
-        "format_version": FORMAT_VERSION,
+        "format_version": NAMESPACE_FORMAT,
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",

@@ -24,7 +24,16 @@ import os
 import stat
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, NamedTuple, Optional, Sequence, TypeVar
+from typing import (
+    Callable,
+    Dict,
+    Iterator,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 
 import lmdb
 
@@ -68,6 +77,7 @@ class Opened(NamedTuple):
     dbs: Dict[str, object]  # name -> database handle (read-only: those that exist)
     lock_fd: Optional[int]  # LOCK_FILE, held shared until closed
     lock_id: Optional[tuple]  # (st_dev, st_ino) of lock.mdb as opened
+    format_version: int  # the store's, as its meta database records it
 
 
 def store_name(index_path: str) -> str:
@@ -83,9 +93,13 @@ def open_env(
     readonly: bool,
     map_size: int,
     format_version: int,
+    reads: Sequence[int] = (),
     check: str = "roots",
 ) -> Opened:
     """Check the index directory ``path`` and open it (see the module docstring).
+
+    ``format_version`` is what a new index records; a store of that version or of
+    one in ``reads`` opens, any other is refused.
 
     ``check`` is how much of ``data.mdb`` is checked before LMDB reads it
     (:mod:`.mdbcheck`): ``"roots"`` the meta pages, the main database, small
@@ -152,10 +166,17 @@ def open_env(
             def read():  # the pages LMDB's open reads are checked before it does
                 _check_pages(env, data, store, full=check == "full")
                 return _open_dbs(
-                    env, store, dbs, readonly=readonly, format_version=format_version
+                    env,
+                    store,
+                    dbs,
+                    readonly=readonly,
+                    format_version=format_version,
+                    reads=reads,
                 )
 
-            handles = _while_resized(store, read, on_resized=lambda: env.set_mapsize(0))
+            handles, version = _while_resized(
+                store, read, on_resized=lambda: env.set_mapsize(0)
+            )
             lock_id = None
             if use_lock:
                 st = os.stat(lock)
@@ -180,7 +201,8 @@ def open_env(
     finally:
         if holder is not None:
             holder.done_opening()
-    return Opened(env, handles, holder.fd if holder is not None else None, lock_id)
+    lock_fd = holder.fd if holder is not None else None
+    return Opened(env, handles, lock_fd, lock_id, version)
 
 
 def _while_resized(store: str, attempt: Callable[[], _T], *, on_resized=None) -> _T:
@@ -357,10 +379,17 @@ def _lmdb_reason(e: lmdb.Error) -> str:
 
 
 def _open_dbs(
-    env, store: str, names: Sequence[str], *, readonly: bool, format_version: int
-) -> Dict[str, object]:
-    """Handles of kvstore's databases, after checking that the environment holds
-    nothing else; an empty environment is initialized (never a read-only one)."""
+    env,
+    store: str,
+    names: Sequence[str],
+    *,
+    readonly: bool,
+    format_version: int,
+    reads: Sequence[int],
+) -> Tuple[Dict[str, object], int]:
+    """Handles of kvstore's databases and the store's format version, after checking
+    that the environment holds nothing else; an empty environment is initialized
+    with ``format_version`` (never a read-only one)."""
     with env.begin() as txn:
         keys = {bytes(k) for k, _ in txn.cursor()}
     wanted = {n.encode() for n in names}
@@ -387,15 +416,17 @@ def _open_dbs(
             raw = txn.get(b"format_version", db=handles["meta"])
             version = None if raw is None else bytes(raw)
         held = any(txn.stat(db)["entries"] for db in handles.values())
+    known = sorted({format_version, *reads})
     if version is not None:
         text = version.decode("ascii", "replace")
-        if not version.isdigit() or int(version) != format_version:
+        if not version.isdigit() or int(version) not in known:
             shown = (
                 text if text.isprintable() and len(text) <= 20 else repr(version[:20])
             )
+            readable = " and ".join(str(v) for v in known)
             raise StoreError(
                 f"{store}: store format version {shown}, this kvstore reads version "
-                f"{format_version}"
+                f"{readable}"
             )
     elif held:
         raise StoreError(
@@ -407,7 +438,7 @@ def _open_dbs(
             # being created): an empty store. Every database reads as LMDB's main one,
             # which holds nothing either.
             main = env.open_db(None, create=False)
-            return {name: main for name in names}
+            return {name: main for name in names}, format_version
         raise StoreError(f"{store}: no kvstore index here (the index is empty)")
     missing = [n for n in names if n not in handles]
     if missing and not readonly:
@@ -423,7 +454,10 @@ def _open_dbs(
                 overwrite=False,
             )
             txn.put(b"created", repr(time.time()).encode(), db=meta, overwrite=False)
-    return handles
+            version = bytes(txn.get(b"format_version", db=meta))
+    if version is None:  # read-only, every database there, no version: refused above
+        raise StoreError(f"{store}: the index records no format version")
+    return handles, int(version)
 
 
 class _Holder:

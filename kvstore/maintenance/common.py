@@ -67,11 +67,7 @@ def opened(
         os.path.join(path, "index"), create=False, readonly=readonly, check=check
     )
     try:
-        blobs = Blobs(
-            os.path.join(path, "blobs"),
-            os.path.join(path, "quarantine"),
-            create=not readonly,
-        )
+        blobs = Blobs.of_store(path, index.format_version, create=not readonly)
         yield index, blobs
     finally:
         index.close()

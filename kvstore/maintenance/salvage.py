@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import xxhash
 
 from ..disk import mdbcheck, storecheck
-from ..disk.blobs import Blobs
+from ..disk.blobs import FANOUT_CHARS, Blobs
 from ..disk.chunking import HASH_BYTES, chain_hash, root_hash
-from ..disk.index import CorruptRecord, Index, NodeRecord
+from ..disk.index import FORMAT_VERSION, READ_FORMATS, CorruptRecord, Index, NodeRecord
 from ..platform.fsutil import fsync_dir, open_regular
 from .common import Key, description_layout
 
@@ -197,7 +197,9 @@ def salvage(path: str, *, check_file: CheckFile) -> Dict[str, Any]:
                 f"{path}: index/data.mdb is damaged and holds nothing recognizable "
                 "as a kvstore index; left as it is"
             )
-        blobs = Blobs(os.path.join(path, "blobs"), os.path.join(path, "quarantine"))
+        # The new index keeps the store's format: its files stay where they are.
+        version = _store_format(found, os.path.join(path, "blobs"))
+        blobs = Blobs.of_store(path, version)
         namespaces = found.records.get("namespaces", {})
         layouts = {}
         for ns, raw in namespaces.items():
@@ -207,7 +209,8 @@ def salvage(path: str, *, check_file: CheckFile) -> Dict[str, Any]:
                 pass
         kept = _choose_nodes(found, blobs, layouts, check_file)
         new_dir = os.path.join(path, SALVAGE_DIR)
-        _build(new_dir, found, kept, {ns: namespaces[ns] for ns in layouts})
+        described = {ns: namespaces[ns] for ns in layouts}
+        _build(new_dir, found, kept, described, format_version=version)
         aside = _swap(path, index_dir, new_dir)
     orphans = _orphan_files(blobs, kept)
     lost = sorted(kept.lost.items())
@@ -228,11 +231,33 @@ def salvage(path: str, *, check_file: CheckFile) -> Dict[str, Any]:
     }
 
 
-def _build(new_dir: str, found: _Found, kept: _Kept, namespaces: Dict) -> None:
-    """Write the kept records into a new index at ``new_dir`` (one commit)."""
+def _store_format(found: _Found, blobs_root: str) -> int:
+    """The damaged store's format version: as its meta database records it, else as
+    its node directories' names show (:data:`kvstore.disk.blobs.FANOUT_CHARS`),
+    else a new store's."""
+    raw = found.records.get("meta", {}).get(b"format_version", b"")
+    if raw.isdigit() and int(raw) in READ_FORMATS:
+        return int(raw)
+    lengths: Dict[int, int] = {}
+    try:
+        for ns in os.listdir(blobs_root):
+            for name in os.listdir(os.path.join(blobs_root, ns)):
+                lengths[len(name)] = lengths.get(len(name), 0) + 1
+    except OSError:
+        pass
+    by_fanout = {chars: v for v, chars in FANOUT_CHARS.items()}
+    seen = [n for n in sorted(lengths, key=lengths.get, reverse=True) if n in by_fanout]
+    return by_fanout[seen[0]] if seen else FORMAT_VERSION
+
+
+def _build(
+    new_dir: str, found: _Found, kept: _Kept, namespaces: Dict, *, format_version: int
+) -> None:
+    """Write the kept records into a new index at ``new_dir`` (one commit) of the
+    store's ``format_version``."""
     if os.path.lexists(new_dir):  # an earlier salvage that did not finish
         _remove_index_dir(new_dir)
-    index = Index(new_dir, create=True)
+    index = Index(new_dir, create=True, format_version=format_version)
     try:
         atimes = found.records.get("atime", {})
 

@@ -57,9 +57,7 @@ def push(
     report = {"namespaces": 0, "nodes": 0, "uploaded": 0, "present": 0}
     report.update({"skipped": 0, "problems": []})
     try:
-        blobs = Blobs(
-            os.path.join(path, "blobs"), os.path.join(path, "quarantine"), create=False
-        )
+        blobs = Blobs.of_store(path, index.format_version, create=False)
         descs = index.read(lambda txn: namespace_descriptions(index, txn))
 
         def records(txn, ns):
