@@ -193,18 +193,28 @@ def test_a_save_waits_for_the_generation_loop_to_rest(tmp_path, model):
         q.close()
 
 
-@pytest.mark.parametrize("why", ["max_defer", "crowded", "flush", "close"])
+def left_ram(why: str):
+    """``in_ram`` of a RAM cache that holds every job's own cache, or none of them
+    (``evicted``), or a longer entry holding their tokens (``replaced``)."""
+    if why == "evicted":
+        return lambda j: None
+    if why == "replaced":
+        return lambda j: list(j.cache)  # another entry: its first tokens are these
+    return lambda j: j.cache
+
+
+@pytest.mark.parametrize("why", ["max_defer", "evicted", "replaced", "flush", "close"])
 def test_a_save_waits_for_rest_only_so_long(tmp_path, model, why):
-    """A busy loop holds a save back no longer than max_defer_s, not at all while
-    mlx-lm's RAM cache is full, and never past a flush or a close."""
+    """A busy loop holds a save back no longer than max_defer_s, not at all once
+    mlx-lm's RAM cache no longer holds the save's own cache (the save alone keeps
+    that memory then), and never past a flush or a close."""
     tokens = random_tokens(100, seed=49)
     counts, loop = Counts(), Loop()
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
         q = SaveQueue(
-            in_ram=lambda j: j.cache,
+            in_ram=left_ram(why),
             count=counts,
             busy=loop.busy,
-            crowded=lambda: why == "crowded",
             max_defer_s=0.3 if why == "max_defer" else 3600,
         )
         q.put(job(store, tokens, compute_cache(model, tokens)))
@@ -225,8 +235,49 @@ def test_a_save_waits_for_rest_only_so_long(tmp_path, model, why):
                 threading.Event().wait(0.05)
         store.flush()
         assert store.lookup(tokens + [1]) == 100
-        assert counts.get("saves_held", 0) == (0 if why == "crowded" else 1)
+        at_once = why in ("evicted", "replaced")
+        assert counts.get("saves_held", 0) == (0 if at_once else 1)
         q.close()
+
+
+def test_a_full_ram_cache_holds_saves_back_until_it_evicts_theirs(
+    tmp_path, model, tokenizer
+):
+    """With mlx-lm's LRU full (2 entries here) and the loop busy, the saves of the
+    entries it holds wait for the loop to rest; the one whose entry the LRU evicts
+    goes ahead (only that save still holds its KV)."""
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer), max_size=2)
+    assert pc.use_threads(Prefetcher())
+    pc.activity.touch()
+    keep_busy = threading.Event()
+
+    def working():
+        while not keep_busy.wait(0.05):
+            pc.activity.touch()
+
+    threading.Thread(target=working, daemon=True).start()
+    store = pc.open_store(KEY)
+    prompts = [random_tokens(60, seed=90 + i) for i in range(3)]
+    for tokens in prompts[:2]:
+        pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt="t")
+    threading.Event().wait(0.4)
+    store.flush()
+    assert pc.saves.queued == 2 and pc.stats()["saves_held"] >= 1
+    assert store.lookup(prompts[0] + [1], salt="t") == 0
+    pc.insert_cache(KEY, prompts[2], compute_cache(model, prompts[2]), salt="t")
+    for _ in range(100):  # the first prompt's entry left: its save goes ahead
+        store.flush()
+        if store.lookup(prompts[0] + [1], salt="t") == 60:
+            break
+        threading.Event().wait(0.05)
+    assert store.lookup(prompts[0] + [1], salt="t") == 60
+    assert pc.saves.queued == 2  # the other two still wait
+    assert store.lookup(prompts[1] + [1], salt="t") == 0
+    keep_busy.set()
+    pc.flush()
+    store.flush()
+    assert all(store.lookup(t + [1], salt="t") == 60 for t in prompts)
+    pc.close()
 
 
 def test_the_batch_path_tells_when_the_loop_works():

@@ -395,7 +395,6 @@ class PersistentPromptCache:
             in_ram=self._save_in_ram,
             count=self.count,
             busy=self._loop_busy,
-            crowded=self._ram_crowded,
         )
         return True
 
@@ -404,13 +403,6 @@ class PersistentPromptCache:
         the store's writer wait while it does. (``kvstore serve`` replaces
         ``activity`` after construction: looked up at each call.)"""
         return self.activity.busy()
-
-    def _ram_crowded(self) -> bool:
-        """Whether mlx-lm's RAM cache is full: its next entry evicts one (maybe the
-        prefix of a save waiting for the generation loop to rest)."""
-        with self._lru_lock:
-            lru = self._lru
-            return len(lru) >= lru.max_size or lru.nbytes >= 0.9 * lru.max_bytes
 
     def _save_in_ram(self, job: SaveJob) -> Optional[List[Any]]:
         """The RAM LRU cache holding the tokens ``job`` saves (a deferred save): its

@@ -14,8 +14,9 @@ captures on a thread of its own:
   :data:`kvstore.serve.timing.REST_S`): its device-to-host copies and the writer's
   work slow the decoding of every stream (with CUDA, a stream decoded at 0.80-0.85x of
   its speed while KV moved to the host beside it). It goes ahead once the loop rests,
-  after :data:`MAX_DEFER_S`, while more than :data:`MAX_HELD` saves wait, when
-  mlx-lm's RAM cache is full (its next entry evicts one, perhaps a waiting save's),
+  after :data:`MAX_DEFER_S`, while more than :data:`MAX_HELD` saves wait, once
+  mlx-lm's RAM cache no longer holds its cache (evicted, or replaced by a longer
+  entry: then the save alone keeps that KV in memory, which mlx-lm no longer counts),
   and at a flush or close; meanwhile later turns of the same conversation merge into
   it;
 * while the writer is full a save waits, and is retried when the writer drains,
@@ -81,7 +82,6 @@ class SaveQueue:
         max_queued: Saves queued at most.
         busy: Whether the generation loop works now (a save waits while it does;
             never, by default).
-        crowded: Whether mlx-lm's RAM cache is full (its next entry evicts one).
         max_defer_s: How long a save waits for the loop to rest at most.
     """
 
@@ -92,14 +92,12 @@ class SaveQueue:
         count: Callable[..., None],
         max_queued: int = MAX_QUEUED,
         busy: Callable[[], bool] = lambda: False,
-        crowded: Callable[[], bool] = lambda: False,
         max_defer_s: float = MAX_DEFER_S,
     ):
         self._in_ram = in_ram
         self._count = count
         self._max_queued = max_queued
         self._busy_loop = busy
-        self._crowded = crowded
         self._max_defer_s = max_defer_s
         self._jobs: Deque[SaveJob] = collections.deque()
         self._held: Optional[SaveJob] = None  # the oldest job, counted as held
@@ -200,7 +198,8 @@ class SaveQueue:
         if time.monotonic() - oldest.queued_at >= self._max_defer_s:
             return False
         try:
-            return self._busy_loop() and not self._crowded()
+            # Checked while the loop works only: a search of the RAM cache's trie.
+            return self._busy_loop() and self._in_ram(oldest) is oldest.cache
         except Exception:
             log.exception("kvstore: cannot tell whether the generation loop rests")
             return False
