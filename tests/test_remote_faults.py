@@ -422,11 +422,13 @@ def test_credentials_revoked_mid_run(
                 assert b.fetch(p)[1] == len(PROMPT)
                 b.save(p, compute_cache(model, p))
             b.flush()
-            b.remote.wait_uploads(5)
+            done = b.remote.wait_uploads(5)
             stats = b.stats()
         finally:
             logging.getLogger("kvstore").removeHandler(handler)
-    assert stats["upload_errors"] + stats["uploads_dropped"] >= 1
+    # No upload got through once the key was gone: each failed, was dropped, or still
+    # waits for the breaker that the fetches' errors may have opened first.
+    assert stats["upload_errors"] + stats["uploads_dropped"] >= 1 or not done
     assert stats["remote_open"] and stats["uploads"] == 3
     # The last error may be a HEAD's: its 403 carries no body, so no error code.
     assert (
