@@ -115,3 +115,20 @@ def test_a_salvage_without_the_version_reads_the_layout_from_the_files(
     assert salvage._store_format(lost_meta, os.path.join(store, "blobs")) == version
     empty = str(tmp_path / "none")
     assert salvage._store_format(lost_meta, empty) == FORMAT_VERSION
+
+
+def test_an_index_created_empty_without_a_version_opens(tmp_path):
+    """Every database there and empty, no format version (a kvstore that crashed
+    while creating the index): it opens as a new index does."""
+    import lmdb
+
+    path = str(tmp_path / "index")
+    env = lmdb.open(path, max_dbs=len(Index.DATABASES), subdir=True)
+    for name in Index.DATABASES:
+        env.open_db(name.encode())
+    env.close()
+    index = Index(path)
+    try:
+        assert index.format_version == FORMAT_VERSION
+    finally:
+        index.close()

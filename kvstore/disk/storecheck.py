@@ -455,9 +455,9 @@ def _open_dbs(
             )
             txn.put(b"created", repr(time.time()).encode(), db=meta, overwrite=False)
             version = bytes(txn.get(b"format_version", db=meta))
-    if version is None:  # read-only, every database there, no version: refused above
-        raise StoreError(f"{store}: the index records no format version")
-    return handles, int(version)
+    # No version only where every database exists and holds nothing (made by a
+    # kvstore that crashed while creating it): opened as before, as a new index.
+    return handles, format_version if version is None else int(version)
 
 
 class _Holder:
