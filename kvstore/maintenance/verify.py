@@ -1,7 +1,8 @@
 """Verification and repair of a store's index records and chunk files (:func:`verify`).
 
-Every pass streams: the index in one read transaction with lookups by key (nothing is
-kept per node), the files in batches of records read in short read transactions, the
+Every pass streams: the index in one read transaction, each table in key order
+(:mod:`.agreement`) and, where they disagree, again with lookups by key to say what
+is wrong (nothing is kept per node), the files in batches of records read in short read transactions, the
 ``blobs/`` directory as it is walked. Memory holds the findings and one entry per
 namespace, whatever the store's size (:mod:`.walk` keeps the index's pages from
 piling up in the process).
@@ -37,6 +38,7 @@ from ..disk.blobs import (
 from ..disk.chunking import HASH_BYTES, chain_hash, root_hash
 from ..disk.index import CorruptRecord, Index, NodeRecord, child_key
 from ..platform.fsutil import NotRegularFile
+from .agreement import index_agrees
 from .common import (
     Key,
     delete_namespace,
@@ -123,8 +125,10 @@ class _Diffs:
 
 
 def _scan_index(index: Index, txn) -> _IndexScan:
-    """Check every record, description, trie edge, access time, pin and counter in
-    one streaming pass (lookups by key, nothing held per node); no file is read.
+    """Check every record, description, trie edge, access time, pin and counter; no
+    file is read. First in scans of each table in key order (:mod:`.agreement`); if
+    they do not agree, in one streaming pass that looks up each node's parent, edge,
+    access time and pin and says what is wrong (nothing is held per node).
 
     Trie edges, access times, pins and counters are compared with the records
     except in namespaces with corrupt records or unusable descriptions (their own
@@ -144,6 +148,13 @@ def _scan_index(index: Index, txn) -> _IndexScan:
                 )
             )
     scan = _IndexScan(descs, layouts, findings, [])
+    agreed = index_agrees(index, txn)
+    if agreed is not None and set(agreed.sums) <= set(descs):
+        # Healthy tables (the usual case): only the counters are left to compare.
+        scan.nodes, scan.namespaces = agreed.nodes, set(agreed.sums)
+        skip = {ns for ns in descs if ns not in layouts}
+        scan.diffs = _counter_diffs(index, txn, agreed.sums, skip)
+        return scan
     counts: Dict[bytes, int] = {}
     sums: Dict[bytes, List[int]] = {}
     skip: Set[bytes] = set()  # namespaces whose records cannot all be compared
