@@ -19,10 +19,10 @@ from mlx_lm.models.cache import KVCache
 
 from kvstore import KVStore, maintenance
 from kvstore.bench.models import tiny_model
-from kvstore.disk.index import Index
+from kvstore.disk.index import Index, NodeRecord
 from kvstore.disk.policy import disk_victims
 from kvstore.engine.ram import RamEntry, RamTier
-from kvstore.maintenance import common, lru
+from kvstore.maintenance import common, duetable, lru
 from kvstore.platform import fsutil, memutil
 
 pytestmark = pytest.mark.stress
@@ -142,12 +142,26 @@ def small_bounds(monkeypatch):
     monkeypatch.setattr(verify_module, "_FILE_BATCH", 128)
     monkeypatch.setattr(verify_module, "_ORPHAN_BATCH", 128)
     monkeypatch.setattr(common, "_RELEASE_BATCH", 128)
+    monkeypatch.setattr(duetable, "_SCAN_BATCH", 128)
 
 
-def test_maintenance_memory_does_not_grow_with_the_store(stores, small_bounds):
+@pytest.fixture(params=["table", "walks"])
+def eviction(request, monkeypatch):
+    """Eviction from a table of every node, or (a store too large for its budget)
+    from walks of the trie."""
+    if request.param == "walks":
+        monkeypatch.setattr(duetable, "TABLE_BYTES", 0)
+    return request.param
+
+
+def test_maintenance_memory_does_not_grow_with_the_store(
+    stores, small_bounds, monkeypatch
+):
     """Each command's peak at 2N nodes stays within a bound of its peak at N: at most
     128 bytes per extra node (the walks' paths and batches; holding each record
-    once took ~3 KB a node, a table of every node for eviction ~400 bytes)."""
+    once took ~3 KB a node, a table of every node for eviction ~400 bytes). gc
+    walks the trie here, as it does for a store too large for an eviction table."""
+    monkeypatch.setattr(duetable, "TABLE_BYTES", 0)
     peaks = {}
     for n, (path, nbytes) in stores.items():
         peaks[n] = {
@@ -219,14 +233,14 @@ def test_scans_release_the_index_pages(tmp_path):
 
 
 @pytest.mark.parametrize("lost_atimes", [0, 5])
-def test_walked_eviction_takes_what_the_in_memory_order_takes(
-    stores, tmp_path, lost_atimes
+def test_eviction_takes_what_the_in_memory_order_takes(
+    stores, tmp_path, lost_atimes, small_bounds, eviction
 ):
-    """:func:`evict_to_budget` (trie walks, bounded memory) evicts the very nodes
-    :func:`kvstore.policy.disk_victims` picks from the whole store in memory, with
-    random access times and some pinned nodes; also when some nodes lost their
-    access time (due at 0: outside the window the stored times give the first
-    walk, which then walks again)."""
+    """:func:`evict_to_budget` (from a table of every node, or from trie walks in
+    bounded memory) evicts the very nodes :func:`kvstore.policy.disk_victims` picks
+    from the whole store's records, with random access times and some pinned nodes;
+    also when some nodes lost their access time (due at 0: outside the window the
+    stored times give the first walk, which then walks again)."""
     path = str(tmp_path / "s")
     total = _fill(path, N, seed=7)
     index = Index(os.path.join(path, "index"), create=False)
@@ -259,3 +273,54 @@ def test_walked_eviction_takes_what_the_in_memory_order_takes(
     assert set(got) == set(want) and done.nodes == len(want) > 50
     kinds = {p["kind"] for p in maintenance.verify(path)["problems"]}
     assert kinds <= ({"index"} if lost_atimes else set()), kinds
+
+
+def test_an_eviction_table_takes_the_memory_it_is_budgeted(stores, small_bounds):
+    """A table of N nodes peaks within its stated bytes a node (with room for the
+    arrays' growth), so :func:`duetable.fits` keeps it under its budget."""
+    path, _ = stores[2 * N]
+    index = Index(os.path.join(path, "index"), create=False)
+    try:
+        nodes = index.read(lambda txn: len(list(index.iter_nodes(txn))))
+        peak = peak_python_bytes(lambda: duetable.DueTable(index, lift=None))
+    finally:
+        index.close()
+    per_node = duetable.BYTES_PER_NODE + duetable.HASH_BYTES
+    assert peak <= 2 * per_node * nodes + (64 << 10), (peak, nodes)
+
+
+def test_eviction_among_equal_access_times_stops_once_the_excess_is_met(
+    tmp_path, small_bounds, eviction
+):
+    """Every node accessed at the same moment (one tie): the eviction takes leaves
+    first until the excess is met, and not a node more."""
+    path = str(tmp_path / "s")
+    total = _fill(path, N // 2, seed=11)
+    index = Index(os.path.join(path, "index"), create=False)
+    try:
+
+        def same_time(txn):
+            keys = [bytes(k) for k, _ in txn.cursor(db=index.db["atime"])]
+            for k in keys:
+                txn.put(k, struct.pack("<d", 1.5e9), db=index.db["atime"])
+
+        index.write(same_time)
+        largest = max(
+            r.total_bytes
+            for r in index.read(
+                lambda txn: [
+                    NodeRecord.decode(raw) for _, _, raw in index.iter_nodes(txn)
+                ]
+            )
+        )
+        budget = total // 2
+        blobs = maintenance.common.Blobs(
+            os.path.join(path, "blobs"), os.path.join(path, "quarantine")
+        )
+        done = common.evict_to_budget(index, blobs, budget)
+        after = index.total_bytes()
+    finally:
+        index.close()
+    assert after <= budget < after + largest, (after, budget, largest)
+    assert done.bytes == total - after
+    assert maintenance.verify(path)["clean"]

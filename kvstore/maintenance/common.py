@@ -30,7 +30,7 @@ from ..disk.policy import DiskNode, disk_victims
 from ..disk.publish import temp_writer
 from ..disk.salts import GROUP_PREFIX
 from ..disk.storecheck import check_store_dirs
-from . import lru
+from . import duetable, lru
 from .walk import PageShedder
 
 Key = Tuple[bytes, bytes]  # (namespace, node hash)
@@ -390,9 +390,8 @@ def evict_to_budget(
         lift = (
             index.read(lambda txn: lru.pinned_lift(index, txn)) if pinned_last else None
         )
-        cut = lru.threshold(index, result.excess, lift=lift)
         evicted, shed = 0, PageShedder(index)
-        for batch in lru.victims(index, cut, lift=lift, sizes=_batch_sizes()):
+        for batch in _victims(index, result.excess, lift):
 
             def evict(txn, batch=batch):
                 gone = []
@@ -424,6 +423,17 @@ def evict_to_budget(
         if not evicted:  # another process changed the tree under us: stop here
             result.excess = max(0, index.total_bytes() - max_bytes)
             return result
+
+
+def _victims(index: Index, excess: int, lift: Optional[float]) -> Iterator[List[Key]]:
+    """The leaf-first LRU victims for ``excess`` bytes, in lists of growing size: from
+    a table of every node where it fits its memory budget (one scan in key order),
+    else from walks of the trie (bounded memory, random pages)."""
+    if index.read(lambda txn: duetable.fits(index, txn)):
+        table = duetable.DueTable(index, lift=lift)
+        return table.victims(table.cut(excess), sizes=_batch_sizes())
+    cut = lru.threshold(index, excess, lift=lift)
+    return lru.victims(index, cut, lift=lift, sizes=_batch_sizes())
 
 
 def _batch_sizes() -> Iterator[int]:
