@@ -611,21 +611,30 @@ def test_disk_budget_is_recorded_and_used_by_gc(tmp_path, model):
     assert m.disk_budget(path) is None
 
 
-def test_release_files_keeps_the_file_of_a_re_added_node(store):
+@pytest.mark.parametrize("deletion_known", [False, True])
+def test_release_files_keeps_the_file_of_a_re_added_node(store, deletion_known):
+    """Also when told which commit deleted the node: another commit came since."""
     ns, h = store.ns, store.a[4]
     index = Index(os.path.join(store.path, "index"), create=False)
     try:
         blobs = Blobs(
             os.path.join(store.path, "blobs"), os.path.join(store.path, "quarantine")
         )
-        rec = index.write(lambda txn: index.delete_node(txn, ns, h))
+        deleted_in = []
+
+        def delete(txn):
+            deleted_in[:] = [txn.id()] if deletion_known else [None]
+            return index.delete_node(txn, ns, h)
+
+        rec = index.write(delete)
         index.write(
             lambda txn: index.put_node(txn, ns, h, rec)
         )  # another process re-adds it
-        assert m.release_files(index, blobs, [(ns, h)]).unlinked == 0
+        got = m.release_files(index, blobs, [(ns, h)], deleted_in=deleted_in[0])
+        assert got.unlinked == 0
         assert os.path.exists(blobs.path(ns, h))
-        index.write(lambda txn: index.delete_node(txn, ns, h))
-        released = m.release_files(index, blobs, [(ns, h)])
+        index.write(delete)
+        released = m.release_files(index, blobs, [(ns, h)], deleted_in=deleted_in[0])
         assert (released.unlinked, released.bytes) == (1, rec.nbytes)
         assert not os.path.exists(blobs.path(ns, h))
     finally:

@@ -176,12 +176,14 @@ def release_files(
     keys: Iterable[Key],
     *,
     quarantine: Optional[Mapping[Key, str]] = None,
+    deleted_in: Optional[int] = None,
 ) -> Released:
     """Second step of a deletion: unlink (or quarantine) the files of deleted nodes.
 
     Runs write transactions (holding LMDB's writer lock) that re-check each node is
     still absent from the index, so a node another process re-added meanwhile keeps its
-    file.
+    file; no re-check while no transaction has committed since the one that deleted
+    them (``deleted_in``): nothing can have been re-added.
 
     Args:
         index: The store's index.
@@ -189,6 +191,7 @@ def release_files(
         keys: ``(namespace, hash)`` of nodes already deleted from the index.
         quarantine: For the nodes whose file is broken: the reason, and the file is
             moved to the quarantine directory instead of being unlinked.
+        deleted_in: The id of the write transaction that deleted them, if known.
 
     Returns:
         Counts of what was unlinked and where quarantined files went.
@@ -201,10 +204,13 @@ def release_files(
 
         def release(txn):
             done = Released()
+            # A write transaction's id is the last commit's plus one.
+            unchanged = deleted_in is not None and txn.id() == deleted_in + 1
             for ns, h in batch:
-                shed.tick()  # each lookup maps pages all over the index
-                if txn.get(ns + h, db=index.db["nodes"]) is not None:
-                    continue  # re-added meanwhile: the file is its again
+                if not unchanged:
+                    shed.tick()  # each lookup maps pages all over the index
+                    if txn.get(ns + h, db=index.db["nodes"]) is not None:
+                        continue  # re-added meanwhile: the file is its again
                 size = blobs.size(ns, h)
                 if size is None:
                     continue
@@ -390,10 +396,11 @@ def evict_to_budget(
         lift = (
             index.read(lambda txn: lru.pinned_lift(index, txn)) if pinned_last else None
         )
-        evicted, shed = 0, PageShedder(index)
+        evicted, shed, committed = 0, PageShedder(index), [None]
         for batch in _victims(index, result.excess, lift):
 
             def evict(txn, batch=batch):
+                committed[0] = txn.id()
                 gone = []
                 for ns, h in batch:
                     shed.tick()
@@ -412,7 +419,7 @@ def evict_to_budget(
 
             gone = index.write(evict, frees=True)
             keys = [key for key, _ in gone]
-            released = release_files(index, blobs, keys)
+            released = release_files(index, blobs, keys, deleted_in=committed[0])
             result.unremovable += released.failed
             result.nodes += len(gone)
             result.bytes += sum(rec.total_bytes for _, rec in gone)
