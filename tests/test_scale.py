@@ -282,11 +282,12 @@ def test_an_eviction_table_takes_the_memory_it_is_budgeted(stores, small_bounds)
     index = Index(os.path.join(path, "index"), create=False)
     try:
         nodes = index.read(lambda txn: len(list(index.iter_nodes(txn))))
-        peak = peak_python_bytes(lambda: duetable.DueTable(index, lift=None))
+        peak = peak_python_bytes(
+            lambda: duetable.DueTable(index, lift=None, rows=nodes).cut(1)
+        )
     finally:
         index.close()
-    per_node = duetable.BYTES_PER_NODE + duetable.HASH_BYTES
-    assert peak <= 2 * per_node * nodes + (64 << 10), (peak, nodes)
+    assert peak <= duetable.BYTES_PER_NODE * nodes + (64 << 10), (peak, nodes)
 
 
 def test_eviction_among_equal_access_times_stops_once_the_excess_is_met(

@@ -26,7 +26,7 @@ import xxhash
 
 from ..disk.chunking import HASH_BYTES, chain_hash
 from ..disk.index import CorruptRecord, Index, NodeRecord, child_key
-from .walk import PageShedder
+from .walk import SEQUENTIAL_BYTES, PageShedder
 
 _MASK = (1 << 128) - 1
 _AT = struct.Struct("<Q")  # a token position, appended to an edge key
@@ -66,7 +66,7 @@ def index_agrees(index: Index, txn) -> Optional[Agreed]:
     """The record sums if every node record decodes, has the id its parent and tokens
     hash to, and agrees with the trie edges, access times and pins (see the module's
     docstring); None if anything does not (the exact checks then find what)."""
-    shed = PageShedder(index)
+    shed = PageShedder(index, budget=SEQUENTIAL_BYTES)
     want = {"edges": Digest(), "atime": Digest(), "pins": Digest()}
     agreed = Agreed()
     for ns, h, raw in index.iter_nodes(txn):

@@ -436,8 +436,9 @@ def _victims(index: Index, excess: int, lift: Optional[float]) -> Iterator[List[
     """The leaf-first LRU victims for ``excess`` bytes, in lists of growing size: from
     a table of every node where it fits its memory budget (one scan in key order),
     else from walks of the trie (bounded memory, random pages)."""
-    if index.read(lambda txn: duetable.fits(index, txn)):
-        table = duetable.DueTable(index, lift=lift)
+    rows = index.read(lambda txn: duetable.table_rows(index, txn))
+    if rows is not None:
+        table = duetable.DueTable(index, lift=lift, rows=rows)
         return table.victims(table.cut(excess), sizes=_batch_sizes())
     cut = lru.threshold(index, excess, lift=lift)
     return lru.victims(index, cut, lift=lift, sizes=_batch_sizes())

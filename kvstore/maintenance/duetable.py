@@ -6,13 +6,12 @@ many times what a scan keeps mapped, so nearly every lookup faults (three walks 
 million nodes took 234 + 123 s here, against 11 + 6 s for 100,000). A
 :class:`DueTable` reads the nodes and their access times once, in key order, into
 arrays of :data:`BYTES_PER_NODE` bytes a node, and finds the same :class:`~.lru.Cut`
-and victims there (up to ties). :func:`fits` says when a store is small enough for one;
-larger stores are walked.
+and victims there (up to ties). :func:`table_rows` says when a store is small enough for
+one; larger stores are walked.
 """
 
 import math
 import struct
-from array import array
 from typing import Iterator, List, Optional
 
 import numpy as np
@@ -20,26 +19,25 @@ import numpy as np
 from ..disk.chunking import HASH_BYTES
 from ..disk.index import CorruptRecord, Index, NodeRecord
 from .lru import Cut, Key
-from .walk import PageShedder
+from .walk import SEQUENTIAL_BYTES, PageShedder
 
-KEY = 2 * HASH_BYTES  # a node's key: namespace, hash
-# Kept a node: its key, its parent's row, start, bytes, due time and a flag; the
-# parents' hashes (16 bytes) only while rows are linked.
-BYTES_PER_NODE = KEY + 4 + 4 + 8 + 8 + 1
+# Bytes a node: its hash, namespace, parent's row, start, place in the order, bytes and
+# due time; the parent's hash while rows are linked, and the cut's sorting.
+BYTES_PER_NODE = HASH_BYTES + 4 + 4 + 4 + 4 + 8 + 8 + HASH_BYTES + 16
 TABLE_BYTES = 96 << 20  # the most a table may take: about 1.3M nodes
 _SCAN_BATCH = 4096  # nodes read per read transaction (writers reuse pages between)
 _ATIME = struct.Struct("<d")
 
 
-def fits(index: Index, txn) -> bool:
-    """Whether a table of the store's nodes (the counters' count) fits in
-    :data:`TABLE_BYTES`."""
+def table_rows(index: Index, txn) -> Optional[int]:
+    """The store's node count (its counters') if a table of them fits in
+    :data:`TABLE_BYTES`, else None."""
     nodes = sum(
         Index.COUNTERS.unpack(bytes(v))[0]
         for _, v in txn.cursor(db=index.db["counters"])
         if len(v) == Index.COUNTERS.size
     )
-    return nodes * (BYTES_PER_NODE + HASH_BYTES) <= TABLE_BYTES
+    return nodes if nodes * BYTES_PER_NODE <= TABLE_BYTES else None
 
 
 class DueTable:
@@ -50,78 +48,98 @@ class DueTable:
         index: The store's index.
         lift: Added to pinned nodes' access times (:func:`~.lru.pinned_lift`); None:
             pinned nodes never go.
+        rows: The nodes expected (:func:`table_rows`); the arrays grow if more come.
     """
 
-    def __init__(self, index: Index, *, lift: Optional[float]):
-        keys, parents = bytearray(), bytearray()
-        start, nbytes, due = array("i"), array("q"), array("d")
-        shed, after = PageShedder(index), b""
-        while True:
+    def __init__(self, index: Index, *, lift: Optional[float], rows: int = 0):
+        self.namespaces: List[bytes] = []
+        self._columns(max(rows, 1))
+        self.rows, shed, after = 0, PageShedder(index, budget=SEQUENTIAL_BYTES), b""
+        while after is not None:
             after = index.read(
-                lambda txn, after=after: self._scan(
-                    index, txn, after, lift, shed, (keys, parents, start, nbytes, due)
-                )
+                lambda txn, after=after: self._scan(index, txn, after, lift, shed)
             )
-            if after is None:
-                break
         index.release_pages()
-        self.keys = np.frombuffer(keys, dtype=f"S{KEY}")
-        self.start = np.frombuffer(start, dtype=np.int32)
-        self.nbytes = np.frombuffer(nbytes, dtype=np.int64)
-        self.due = np.frombuffer(due, dtype=np.float64).copy()
-        self.parent = self._link(np.frombuffer(parents, dtype=f"S{HASH_BYTES}"))
+        for name in ("h", "ns", "start", "nbytes", "due", "parents"):
+            setattr(self, name, getattr(self, name)[: self.rows])
+        self.parent = self._link()
+        del self.parents
         # Children before parents: a child starts where its parent ends.
         self.order = np.argsort(-self.start, kind="stable").astype(np.int32)
         self._propagate()
 
-    @staticmethod
-    def _scan(index, txn, after: bytes, lift, shed, out) -> Optional[bytes]:
-        """Append the next :data:`_SCAN_BATCH` nodes; the key to go on after, None at
-        the end."""
-        keys, parents, start, nbytes, due = out
+    def _columns(self, n: int) -> None:
+        """Room for ``n`` rows (the rows so far kept)."""
+        kinds = {
+            "h": f"S{HASH_BYTES}",
+            "ns": np.uint32,
+            "start": np.int32,
+            "nbytes": np.int64,
+            "due": np.float64,
+            "parents": f"S{HASH_BYTES}",
+        }
+        for name, dtype in kinds.items():
+            new = np.empty(n, dtype=dtype)
+            if hasattr(self, name):
+                old = getattr(self, name)
+                new[: len(old)] = old
+            setattr(self, name, new)
+
+    def _scan(self, index, txn, after: bytes, lift, shed) -> Optional[bytes]:
+        """Add the next :data:`_SCAN_BATCH` nodes; the key to go on after, None at the
+        end."""
         cur = txn.cursor(db=index.db["nodes"])
-        atimes, last, n = index.db["atime"], None, 0
+        atimes, batch, last = index.db["atime"], [], None
         if not index.cover(txn, "nodes") or not cur.set_range(after):
             return None
         for k, v in cur:
             shed.tick()
-            if len(k) != KEY:
+            last = k = bytes(k)
+            if len(k) != 2 * HASH_BYTES:
                 continue  # not a node key: verify reports it
-            k = bytes(k)
             try:
                 rec = NodeRecord.decode(bytes(v))
                 raw = txn.get(k, db=atimes)  # keyed as the nodes: pages in order
                 when = _ATIME.unpack(raw)[0] if raw and len(raw) == 8 else 0.0
                 if rec.pinned:
                     when = math.inf if lift is None else when + lift
-                parent, size = rec.parent, rec.total_bytes
+                row = (rec.parent, rec.start, rec.total_bytes, when)
             except CorruptRecord:  # never due; its parent keeps the edge to it
-                parent, size, when, rec = bytes(HASH_BYTES), 0, math.inf, None
-            keys += k
-            parents += parent
-            start.append(rec.start if rec is not None else 0)
-            nbytes.append(size)
-            due.append(when)
-            last, n = k, n + 1
-            if n >= _SCAN_BATCH:
-                return last + b"\0"
-        return None
+                row = (bytes(HASH_BYTES), 0, 0, math.inf)
+            ns = k[:HASH_BYTES]
+            if not self.namespaces or self.namespaces[-1] != ns:
+                self.namespaces.append(ns)  # the keys are sorted: one run each
+            batch.append((k[HASH_BYTES:], len(self.namespaces) - 1) + row)
+            if len(batch) >= _SCAN_BATCH:
+                break
+        self._add(batch)
+        return last + b"\0" if len(batch) >= _SCAN_BATCH else None
 
-    def _link(self, parents: np.ndarray) -> np.ndarray:
+    def _add(self, batch: list) -> None:
+        if not batch:
+            return
+        lo, hi = self.rows, self.rows + len(batch)
+        if hi > len(self.h):
+            self._columns(max(2 * len(self.h), hi))
+        h, ns, parents, start, nbytes, due = zip(*batch)
+        self.h[lo:hi], self.ns[lo:hi], self.parents[lo:hi] = h, ns, parents
+        self.start[lo:hi], self.nbytes[lo:hi], self.due[lo:hi] = start, nbytes, due
+        self.rows = hi
+
+    def _link(self) -> np.ndarray:
         """Each row's parent row (-1: the parent is not a node), namespace by
         namespace: the keys are sorted, so each namespace's hashes are too."""
-        out = np.full(len(self.keys), -1, dtype=np.int32)
-        pairs = self.keys.view([("ns", f"S{HASH_BYTES}"), ("h", f"S{HASH_BYTES}")])
-        ns = pairs["ns"]
-        bounds = np.flatnonzero(ns[1:] != ns[:-1]) + 1
-        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(ns)]):
-            if lo == hi:
-                continue  # no nodes at all
-            hashes = np.ascontiguousarray(pairs["h"][lo:hi])
-            want = parents[lo:hi]
-            at = np.searchsorted(hashes, want).clip(max=hi - lo - 1)
-            found = hashes[at] == want
-            out[lo:hi][found] = (at + lo)[found]
+        out = np.full(self.rows, -1, dtype=np.int32)
+        bounds = np.flatnonzero(self.ns[1:] != self.ns[:-1]) + 1
+        step = 1 << 16  # parents looked up at once: small temporaries
+        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, self.rows]):
+            hashes = self.h[lo:hi]
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                want = self.parents[a:b]
+                at = np.searchsorted(hashes, want).clip(max=hi - lo - 1)
+                found = hashes[at] == want
+                out[a:b][found] = (at + lo)[found]
         return out
 
     def _propagate(self) -> None:
@@ -137,21 +155,23 @@ class DueTable:
 
     def cut(self, excess: int) -> Cut:
         """The :class:`~.lru.Cut` evicting ``excess`` bytes, as :func:`~.lru.threshold`
-        finds it (ties in another order)."""
-        may = np.isfinite(self.due)
-        when, size = self.due[may], self.nbytes[may]
-        order = np.lexsort((size, when))
-        when, total = when[order], np.cumsum(size[order])
-        i = int(np.searchsorted(total, excess))  # first reaching the excess
-        if i == len(total):
+        finds it (ties in another order: the cut does not depend on it)."""
+        order = np.argsort(self.due, kind="stable")  # never due: last
+        may = int(np.isfinite(self.due).sum())
+        total = np.cumsum(self.nbytes[order[:may]])
+        i = int(np.searchsorted(total, excess))  # the first to reach the excess
+        if i == may:
             return Cut(math.inf, 0)
-        first = int(np.searchsorted(when, when[i]))  # the first of its ties
-        before = int(total[first] - size[order][first])
-        return Cut(float(when[i]), excess - before)
+        when = self.due[order[i]]
+        first = int(np.searchsorted(self.due[order[:may]], when))  # its first tie
+        before = int(total[first] - self.nbytes[order[first]])
+        return Cut(float(when), excess - before)
 
     def victims(self, cut: Cut, *, sizes: Iterator[int]) -> Iterator[List[Key]]:
         """Lists of nodes to evict for ``cut`` (each at most the next of ``sizes``
-        long), children before their parents, as :func:`~.lru.victims` gives them."""
+        long), children before their parents, as :func:`~.lru.victims` gives them.
+        This spends the table: only the victims' keys are kept while the caller
+        deletes them (its commits need the memory)."""
         due, order = self.due, self.order
         go = np.isfinite(due) & (due < cut.due)
         tied = order[due[order] == cut.due] if math.isfinite(cut.due) else order[:0]
@@ -166,13 +186,17 @@ class DueTable:
                 elif self.parent[row] >= 0:
                     blocked.add(int(self.parent[row]))
         chosen = order[go[order]]
+        hashes, spaces = self.h[chosen], self.ns[chosen]
+        del due, order, go, tied, chosen
+        for name in ("h", "ns", "start", "nbytes", "due", "parent", "order"):
+            setattr(self, name, None)
         at = 0
-        while at < len(chosen):
+        while at < len(hashes):
             n = next(sizes)
             yield [
-                (k[:HASH_BYTES], k[HASH_BYTES:])
-                for k in (
-                    self.keys[row].ljust(KEY, b"\0") for row in chosen[at : at + n]
+                (self.namespaces[ns], h.ljust(HASH_BYTES, b"\0"))
+                for h, ns in zip(
+                    hashes[at : at + n].tolist(), spaces[at : at + n].tolist()
                 )
             ]
             at += n
