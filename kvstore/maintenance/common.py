@@ -396,7 +396,9 @@ def evict_to_budget(
         lift = (
             index.read(lambda txn: lru.pinned_lift(index, txn)) if pinned_last else None
         )
-        evicted, shed, committed = 0, PageShedder(index), [None]
+        # A deletion (~0.3 ms at a million nodes) maps ~6 random stretches of the
+        # index: a look every 16 keeps the pages over budget few, for ~0.4% of that.
+        evicted, shed, committed = 0, PageShedder(index, every=16), [None]
         for batch in _victims(index, result.excess, lift):
 
             def evict(txn, batch=batch):
