@@ -89,6 +89,12 @@ class NodeRecord:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
+    @property
+    def counts(self) -> Tuple[int, int, int, int]:
+        """What the node adds to its namespace's counters (:attr:`Index.COUNTERS`):
+        nodes, tokens, bytes, pinned bytes."""
+        return 1, self.ntokens, self.total_bytes, self.total_bytes * self.pinned
+
     def same_files(self, other: "NodeRecord") -> bool:
         """Whether ``other`` records the same node files (a pin or kind change keeps
         them; a node evicted and saved again has another record)."""
@@ -726,13 +732,8 @@ class Index:
         return self.COUNTERS.unpack(raw) if raw else (0, 0, 0, 0)
 
     def _add_counters(self, txn, ns: bytes, rec: NodeRecord, sign: int):
-        nodes, tokens, nbytes, pinned = self.counters(ns, txn)
-        new = (
-            nodes + sign,
-            tokens + sign * rec.ntokens,
-            nbytes + sign * rec.total_bytes,
-            pinned + sign * rec.total_bytes * rec.pinned,
-        )
+        have = self.counters(ns, txn)
+        new = [n + sign * d for n, d in zip(have, rec.counts)]
         txn.put(ns, self.COUNTERS.pack(*new), db=self.db["counters"])
 
     # -- nodes -----------------------------------------------------------------

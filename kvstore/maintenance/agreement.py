@@ -87,10 +87,7 @@ def index_agrees(index: Index, txn) -> Optional[Agreed]:
             want["pins"].add(ns + h)
         agreed.nodes += 1
         s = agreed.sums.setdefault(ns, [0, 0, 0, 0])
-        s[0] += 1
-        s[1] += rec.ntokens
-        s[2] += rec.total_bytes
-        s[3] += rec.total_bytes * rec.pinned
+        s[:] = [n + d for n, d in zip(s, rec.counts)]
     have = {
         "edges": _edges(index, txn, shed),
         "atime": _keys(index, txn, "atime", shed, value_bytes=8),

@@ -2,8 +2,8 @@
 
 Every pass streams: the index in one read transaction, each table in key order
 (:mod:`.agreement`) and, where they disagree, again with lookups by key to say what
-is wrong (nothing is kept per node), the files in batches of records read in short read transactions, the
-``blobs/`` directory as it is walked. Memory holds the findings and one entry per
+is wrong (nothing is kept per node), the files in batches of records read in short
+read transactions, the ``blobs/`` directory as it is walked. Memory holds the findings and one entry per
 namespace, whatever the store's size (:mod:`.walk` keeps the index's pages from
 piling up in the process).
 """
@@ -189,10 +189,7 @@ def _scan_index(index: Index, txn) -> _IndexScan:
             findings.append(finding)
         _node_diffs(index, txn, ns, h, rec, diffs)
         s = sums.setdefault(ns, [0, 0, 0, 0])
-        s[0] += 1
-        s[1] += rec.ntokens
-        s[2] += rec.total_bytes
-        s[3] += rec.total_bytes * rec.pinned
+        s[:] = [n + d for n, d in zip(s, rec.counts)]
     for ns in sorted(set(counts) - set(descs)):
         detail = f"{counts[ns]} nodes but no namespace description"
         findings.append(
