@@ -364,6 +364,7 @@ def test_pin_and_unpin_by_text_and_file(tmp_path, tiny_model_dir):
     assert kvstore("pin", *common).returncode == 2  # nothing to pin: a clear error
 
 
+@pytest.mark.stress  # the slow tier: keeps the README's test command short
 def test_prefill_disk_budget_is_kept_by_later_runs(tmp_path, tiny_model_dir):
     """--disk-bytes holds the store to a budget, and a later prefill without it keeps
     the budget the store recorded; a bad size is a clear error."""

@@ -167,6 +167,57 @@ def test_open_regular_beneath_follows_no_link(tmp_path):
         fsutil.open_regular_beneath(str(tmp_path / "root"), ["a", "none"])
 
 
+def _read_all(fd):
+    try:
+        return os.read(fd, 100)
+    finally:
+        os.close(fd)
+
+
+def test_dirs_beneath_opens_each_directory_once(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    for d in ("a/x", "a/y", "b/x"):
+        (root / d).mkdir(parents=True)
+        for name in ("f", "g"):
+            (root / d / name).write_bytes(f"{d}/{name}".encode())
+    opens = []
+    real_open = os.open
+    monkeypatch.setattr(
+        os, "open", lambda p, *a, **k: opens.append(p) or real_open(p, *a, **k)
+    )
+    order = [["a", "x", "f"], ["a", "x", "g"], ["a", "y", "f"], ["b", "x", "g"]]
+    with fsutil.DirsBeneath(str(root)) as dirs:
+        got = [_read_all(dirs.open(parts)) for parts in order]
+        assert len(dirs._fds) == 3  # root, b, x kept
+    assert got == [b"a/x/f", b"a/x/g", b"a/y/f", b"b/x/g"]
+    # root, a, x, f, g; then y, f; then b, x, g: 10 opens, not 4 per file
+    assert len(opens) == 10
+    assert dirs._fds == [] and dirs._names == []
+
+
+def test_dirs_beneath_looks_again_through_a_replaced_directory(tmp_path):
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "f").write_bytes(b"old")
+    with fsutil.DirsBeneath(str(root)) as dirs:
+        assert _read_all(dirs.open(["a", "f"])) == b"old"
+        os.unlink(root / "a" / "f")
+        os.rmdir(root / "a")  # the kept descriptor now names a removed directory
+        (root / "a").mkdir()
+        (root / "a" / "g").write_bytes(b"new")
+        assert _read_all(dirs.open(["a", "g"])) == b"new"
+        with pytest.raises(FileNotFoundError):
+            dirs.open(["a", "none"])
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "f").write_bytes(b"out")
+        os.symlink(tmp_path / "out", root / "b")
+        with pytest.raises(fsutil.NotRegularFile, match="not a directory"):
+            dirs.open(["b", "f"])
+        os.symlink(tmp_path / "out" / "f", root / "a" / "link")
+        with pytest.raises(fsutil.NotRegularFile, match="symbolic link"):
+            dirs.open(["a", "link"])
+
+
 def test_makedirs_modes_ignore_a_permissive_umask(tmp_path):
     old = os.umask(0)
     try:

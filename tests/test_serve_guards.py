@@ -140,6 +140,7 @@ def test_no_request_ends_the_generation_thread(tmp_path, tiny_model_dir):
     assert maintenance.verify(store)["clean"]
 
 
+@pytest.mark.stress  # the slow tier: keeps the README's test command short
 def test_prefill_tenant_and_plain_salts_meet_serve(tmp_path, tiny_model_dir):
     store = str(tmp_path / "store")
     first, second = chat("w60 w61"), chat("w70 w71")
@@ -181,6 +182,7 @@ def _salted_bytes(store):
     return sum(t["bytes"] for t in ns["salted_trees"])
 
 
+@pytest.mark.stress  # the slow tier: keeps the README's test command short
 def test_a_tenants_cache_salts_share_its_quota(tmp_path, tiny_model_dir):
     # How many bytes one conversation stores, on a probe server.
     probe = str(tmp_path / "probe")

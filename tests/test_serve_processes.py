@@ -137,6 +137,7 @@ def test_real_model_restart_reuses_system_prompt(tmp_path, smollm2_dir):
 # -- 2. one store, a prefill process and two servers ---------------------------------
 
 
+@pytest.mark.stress  # the slow tier: keeps the README's test command short
 def test_prefill_while_two_servers_share_the_store(tmp_path, tiny_model_dir, tokenizer):
     store = str(tmp_path / "store")
     prompts = write_prompts(tmp_path / "p.jsonl", SYSTEM, "w40 w41 w42")
@@ -173,6 +174,7 @@ def test_prefill_while_two_servers_share_the_store(tmp_path, tiny_model_dir, tok
 # -- 3. a store holding another model's prefixes ---------------------------------------
 
 
+@pytest.mark.stress  # the slow tier: keeps the README's test command short
 def test_store_of_another_model(tmp_path, tiny_model_dir):
     store = str(tmp_path / "store")
     prompts = write_prompts(tmp_path / "p.jsonl", SYSTEM, "w40 w41 w42")

@@ -207,6 +207,7 @@ def llama4_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.stress  # the slow tier: keeps the README's test command short
 def test_sequential_path_clients_across_restart(tmp_path, llama4_dir):
     """4 clients at once, then each client's next turn after a restart: the turn's
     prefix (the first turn and its answer) comes from the checkpoint of its own salt."""

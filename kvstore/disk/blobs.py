@@ -416,14 +416,31 @@ class Blobs:
             return False
         return True
 
-    def open_file(self, ns: bytes, h: bytes, part: str = DELTA_PART) -> int:
+    def open_file(
+        self,
+        ns: bytes,
+        h: bytes,
+        part: str = DELTA_PART,
+        *,
+        dirs: Optional[fsutil.DirsBeneath] = None,
+    ) -> int:
         """Open node ``h``'s file (delta or state ``part``) to read: a descriptor.
+
+        Args:
+            dirs: Directory descriptors kept from :meth:`dirs` (for many files
+                opened in path order); without it each open walks from the root.
 
         Raises:
             FileNotFoundError: no file.
             fsutil.NotRegularFile: a symlink, FIFO... in its place or on its path.
         """
+        if dirs is not None:
+            return dirs.open(self.path_parts(ns, h, part))
         return fsutil.open_regular_beneath(self.root, self.path_parts(ns, h, part))
+
+    def dirs(self) -> fsutil.DirsBeneath:
+        """Descriptors of directories to keep between :meth:`open_file` calls."""
+        return fsutil.DirsBeneath(self.root)
 
     # -- writing -----------------------------------------------------------
 

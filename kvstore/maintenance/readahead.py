@@ -13,17 +13,19 @@ class ReadAhead:
     (:func:`kvstore.platform.fsutil.prefetch`), so that a store whose files are not in the page
     cache is read with many reads in flight; each descriptor is taken once, the rest
     closed. A file that cannot be opened here is opened again by its check, which
-    reports why."""
+    reports why. Directories are opened once for the files of a batch (asked for in
+    key order, hence in path order)."""
 
     def __init__(self, blobs: Blobs):
         self.blobs = blobs
+        self.dirs = blobs.dirs()
         self.fds: Dict[Tuple[bytes, bytes, str], int] = {}
 
     def ask(self, items: List[Tuple[bytes, bytes, NodeRecord]]) -> None:
         for ns, h, rec in items:
             for part in (DELTA_PART, STATE_PART) if rec.has_state else (DELTA_PART,):
                 try:
-                    fd = self.blobs.open_file(ns, h, part)
+                    fd = self.blobs.open_file(ns, h, part, dirs=self.dirs)
                 except OSError:
                     continue
                 self.fds[(ns, h, part)] = fd
@@ -36,3 +38,4 @@ class ReadAhead:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        self.dirs.close()

@@ -27,6 +27,7 @@ from typing import (
 from ..disk.adapters import Layout
 from ..disk.blobs import (
     DELTA_PART,
+    MAX_HEADER_BYTES,
     STATE_PART,
     Blobs,
     CorruptBlob,
@@ -60,6 +61,7 @@ INFO_KINDS = frozenset({"orphan", "temp", "stray"})
 _FILE_BATCH = 512  # records read per read transaction while their files are checked
 _READ_AHEAD = 128  # files asked for at once while their data is checked
 _ORPHAN_BATCH = 512  # files found in blobs/ looked up per read transaction
+_HEADERS_KEPT = 1024  # distinct checked headers a file scan remembers
 
 
 # -- verify ----------------------------------------------------------------------------
@@ -354,9 +356,10 @@ def _check_file(
     *,
     check_data: bool,
     ahead: Optional[ReadAhead] = None,
+    headers: Optional[Dict[tuple, dict]] = None,
 ) -> Optional[Tuple[str, str]]:
     """``(kind, detail)`` of what is wrong with a node's files, or None (``ahead``:
-    the files opened and asked for before)."""
+    the files opened and asked for before; ``headers``: see :func:`_checked_header`)."""
     parts = [(DELTA_PART, rec.nbytes, rec.checksum)]
     if rec.has_state:
         parts.append((STATE_PART, rec.state_nbytes, rec.state_checksum))
@@ -384,11 +387,7 @@ def _check_file(
         if len(data) != nbytes:
             return "size", f"{what} has {len(data)} bytes, the index says {nbytes}"
         try:
-            _, tensors, meta = parse_header(data, len(data))
-            if part == STATE_PART:
-                layout.decode_state(memoryview(data), tensors, rec.end)
-            else:
-                check_layout(tensors, layout.delta_tensors(rec.ntokens))
+            meta = _checked_header(data, part, layout, rec, headers)
         except CorruptBlob as e:
             return "header", f"{what}: {e}"
         if not metadata_matches(meta, ns):
@@ -399,6 +398,42 @@ def _check_file(
         if file_checksum(data) != checksum:
             return "checksum", f"{what}: checksum mismatch"
     return None
+
+
+def _checked_header(
+    data: bytes,
+    part: str,
+    layout: Layout,
+    rec: NodeRecord,
+    headers: Optional[Dict[tuple, dict]],
+) -> dict:
+    """The metadata of a file whose header is checked against its layout.
+
+    Files of as many tokens share their header byte for byte, so a scan checks each
+    distinct delta header once: ``headers`` keeps the checked ones' metadata. A state
+    file's check reads its data too, so it is never taken from there.
+
+    Raises:
+        CorruptBlob: the header is inconsistent or does not fit the layout.
+    """
+    key = None
+    if headers is not None and part == DELTA_PART and len(data) >= 8:
+        (hlen,) = struct.unpack_from("<Q", data)
+        if hlen <= MAX_HEADER_BYTES:
+            key = (data[: 8 + hlen], len(data), rec.ntokens, id(layout))
+            meta = headers.get(key)
+            if meta is not None:
+                return meta
+    _, tensors, meta = parse_header(data, len(data))
+    if part == STATE_PART:
+        layout.decode_state(memoryview(data), tensors, rec.end)
+    else:
+        check_layout(tensors, layout.delta_tensors(rec.ntokens))
+    if key is not None:
+        if len(headers) >= _HEADERS_KEPT:
+            headers.clear()
+        headers[key] = meta
+    return meta
 
 
 def _record_batches(index: Index, *, size: int) -> Iterator[List[Tuple[bytes, bytes]]]:
@@ -436,6 +471,7 @@ def _check_files(
     its file was checked is not a problem), the files checked and their bytes.
     """
     findings, checked, nbytes = [], 0, 0
+    headers: Dict[tuple, dict] = {}
     for batch in _record_batches(index, size=_FILE_BATCH):
         found, items = [], []
         for key, raw in batch:
@@ -460,6 +496,7 @@ def _check_files(
                         layouts[ns],
                         check_data=check_data,
                         ahead=ahead,
+                        headers=headers,
                     )
                     checked += 1
                     nbytes += rec.total_bytes

@@ -369,6 +369,58 @@ def open_regular_beneath(root: str, parts: List[str]) -> int:
         os.close(fd)
 
 
+class DirsBeneath:
+    """:func:`open_regular_beneath` for many files of a few directories: the
+    descriptors of the last file's directories are kept and reused, so a scan in path
+    order opens one file per file instead of a whole chain of directories.
+
+    A kept descriptor follows its directory even if the name was removed or replaced
+    meanwhile, so a file not found through one is looked for again through freshly
+    opened directories before :class:`FileNotFoundError` is believed. Close it (or use
+    it as a context manager) to close the kept descriptors.
+    """
+
+    def __init__(self, root: str):
+        self.root = root
+        self._names: List[str] = []  # directories below root of the kept chain
+        self._fds: List[int] = []  # root's descriptor, then one per name
+
+    def open(self, parts: List[str]) -> int:
+        """Open ``root/parts...`` as :func:`open_regular_beneath` does."""
+        try:
+            return open_regular(parts[-1], dir_fd=self._dir(parts[:-1]))
+        except FileNotFoundError:
+            self.close()  # stale or missing: look again from the root
+            return open_regular(parts[-1], dir_fd=self._dir(parts[:-1]))
+
+    def _dir(self, names: List[str]) -> int:
+        same = 0
+        while same < min(len(names), len(self._names)) and (
+            names[same] == self._names[same]
+        ):
+            same += 1
+        while len(self._names) > same:  # drop the kept chain below the shared part
+            self._names.pop()
+            os.close(self._fds.pop())
+        if not self._fds:
+            self._fds.append(_open_dir(self.root, None))
+        for name in names[same:]:
+            self._fds.append(_open_dir(name, self._fds[-1]))
+            self._names.append(name)
+        return self._fds[-1]
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+        self._names.clear()
+
+    def __enter__(self) -> "DirsBeneath":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _open_dir(path: str, dir_fd: Optional[int]) -> int:
     try:
         return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
