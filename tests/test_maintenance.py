@@ -1,6 +1,7 @@
 """Store maintenance without a model (kvstore.maintenance), on tiny random llama stores:
 stats, the prefix tree, verify and fix, gc, budgets, pins."""
 
+import dataclasses
 import os
 import shutil
 import time
@@ -336,6 +337,38 @@ def test_verify_finds_and_fixes_a_broken_file(store, model, damage):
     assert mine["bytes"] == mine["file_bytes"]
     assert_restores(model, store.path, A, 128)
     assert_restores(model, store.path, B, len(B))
+
+
+def test_verify_checks_each_distinct_header_once_and_never_trusts_a_stale_one(store):
+    from kvstore.disk.blobs import DELTA_PART, CorruptBlob
+    from kvstore.maintenance import common
+    from kvstore.maintenance.verify import _checked_header
+
+    def read(idx, txn):
+        descs = common.namespace_descriptions(idx, txn)
+        layout = common.description_layout(descs[store.ns])
+        other = common.description_layout(descs[store.other])
+        recs = [idx.get_node(store.ns, h, txn=txn) for h in store.a[:2]]
+        return layout, other, recs
+
+    layout, other, (r0, r1) = with_index(store.path, read)
+    files = []
+    for h in store.a[:2]:
+        with open(blob_path(store.path, store.ns, h), "rb") as f:
+            files.append(f.read())
+    assert files[0] != files[1] and r0.ntokens == r1.ntokens == C
+    headers = {}
+    meta = _checked_header(files[0], DELTA_PART, layout, r0, headers)
+    assert meta["namespace"] == store.ns.hex() and len(headers) == 1
+    # The same header and size: taken from the memo, whatever the KV after it.
+    assert _checked_header(files[1], DELTA_PART, layout, r1, headers) is meta
+    assert len(headers) == 1
+    # A record of other token count, or another layout, is checked afresh.
+    short = dataclasses.replace(r1, tokens=r1.tokens[:10])
+    with pytest.raises(CorruptBlob):
+        _checked_header(files[1], DELTA_PART, layout, short, headers)
+    _checked_header(files[1], DELTA_PART, other, r1, headers)
+    assert len(headers) == 2
 
 
 def test_verify_finds_and_fixes_corrupt_index_records(store, model):
