@@ -3,6 +3,7 @@ queued at once, merged into a later save that covers them, deferred while the
 writer is full rather than dropped, lost only once their prefix left RAM."""
 
 import threading
+import time
 
 import pytest
 from conftest import compute_cache, random_tokens
@@ -86,20 +87,59 @@ def test_save_waits_for_a_full_writer_instead_of_being_dropped(tmp_path, model):
         q.close()
 
 
-def test_deferred_save_whose_prefix_left_ram_is_lost(tmp_path, model):
-    tokens = random_tokens(100, seed=45)
+def test_deferred_save_whose_prefix_left_ram_keeps_its_kv_within_the_bound(
+    tmp_path, model
+):
+    """RAM evicting a waiting save's entry leaves the job's own reference to the KV:
+    it is kept, and saved once the writer has room, while the KV kept so stays
+    within the bound; past the bound the save is lost. Its bytes count until it is
+    saved."""
+    first, second = random_tokens(100, seed=45), random_tokens(100, seed=46)
     counts, gate, held = Counts(), threading.Event(), [True]
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
-        q = SaveQueue(in_ram=lambda j: j.cache if held[0] else None, count=counts)
+        token_bytes = store.parts.shapes.token_bytes
+        q = SaveQueue(
+            in_ram=lambda j: j.cache if held[0] else None,
+            count=counts,
+            max_evicted_bytes=150 * token_bytes,  # one of the two saves, not both
+        )
         fill_writer(store, gate)
-        q.put(job(store, tokens, compute_cache(model, tokens)))
-        held[0] = False  # mlx-lm's LRU dropped it
-        q.flush()
+        q.put(job(store, first, compute_cache(model, first)))
+        q.put(job(store, second, compute_cache(model, second)))
+        held[0] = False  # mlx-lm's LRU dropped both
+        waited = threading.Thread(target=q.flush)
+        waited.start()
+        deadline = time.monotonic() + 10
+        while counts.get("saves_lost", 0) + counts.get("saves_kept_evicted", 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert q._evicted_bytes == 100 * token_bytes  # the first, waiting
+        gate.set()
+        waited.join()
+        store.flush()
+        assert q._evicted_bytes == 0
+        assert counts == {"saves_deferred": 1, "saves_kept_evicted": 1}
+        assert store.lookup(first + [1]) == 100
+        # The second found the writer with room (the first's save was done).
+        assert store.lookup(second + [1]) == 100
+
+        held[0] = True
+        fill_writer(store, gate := threading.Event())
+        q2 = SaveQueue(
+            in_ram=lambda j: j.cache if held[0] else None,
+            count=counts,
+            max_evicted_bytes=50 * token_bytes,  # less than the save's KV
+        )
+        third = random_tokens(100, seed=47)
+        q2.put(job(store, third, compute_cache(model, third)))
+        held[0] = False
+        q2.flush()
         gate.set()
         store.flush()
-        assert counts == {"saves_deferred": 1, "saves_lost": 1}
-        assert store.lookup(tokens + [1]) == 0
+        assert counts["saves_lost"] == 1 and counts["saves_deferred"] == 2
+        assert store.lookup(third + [1]) == 0
         q.close()
+        q2.close()
 
 
 def test_deferred_save_replaced_in_ram_by_a_longer_prompt_is_saved_from_it(

@@ -155,6 +155,12 @@ SERVER_METRICS = (
         "saves_merged",
     ),
     (
+        "kvstore_saves_kept_evicted",
+        "counter",
+        "Deferred saves that kept their KV after RAM evicted their prefix",
+        "saves_kept_evicted",
+    ),
+    (
         "kvstore_saves_lost",
         "counter",
         "Deferred saves whose prefix left RAM before the writer had room",

@@ -58,6 +58,7 @@ _COUNTER_NAMES = (
     "saves_deferred",
     "saves_held",
     "saves_merged",
+    "saves_kept_evicted",
     "saves_lost",
     "store_errors",
     "rejected_requests",

@@ -19,12 +19,14 @@ captures on a thread of its own:
   entry: then the save alone keeps that KV in memory, which mlx-lm no longer counts),
   and at a flush or close; meanwhile later turns of the same conversation merge into
   it;
-* while the writer is full a save waits, and is retried when the writer drains,
-  as long as its prefix is still in RAM: in its own entry, or in a longer entry
-  that replaced it (mlx-lm drops a trimmable cache's prefixes when it stores a
-  longer one: a system prompt's entry when the whole prompt's comes), whose first
-  tokens are then saved; one whose prefix left RAM meanwhile is lost (counted),
-  as its KV is gone.
+* while the writer is full a save waits, and is retried when the writer drains:
+  from its own RAM entry, or from a longer entry that replaced it (mlx-lm drops a
+  trimmable cache's prefixes when it stores a longer one: a system prompt's entry
+  when the whole prompt's comes), whose first tokens are then saved. Once no RAM
+  entry holds its prefix (mlx-lm's LRU evicted it) the save keeps its own
+  reference to the KV, as long as the KV kept so stays within the writer's own
+  bound (``max_pending_bytes``): waiting saves never hold more than the writer may
+  queue. Past that the save is lost (counted).
 """
 
 import collections
@@ -60,6 +62,7 @@ class SaveJob:
     kind: str
     salt: Any
     queued_at: float = field(default_factory=time.monotonic)
+    evicted_bytes: int = 0  # KV kept only by this job, after RAM evicted its entry
 
     def covered_by(self, other: "SaveJob") -> bool:
         """Whether saving ``other`` writes every node this job would."""
@@ -83,6 +86,8 @@ class SaveQueue:
         busy: Whether the generation loop works now (a save waits while it does;
             never, by default).
         max_defer_s: How long a save waits for the loop to rest at most.
+        max_evicted_bytes: KV that waiting saves may keep after RAM evicted their
+            entries (None: each store writer's ``max_pending_bytes``).
     """
 
     def __init__(
@@ -93,12 +98,15 @@ class SaveQueue:
         max_queued: int = MAX_QUEUED,
         busy: Callable[[], bool] = lambda: False,
         max_defer_s: float = MAX_DEFER_S,
+        max_evicted_bytes: Optional[int] = None,
     ):
         self._in_ram = in_ram
         self._count = count
         self._max_queued = max_queued
         self._busy_loop = busy
         self._max_defer_s = max_defer_s
+        self._max_evicted_bytes = max_evicted_bytes
+        self._evicted_bytes = 0  # of waiting jobs: only the saving thread counts
         self._jobs: Deque[SaveJob] = collections.deque()
         self._held: Optional[SaveJob] = None  # the oldest job, counted as held
         self._busy = False
@@ -208,6 +216,13 @@ class SaveQueue:
         """Capture ``job`` once its store's writer has room for it; one the writer
         refuses all the same (counted there) waits and is tried again, while its
         prefix is in RAM."""
+        try:
+            self._save_when_room(job)
+        finally:
+            self._evicted_bytes -= job.evicted_bytes
+            job.evicted_bytes = 0
+
+    def _save_when_room(self, job: SaveJob) -> None:
         deferred = False
         while True:
             if _room_for(job):
@@ -232,8 +247,9 @@ class SaveQueue:
                 return
 
     def _wait(self, job: SaveJob) -> bool:
-        """Wait a poll; False (the save is lost, counted) once its prefix left RAM.
-        The job then saves from the RAM entry holding its prefix."""
+        """Wait a poll; False (the save is lost, counted) once its prefix left RAM
+        and its KV cannot be kept (:meth:`_keep_evicted`). The job saves from the
+        RAM entry holding its prefix while there is one."""
         time.sleep(POLL_S)
         try:
             cache = self._in_ram(job)
@@ -242,6 +258,8 @@ class SaveQueue:
                 return True
         except Exception:
             log.exception("kvstore: cannot tell whether a deferred save is in RAM")
+        if self._keep_evicted(job):
+            return True
         log.warning(
             "kvstore: a deferred save of %d tokens left RAM before the writer had "
             "room for it",
@@ -249,6 +267,22 @@ class SaveQueue:
         )
         self._count(saves_lost=1)
         return False
+
+    def _keep_evicted(self, job: SaveJob) -> bool:
+        """Whether ``job`` keeps its KV after RAM evicted it: the first time, if
+        the KV that waiting saves keep so stays within the bound."""
+        if job.evicted_bytes:
+            return True
+        nbytes = max(1, job.held * job.store.parts.shapes.token_bytes)
+        bound = self._max_evicted_bytes
+        if bound is None:
+            bound = job.store.writer.max_pending_bytes
+        if self._evicted_bytes + nbytes > bound:
+            return False
+        job.evicted_bytes = nbytes
+        self._evicted_bytes += nbytes
+        self._count(saves_kept_evicted=1)
+        return True
 
 
 def _room_for(job: SaveJob) -> bool:
