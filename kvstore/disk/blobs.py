@@ -689,9 +689,13 @@ class Blobs:
         return moved
 
     def iter_files(self) -> Iterator[Tuple[str, str]]:
-        """Yield ``(kind, path)`` for every file: kind is "blob", "temp" or "other"."""
-        for dirpath, _, files in os.walk(self.root):
-            for name in files:
+        """Yield ``(kind, path)`` for every file: kind is "blob", "temp" or "other".
+
+        In sorted path order, which for node files is their index keys' order: looking
+        them up as they come reads the index in key order, not at random."""
+        for dirpath, dirs, files in os.walk(self.root):
+            dirs.sort()  # os.walk descends in the order left in ``dirs``
+            for name in sorted(files):
                 path = os.path.join(dirpath, name)
                 if name.endswith(".tmp"):
                     yield "temp", path

@@ -532,27 +532,34 @@ def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
 
     def orphans(txn):
         return [
-            _Finding(
-                _problem("orphan", ns, h, p, f"{size} bytes, no index entry"), (ns, h)
-            )
-            for (ns, h), p, size in candidates
-            if txn.get(ns + h, db=index.db["nodes"]) is None
+            (key, p)
+            for key, p in candidates
+            if txn.get(key[0] + key[1], db=index.db["nodes"]) is None
         ]
+
+    def orphan(key: Key, p: str) -> Optional[_Finding]:
+        try:
+            size = os.lstat(p).st_size
+        except FileNotFoundError:  # removed meanwhile: nothing left to report
+            return None
+        detail = f"{size} bytes, no index entry"
+        return _Finding(_problem("orphan", key[0], key[1], p, detail), key)
 
     found = []
     for kind, p in blobs.iter_files():
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
         key = blobs.parse_path(p) if kind == "blob" else None
-        if key is not None:
-            candidates.append((key, p, st.st_size))
+        if key is not None:  # stat only once known to be an orphan (rarely)
+            candidates.append((key, p))
             if len(candidates) >= _ORPHAN_BATCH:
                 found += index.read(orphans)
                 index.release_pages()
                 candidates = []
-        elif kind == "blob":
+            continue
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if kind == "blob":
             detail = f"{st.st_size} bytes, not at the path of any node"
             out.append(_Finding(_problem("orphan", file=p, detail=detail)))
         elif kind == "temp":
@@ -566,7 +573,7 @@ def scan_files(index: Index, blobs: Blobs, *, now: float) -> List[_Finding]:
             out.append(_Finding(_problem("stray", file=p, detail=detail)))
     if candidates:
         found += index.read(orphans)
-    return found + out
+    return [f for f in (orphan(key, p) for key, p in found) if f is not None] + out
 
 
 @dataclass
