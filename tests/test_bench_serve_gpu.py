@@ -242,3 +242,38 @@ def test_bench_tail_runs_every_case_on_the_cpu(tmp_path):
     # The node holding token 300 (256-319) and the next one up to 340: 84 tokens.
     assert result["medians"]["kvstore"]["restored_tokens"] == 340 - 256
     assert all(s["total"] > 0 for rows in result["samples"].values() for s in rows)
+
+
+@pytest.mark.stress
+def test_probe_restore_decode_runs_every_case_on_the_cpu(tmp_path):
+    """``tools/probe_restore_decode.py`` at the tiny shape: every case in its own
+    process every repeat, the restores taking the whole stored prompt."""
+    out = tmp_path / "decode.json"
+    tool = os.path.join(
+        os.path.dirname(__file__), "..", "tools", "probe_restore_decode.py"
+    )
+    argv = [
+        sys.executable,
+        tool,
+        "--shape",
+        "tiny",
+        "--lengths",
+        "300",
+        "--repeats",
+        "2",
+    ]
+    run = subprocess.run(
+        argv + ["--dir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    samples = json.loads(out.read_text())["samples"]["300"]
+    assert {c: len(rows) for c, rows in samples.items()} == {
+        "cold": 2,
+        "restore": 2,
+        "restore-copy": 2,
+    }
+    assert [s["restored"] for s in samples["restore"]] == [299, 299]
+    assert all(s["a"]["tok_s"] > 0 and s["b"]["tok_s"] > 0 for s in samples["cold"])
