@@ -330,7 +330,7 @@ def test_verify_fix_and_gc_never_remove_a_file_they_cannot_open_now(
     path, _ = saved
     real = Blobs.open_file
 
-    def open_file(self, ns, h, part=""):
+    def open_file(self, ns, h, part="", **kwargs):
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(Blobs, "open_file", open_file)
