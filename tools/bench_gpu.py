@@ -138,6 +138,14 @@ def generate(model, tokens, cache, *, decode: int):
     return times, first
 
 
+def prefill(model, tokens, cache) -> None:
+    """Run ``tokens`` through ``model`` into ``cache``, ``STEP`` at a time."""
+    mx = _imports()
+    for i in range(0, len(tokens), STEP):
+        model(mx.array(tokens[i : i + STEP])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
 def warm_up(model):
     """One short request through a scratch cache, as a server answers its first."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -245,11 +253,7 @@ def setup(spec: dict) -> dict:
             cache = make_prompt_cache(model)
             warm_up(model)
             t_prefill = time.perf_counter()
-            for i in range(0, length - 1, STEP):
-                model(
-                    mx.array(tokens[i : min(i + STEP, length - 1)])[None], cache=cache
-                )
-                mx.eval([c.state for c in cache])
+            prefill(model, tokens[:-1], cache)
             t_prefill = time.perf_counter() - t_prefill
             # The rate a generate loop would have told the store (restore="auto").
             store.note_prefill(length - 1, t_prefill)

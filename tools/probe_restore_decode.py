@@ -69,7 +69,7 @@ def child(spec: dict) -> dict:
 
 def setup(shape: str, lengths, store: str) -> None:
     """Store each prompt's KV from a cold prefill."""
-    mx = bench_gpu._imports()
+    bench_gpu._imports()
     from mlx_lm.models.cache import make_prompt_cache
 
     import kvstore
@@ -79,10 +79,7 @@ def setup(shape: str, lengths, store: str) -> None:
         for length in lengths:
             tokens = bench_gpu.prompt(shape, length)
             cache = make_prompt_cache(model)
-            for i in range(0, length - 1, bench_gpu.STEP):
-                end = min(i + bench_gpu.STEP, length - 1)
-                model(mx.array(tokens[i:end])[None], cache=cache)
-                mx.eval([c.state for c in cache])
+            bench_gpu.prefill(model, tokens[:-1], cache)
             s.save(tokens[:-1], cache)
             s.flush()
 

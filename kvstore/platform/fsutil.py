@@ -358,15 +358,8 @@ def open_regular_beneath(root: str, parts: List[str]) -> int:
         NotRegularFile: a component is a symlink or not a directory, or the file is
             not a regular file.
     """
-    fd = _open_dir(root, None)
-    try:
-        for name in parts[:-1]:
-            sub = _open_dir(name, fd)
-            os.close(fd)
-            fd = sub
-        return open_regular(parts[-1], dir_fd=fd)
-    finally:
-        os.close(fd)
+    with DirsBeneath(root) as dirs:  # the directories, closed once the file is open
+        return open_regular(parts[-1], dir_fd=dirs.dir(parts[:-1]))
 
 
 class DirsBeneath:
@@ -388,12 +381,14 @@ class DirsBeneath:
     def open(self, parts: List[str]) -> int:
         """Open ``root/parts...`` as :func:`open_regular_beneath` does."""
         try:
-            return open_regular(parts[-1], dir_fd=self._dir(parts[:-1]))
+            return open_regular(parts[-1], dir_fd=self.dir(parts[:-1]))
         except FileNotFoundError:
             self.close()  # stale or missing: look again from the root
-            return open_regular(parts[-1], dir_fd=self._dir(parts[:-1]))
+            return open_regular(parts[-1], dir_fd=self.dir(parts[:-1]))
 
-    def _dir(self, names: List[str]) -> int:
+    def dir(self, names: List[str]) -> int:
+        """The descriptor of ``root/names...``, reusing the kept chain's shared part
+        (each directory opened relative to its parent, never through a symlink)."""
         same = 0
         while same < min(len(names), len(self._names)) and (
             names[same] == self._names[same]

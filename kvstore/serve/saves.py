@@ -215,7 +215,7 @@ class SaveQueue:
     def _save(self, job: SaveJob) -> None:
         """Capture ``job`` once its store's writer has room for it; one the writer
         refuses all the same (counted there) waits and is tried again, while its
-        prefix is in RAM."""
+        prefix is in RAM or its KV is kept (:meth:`_wait`)."""
         try:
             self._save_when_room(job)
         finally:
