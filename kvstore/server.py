@@ -484,15 +484,21 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     mls.ModelProvider = KVStoreModelProvider
     prefetcher = Prefetcher(workers=args.prefetch_threads)
 
-    def prepare(model_key, tokens, salt):
+    def threaded_cache():
         cache = caches[-1] if caches else None
-        if cache is None or cache.prefetcher is not prefetcher:
-            return None
-        return cache.prefetch(model_key, tokens, salt)
+        return cache if cache is not None and cache.prefetcher is prefetcher else None
+
+    def prepare(model_key, tokens, salt):
+        cache = threaded_cache()
+        return cache.prefetch(model_key, tokens, salt) if cache else None
+
+    def worth(model_key, tokens, salt):
+        cache = threaded_cache()
+        return cache.may_extend(model_key, tokens, salt) if cache else False
 
     generator = response_generator_class(
         prefetch_response_generator_class(
-            saved["ResponseGenerator"], prefetcher, prepare
+            saved["ResponseGenerator"], prefetcher, prepare, worth
         ),
         router,
     )

@@ -4,13 +4,14 @@ a prefetch cannot tell (none, failed, not started, another salt, RAM changed).""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from conftest import compute_cache, next_logits, random_tokens
 from serving import KEY, provider
 
-from kvstore.serve.prefetch import Prefetcher
+from kvstore.serve.prefetch import Prefetcher, prefetch_response_generator_class
 from kvstore.server import PersistentPromptCache
 
 pytestmark = pytest.mark.slow
@@ -201,3 +202,67 @@ def test_waiting_prefetches_are_bounded(stored, model, tokenizer):
         time.sleep(0.01)
     assert pc.prefetcher._waiting == 1
     pc.close()
+
+
+def test_may_extend_reads_the_index_past_the_ram_copy(stored, model, tokenizer):
+    path, tokens, salted = stored
+    pc = restarted(path, model, tokenizer)
+    assert pc.may_extend(KEY, tokens + [5], None)
+    assert not pc.may_extend(KEY, random_tokens(50, seed=33), None)  # a new user
+    assert not pc.may_extend(KEY, salted + [5], None)  # stored under another salt
+    assert pc.may_extend(KEY, salted + [5], "a")
+    # Once RAM holds the prompt the store adds nothing to it.
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    assert not pc.may_extend(KEY, tokens + [5], None)
+    pc.close()
+
+
+def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
+    """A returning user's request waits on its HTTP thread for its restore, so the
+    generation thread meanwhile serves others; a new user's request goes straight
+    on; a failed restore lets its request go on too."""
+    gate, went = threading.Event(), []
+
+    class Base:  # mlx-lm's ResponseGenerator, as far as the subclass uses it
+        model_provider = SimpleNamespace(model=object(), tokenizer=object())
+        model_provider.model_key = KEY
+
+        def _tokenize(self, tokenizer, request, args):
+            return list(request.tokens), [list(request.tokens)], [0], None, None
+
+        def generate(self, request, args):
+            went.append(request.name)
+
+    def prepare(key, tokens, salt):
+        if tokens[0] == 9:
+            raise RuntimeError("disk on fire")
+        assert gate.wait(10)
+        return ("restored", tuple(tokens))
+
+    stored_first = {1, 9}  # prompts the store may extend start with these
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Base, prefetcher, prepare, lambda k, t, s: t[0] in stored_first
+    )()
+    requests = {}
+    for name, tokens in (("returning", [1, 2, 3]), ("new", [7, 8]), ("broken", [9])):
+        requests[name] = Request()
+        requests[name].name, requests[name].tokens = name, tokens
+    returning = threading.Thread(
+        target=generator.generate, args=(requests["returning"], None)
+    )
+    returning.start()
+    generator.generate(requests["new"], None)
+    generator.generate(requests["broken"], None)
+    time.sleep(0.1)
+    assert went == ["new", "broken"]  # neither waited for the restore in progress
+    gate.set()
+    returning.join(10)
+    assert went == ["new", "broken", "returning"]
+    # Its lookup takes the finished restore at once.
+    prefetcher.looking_up(requests["returning"])
+    assert prefetcher.take() == ("restored", (1, 2, 3))
+    prefetcher.looking_up(requests["broken"])
+    assert prefetcher.take() is None
+    assert not hasattr(requests["new"], "kvstore_prefetch")
+    prefetcher.close()

@@ -5,14 +5,19 @@ look up the prompt cache, join the batch. A restore from the store done in that
 lookup holds up every request behind it and every stream being decoded, so eight
 returning users wait for eight restores in a row. ``kvstore serve`` starts each
 request's restore from the HTTP handler instead (``ResponseGenerator.generate``),
-on a small pool of threads, so restores overlap with each other and with the
-GPU's work; the lookup then only takes the result.
+on a small pool of threads, and hands the request to the generation thread only
+once its restore is ready: restores overlap with each other and with the GPU's
+work, the generation loop never waits for one (it serves the requests that are
+ready meanwhile), and the lookup only takes the result. A request whose prompt the
+store cannot extend past RAM (a new user) is found so on the HTTP thread, by the
+index alone, and goes straight on: it never queues behind others' restores.
 
 * :class:`Prefetcher`: the pool, a bound on restores waiting to be taken, and
   which request the generation thread is looking up.
-* :func:`prefetch_response_generator_class`: ``generate`` submits the request;
-  ``_tokenize`` keeps the request's tokens (computed once, by whichever thread
-  comes first, under one lock: the tokenizer is not shared between threads).
+* :func:`prefetch_response_generator_class`: ``generate`` submits the request and
+  waits for its restore; ``_tokenize`` keeps the request's tokens (computed once,
+  by whichever thread comes first, under one lock: the tokenizer is not shared
+  between threads).
 
 What a prefetch found (:class:`Prefetched`) is used only for the very request,
 model, salt and tokens it was made for; anything else (a failed prefetch, one not
@@ -32,6 +37,9 @@ log = logging.getLogger("kvstore.server")
 WORKERS = 2
 # Prefetched restores held for requests not looked up yet (each holds its KV).
 MAX_WAITING = 16
+# The longest a request waits for its restore before it goes to the generation
+# thread anyway (whose lookup then waits for what is left: a remote tier's read).
+MAX_HOLD_S = 30.0
 
 
 @dataclass
@@ -94,6 +102,17 @@ class Prefetcher:
             self._waiting -= 1
         future.cancel()
 
+    def wait(self, request, *, timeout: float = MAX_HOLD_S) -> None:
+        """Until ``request``'s prefetch has run, failed or been cancelled, at most
+        ``timeout`` seconds (HTTP thread); never raises."""
+        future = getattr(getattr(request, "kvstore_prefetch", None), "future", None)
+        if future is None:
+            return
+        try:
+            future.exception(timeout=timeout)
+        except Exception:  # CancelledError (closing), TimeoutError
+            pass
+
     def looking_up(self, request) -> None:
         """The generation thread is about to look up ``request``."""
         self._local.request = weakref.ref(request)
@@ -143,27 +162,45 @@ def _copied(out):
 
 
 def prefetch_response_generator_class(
-    base, prefetcher: Prefetcher, prepare: Callable[[Any, List[int], Any], Any]
+    base,
+    prefetcher: Prefetcher,
+    prepare: Callable[[Any, List[int], Any], Any],
+    worth: Callable[[Any, List[int], Any], bool],
 ):
-    """mlx-lm's ``ResponseGenerator`` that starts each arriving request's restore.
+    """mlx-lm's ``ResponseGenerator`` that restores each arriving request's prefix
+    before handing the request to the generation thread.
 
     Args:
         base: The class to extend.
         prefetcher: Runs the jobs.
         prepare: ``prepare(model_key, tokens, salt)`` on a pool thread: the
             request's restore (:meth:`kvstore.server.PersistentPromptCache.prefetch`).
+        worth: ``worth(model_key, tokens, salt)`` on the HTTP thread: whether the
+            store may add to what RAM holds of the prompt (the index alone; see
+            :meth:`kvstore.server.PersistentPromptCache.may_extend`).
     """
 
     class PrefetchingResponseGenerator(base):
         def generate(self, request, generation_args, *args, **kwargs):
             # Distributed servers pickle requests to other ranks: left alone.
             if not getattr(self, "_is_distributed", False):
-                prefetcher.submit(
-                    request, lambda: self._kvstore_prefetch(request, generation_args)
-                )
+                self._kvstore_prefetch(request, generation_args)
             return super().generate(request, generation_args, *args, **kwargs)
 
-        def _kvstore_prefetch(self, request, args) -> Optional[Prefetched]:
+        def _kvstore_prefetch(self, request, args) -> None:
+            """Start the request's restore and wait for it; never raises."""
+            try:
+                found = self._kvstore_prompt(request, args)
+                if found is None or not worth(*found):
+                    return
+            except Exception:
+                log.exception("kvstore: no prefetch")
+                return
+            prefetcher.submit(request, lambda: prepare(*found))
+            prefetcher.wait(request)
+
+        def _kvstore_prompt(self, request, args):
+            """``(model_key, tokens, salt)`` of a request to prefetch, or None."""
             provider = self.model_provider
             tokenizer, key = provider.tokenizer, provider.model_key
             if provider.model is None or tokenizer is None:
@@ -177,7 +214,7 @@ def prefetch_response_generator_class(
                 return None
             if vision is not None or not prompt:
                 return None  # images are keyed otherwise
-            return prepare(key, prompt, getattr(request, "kvstore_salt", None))
+            return key, prompt, getattr(request, "kvstore_salt", None)
 
         def _tokenize(self, tokenizer, request, args):
             if threading.current_thread() is getattr(self, "_generation_thread", None):

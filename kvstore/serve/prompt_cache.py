@@ -360,6 +360,23 @@ class PersistentPromptCache:
             joined=head is not None,
         )
 
+    def may_extend(self, model_key, tokens: List[int], salt) -> bool:
+        """Whether the store may add to what the RAM LRU holds of ``tokens`` (an
+        arriving request's prefetch is worth starting): the index alone is read,
+        in about a millisecond, so a new user's request never waits for a
+        restore queue. Only a store already open is asked."""
+        salt = self._salt(salt, None)
+        if salt is UNKNOWN:
+            return False
+        with self._lock:
+            store = self._stores.get(model_key)
+        if store is None:
+            return False
+        held = self._ram_held(model_key, tokens, salt)
+        if held >= len(tokens) - 1:
+            return False
+        return store.remote is not None or store.lookup(tokens, salt=salt) > held
+
     def can_prefetch(self) -> bool:
         """Whether this mlx-lm's LRU can be searched without copying a cache."""
         trie = getattr(self._lru, "_trie", None)
