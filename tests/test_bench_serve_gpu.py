@@ -61,6 +61,10 @@ def test_chat_load_end_to_end(tmp_path):
     phases = {s["phase"]: s for s in data["samples"]}
     assert list(phases) == ["kvstore-fresh", "kvstore-dropped"]
     assert len(data["priming"]["rounds"]) == 2  # two discarded rounds
+    # Then a discarded kvstore round and one after its restart (restores taken).
+    fresh, restart = data["priming_kvstore"]
+    assert [len(s["rounds"]) for s in (fresh, restart)] == [1, 1]
+    assert restart["store"]["restores_chosen"] > 0, restart
     phases["plain"] = data["priming"]
     for name, s in phases.items():
         assert "error" not in s, s["error"]

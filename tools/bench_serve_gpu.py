@@ -37,8 +37,11 @@ first batched prefill of a follow-up over caches of thousands of tokens (seen on
 H200: round 2 of whichever phase ran first took 1.3-1.9 s where later phases took
 0.6 s), and the first time a batch drops one of its members while others decode
 (``gather`` of the batch's tokens: 3-4 s of every stream on an H100; the requests
-of the final priming round end one step apart for it). Seconds that no measured
-phase should pay (``--no-prime`` skips it).
+of the final priming round end one step apart for it). Then, where restarted
+phases are measured, one discarded ``kvstore serve`` round on a scratch store and
+one after its restart: returning users' requests join a running batch one by one as
+their restores end, which compiles kernels of its own (6 s of every stream, once on
+a machine). Seconds that no measured phase should pay (``--no-prime`` skips it).
 
 Per round: time to first token (TTFT) of every request, its decode rate (tokens
 after the first over the time between the first and the last), and the round's
@@ -561,6 +564,8 @@ def run(args) -> dict:
             + (sample.get("error") or f"{sample['phase_s']:.1f} s"),
             flush=True,
         )
+        if any(p in args.phases for p in ("kvstore-restart", "kvstore-dropped")):
+            data["priming_kvstore"] = prime_restores(phase, args, users, logs)
     steps = plan(args.users, args.repeats, args.phases)
     durations: Dict[int, float] = {}  # the longest phase seen, per --users value
     for i, (rep, users, name) in enumerate(steps):
@@ -587,6 +592,28 @@ def run(args) -> dict:
     if args.json:
         write_json(args.json, data)
     return data
+
+
+def prime_restores(phase: "Phase", args, users: int, logs: str) -> List[dict]:
+    """A discarded round of ``kvstore serve`` on a scratch store, then one after a
+    restart: returning users' requests join a running batch one by one as their
+    restores end, whose first time on a machine compiles MLX's kernels for it (6 s
+    of every stream in a restarted 8-user round on an H100; plain's priming rounds
+    never insert into a running batch)."""
+    store = os.path.join(args.dir, "store-prime")
+    samples = []
+    for name in ("kvstore-fresh", "kvstore-restart"):
+        sample = phase.run(
+            name, users, store, os.path.join(logs, f"prime-{name}"), rounds=1
+        )
+        samples.append(sample)
+        print(
+            f"priming {name} ({users} users, 1 round, not measured): "
+            + (sample.get("error") or f"{sample['phase_s']:.1f} s"),
+            flush=True,
+        )
+    shutil.rmtree(store, ignore_errors=True)
+    return samples
 
 
 def write_json(path: str, data: dict) -> None:
