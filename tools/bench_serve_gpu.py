@@ -37,7 +37,9 @@ first batched prefill of a follow-up over caches of thousands of tokens (seen on
 H200: round 2 of whichever phase ran first took 1.3-1.9 s where later phases took
 0.6 s), and the first time a batch drops one of its members while others decode
 (``gather`` of the batch's tokens: 3-4 s of every stream on an H100; the requests
-of the final priming round end one step apart for it). Then, where restarted
+of the final priming round end one step apart for it), and the first time prompts
+join a batch while it prefills (7.5 s on an H200; the first priming round sends
+half of its users 0.5 s late). Then, where restarted
 phases are measured, one discarded ``kvstore serve`` round on a scratch store and
 one after its restart: returning users' requests join a running batch one by one as
 their restores end, which compiles kernels of its own (6 s of every stream, once on
@@ -258,14 +260,17 @@ class Workload:
         return dict(vars(self))
 
 
-def run_round(port: int, bodies: List[dict]) -> tuple:
-    """Every body at once (a thread each); the results and the round's wall time."""
+def run_round(port: int, bodies: List[dict], delays: Optional[List[float]] = None):
+    """Every body at once (a thread each; body ``i`` ``delays[i]`` seconds later);
+    the results and the round's wall time."""
     start = threading.Barrier(len(bodies))
     results: List[Optional[dict]] = [None] * len(bodies)
     errors: Dict[str, List[int]] = {}  # what went wrong: the users it happened to
 
     def client(i):
         start.wait()
+        if delays and delays[i]:
+            time.sleep(delays[i])
         try:
             r = results[i] = stream(port, bodies[i])
         except Exception as e:  # the server died (e.g. out of memory): say so
@@ -443,9 +448,12 @@ class Phase:
         out["rounds"] = []
         for rnd in range(rounds):
             bodies = [chat.request(rnd, self.workload) for chat in chats]
+            delays = None
+            if out["phase"] == "prime" and rnd == 0:
+                delays = waves(len(bodies))
             if out["phase"] == "prime" and rnd == rounds - 1:
                 stagger(bodies)  # the final one: answers make the next prompts
-            results, wall, errors = run_round(server.port, bodies)
+            results, wall, errors = run_round(server.port, bodies, delays)
             if errors:
                 out["error"] = f"round {rnd + 1}: " + "; ".join(errors)
                 return
@@ -457,6 +465,14 @@ class Phase:
             stats = server.get("/kvstore/stats")
             out["kvstore"] = {k: v for k, v in stats.items() if k != "stores"}
             out["store"] = stats["stores"][0] if stats["stores"] else None
+
+
+def waves(users: int) -> List[float]:
+    """Send the second half of the users 0.5 s after the first: their prompts join a
+    batch while it prefills, whose first time on a machine compiles MLX's kernels
+    for it (7.5 s of every stream on an H200: a plain server pays it whenever a
+    request arrives late, as one of eight did through the listen backlog)."""
+    return [0.0 if u < (users + 1) // 2 else 0.5 for u in range(users)]
 
 
 def stagger(bodies: List[dict]) -> None:
