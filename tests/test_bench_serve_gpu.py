@@ -61,6 +61,8 @@ def test_chat_load_end_to_end(tmp_path):
     phases = {s["phase"]: s for s in data["samples"]}
     assert list(phases) == ["kvstore-fresh", "kvstore-dropped"]
     assert len(data["priming"]["rounds"]) == 2  # two discarded rounds
+    wave = data["priming"]["wave_round"]  # and other users arriving in two waves
+    assert wave["users"] >= 2 and wave["errors"] == [], wave
     # Then a discarded kvstore round and one after its restart (restores taken).
     fresh, restart = data["priming_kvstore"]
     assert [len(s["rounds"]) for s in (fresh, restart)] == [1, 1]
