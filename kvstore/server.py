@@ -492,13 +492,13 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         cache = threaded_cache()
         return cache.prefetch(model_key, tokens, salt) if cache else None
 
-    def worth(model_key, tokens, salt):
+    def extent(model_key, tokens, salt):
         cache = threaded_cache()
-        return cache.may_extend(model_key, tokens, salt) if cache else False
+        return cache.held_and_stored(model_key, tokens, salt) if cache else (0, 0)
 
     generator = response_generator_class(
         prefetch_response_generator_class(
-            saved["ResponseGenerator"], prefetcher, prepare, worth
+            saved["ResponseGenerator"], prefetcher, prepare, extent
         ),
         router,
     )

@@ -204,23 +204,24 @@ def test_waiting_prefetches_are_bounded(stored, model, tokenizer):
     pc.close()
 
 
-def test_may_extend_reads_the_index_past_the_ram_copy(stored, model, tokenizer):
+def test_held_and_stored_reads_the_index_past_the_ram_copy(stored, model, tokenizer):
     path, tokens, salted = stored
     pc = restarted(path, model, tokenizer)
-    assert pc.may_extend(KEY, tokens + [5], None)
-    assert not pc.may_extend(KEY, random_tokens(50, seed=33), None)  # a new user
-    assert not pc.may_extend(KEY, salted + [5], None)  # stored under another salt
-    assert pc.may_extend(KEY, salted + [5], "a")
+    assert pc.held_and_stored(KEY, tokens + [5], None) == (0, 600)
+    assert pc.held_and_stored(KEY, random_tokens(50, seed=33), None) == (0, 0)
+    assert pc.held_and_stored(KEY, salted + [5], None) == (0, 0)  # another salt
+    assert pc.held_and_stored(KEY, salted + [5], "a") == (0, 600)
     # Once RAM holds the prompt the store adds nothing to it.
     pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
-    assert not pc.may_extend(KEY, tokens + [5], None)
+    assert pc.held_and_stored(KEY, tokens + [5], None) == (600, 0)
     pc.close()
 
 
 def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
-    """A returning user's request waits on its HTTP thread for its restore, so the
-    generation thread meanwhile serves others; a new user's request goes straight
-    on; a failed restore lets its request go on too."""
+    """A returning user's request (RAM holds little of its prompt) waits on its HTTP
+    thread for its restore, so the generation thread meanwhile serves others; a
+    new user's request goes straight on, and so does a next turn (RAM holds most
+    of it: its tail is read meanwhile); a failed restore lets its request go on."""
     gate, went = threading.Event(), []
 
     class Base:  # mlx-lm's ResponseGenerator, as far as the subclass uses it
@@ -239,29 +240,37 @@ def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
         assert gate.wait(10)
         return ("restored", tuple(tokens))
 
-    stored_first = {1, 9}  # prompts the store may extend start with these
+    extents = {1: (0, 90), 7: (0, 0), 9: (10, 90), 4: (60, 90)}  # (held, stored)
     prefetcher = Prefetcher()
     generator = prefetch_response_generator_class(
-        Base, prefetcher, prepare, lambda k, t, s: t[0] in stored_first
+        Base, prefetcher, prepare, lambda k, t, s: extents[t[0]]
     )()
     requests = {}
-    for name, tokens in (("returning", [1, 2, 3]), ("new", [7, 8]), ("broken", [9])):
+    for name, tokens in (
+        ("returning", [1, 2, 3]),
+        ("new", [7, 8]),
+        ("broken", [9]),
+        ("next turn", [4, 5]),
+    ):
         requests[name] = Request()
         requests[name].name, requests[name].tokens = name, tokens
     returning = threading.Thread(
         target=generator.generate, args=(requests["returning"], None)
     )
     returning.start()
-    generator.generate(requests["new"], None)
-    generator.generate(requests["broken"], None)
+    for name in ("new", "broken", "next turn"):
+        generator.generate(requests[name], None)
     time.sleep(0.1)
-    assert went == ["new", "broken"]  # neither waited for the restore in progress
+    # None of them waited for the restore in progress.
+    assert went == ["new", "broken", "next turn"]
+    assert requests["next turn"].kvstore_prefetch.future is not None  # reading
     gate.set()
     returning.join(10)
-    assert went == ["new", "broken", "returning"]
-    # Its lookup takes the finished restore at once.
-    prefetcher.looking_up(requests["returning"])
-    assert prefetcher.take() == ("restored", (1, 2, 3))
+    assert went == ["new", "broken", "next turn", "returning"]
+    # Their lookups take the finished restores.
+    for name in ("returning", "next turn"):
+        prefetcher.looking_up(requests[name])
+        assert prefetcher.take() == ("restored", tuple(requests[name].tokens))
     prefetcher.looking_up(requests["broken"])
     assert prefetcher.take() is None
     assert not hasattr(requests["new"], "kvstore_prefetch")

@@ -5,12 +5,19 @@ look up the prompt cache, join the batch. A restore from the store done in that
 lookup holds up every request behind it and every stream being decoded, so eight
 returning users wait for eight restores in a row. ``kvstore serve`` starts each
 request's restore from the HTTP handler instead (``ResponseGenerator.generate``),
-on a small pool of threads, and hands the request to the generation thread only
-once its restore is ready: restores overlap with each other and with the GPU's
-work, the generation loop never waits for one (it serves the requests that are
-ready meanwhile), and the lookup only takes the result. A request whose prompt the
-store cannot extend past RAM (a new user) is found so on the HTTP thread, by the
-index alone, and goes straight on: it never queues behind others' restores.
+on a small pool of threads, so restores overlap with each other and with the
+GPU's work, and the lookup only takes the result. What RAM and the store hold of
+the prompt is found first, on the HTTP thread, by the index alone:
+
+- the store holds nothing past RAM (a new user): no prefetch, the request goes
+  straight on and never queues behind others' restores;
+- the store holds over twice what RAM does (a returning user whose chat left RAM):
+  the request reaches the generation thread only once its restore is ready, so
+  the generation loop never waits for it and serves the requests that are ready
+  meanwhile;
+- RAM holds most of it (a chat's next turn): the request goes straight on while
+  its tail is read or found cheaper to prefill, so that a burst of such requests
+  reaches the generation thread together and is prefilled in one batch.
 
 * :class:`Prefetcher`: the pool, a bound on restores waiting to be taken, and
   which request the generation thread is looking up.
@@ -29,7 +36,7 @@ import threading
 import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 log = logging.getLogger("kvstore.server")
 
@@ -165,7 +172,7 @@ def prefetch_response_generator_class(
     base,
     prefetcher: Prefetcher,
     prepare: Callable[[Any, List[int], Any], Any],
-    worth: Callable[[Any, List[int], Any], bool],
+    extent: Callable[[Any, List[int], Any], Tuple[int, int]],
 ):
     """mlx-lm's ``ResponseGenerator`` that restores each arriving request's prefix
     before handing the request to the generation thread.
@@ -175,9 +182,9 @@ def prefetch_response_generator_class(
         prefetcher: Runs the jobs.
         prepare: ``prepare(model_key, tokens, salt)`` on a pool thread: the
             request's restore (:meth:`kvstore.server.PersistentPromptCache.prefetch`).
-        worth: ``worth(model_key, tokens, salt)`` on the HTTP thread: whether the
-            store may add to what RAM holds of the prompt (the index alone; see
-            :meth:`kvstore.server.PersistentPromptCache.may_extend`).
+        extent: ``extent(model_key, tokens, salt)`` on the HTTP thread: the
+            tokens RAM holds and those the store may give (the index alone; see
+            :meth:`kvstore.server.PersistentPromptCache.held_and_stored`).
     """
 
     class PrefetchingResponseGenerator(base):
@@ -188,16 +195,21 @@ def prefetch_response_generator_class(
             return super().generate(request, generation_args, *args, **kwargs)
 
         def _kvstore_prefetch(self, request, args) -> None:
-            """Start the request's restore and wait for it; never raises."""
+            """Start the request's restore, and wait for it where RAM holds little
+            of the prompt; never raises."""
             try:
                 found = self._kvstore_prompt(request, args)
-                if found is None or not worth(*found):
+                if found is None:
+                    return
+                held, stored = extent(*found)
+                if stored <= held:
                     return
             except Exception:
                 log.exception("kvstore: no prefetch")
                 return
             prefetcher.submit(request, lambda: prepare(*found))
-            prefetcher.wait(request)
+            if stored - held > held:
+                prefetcher.wait(request)
 
         def _kvstore_prompt(self, request, args):
             """``(model_key, tokens, salt)`` of a request to prefetch, or None."""

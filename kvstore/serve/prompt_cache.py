@@ -360,22 +360,25 @@ class PersistentPromptCache:
             joined=head is not None,
         )
 
-    def may_extend(self, model_key, tokens: List[int], salt) -> bool:
-        """Whether the store may add to what the RAM LRU holds of ``tokens`` (an
-        arriving request's prefetch is worth starting): the index alone is read,
-        in about a millisecond, so a new user's request never waits for a
-        restore queue. Only a store already open is asked."""
+    def held_and_stored(self, model_key, tokens: List[int], salt) -> Tuple[int, int]:
+        """``(held, stored)``: the tokens of ``tokens`` that the RAM LRU would give
+        now and those the store may give (by the index alone, in about a
+        millisecond, so that an arriving request need not queue for a restore to
+        learn it; with a remote tier, all but the last). ``(held, 0)`` when the
+        store is not open or the salt is unknown."""
         salt = self._salt(salt, None)
         if salt is UNKNOWN:
-            return False
+            return 0, 0
         with self._lock:
             store = self._stores.get(model_key)
         if store is None:
-            return False
+            return 0, 0
         held = self._ram_held(model_key, tokens, salt)
         if held >= len(tokens) - 1:
-            return False
-        return store.remote is not None or store.lookup(tokens, salt=salt) > held
+            return held, 0
+        if store.remote is not None:
+            return held, len(tokens) - 1
+        return held, store.lookup(tokens, salt=salt)
 
     def can_prefetch(self) -> bool:
         """Whether this mlx-lm's LRU can be searched without copying a cache."""
