@@ -559,6 +559,26 @@ def test_gc_evicts_unpinned_lru_leaves_first_and_pinned_last(tmp_path, model):
     assert_restores(model, path, prompts[0], 64)
 
 
+def test_gc_evicts_a_whole_chain_in_one_walk(tmp_path, model, monkeypatch):
+    """A parent whose children went earlier in the same commit goes too: the whole
+    chain leaves in one walk of the cut, not one node per round."""
+    prompt = random_tokens(12 * C, seed=450)  # a chain of 12 nodes
+    path = tmp_path / "s"
+    with KVStore(path, model, chunk_tokens=C) as s:
+        s.save(prompt, compute_cache(model, prompt))
+        s.flush()
+        ns = s.namespace
+    from kvstore.maintenance import common
+
+    walks = []
+    victims = common._victims
+    monkeypatch.setattr(common, "_victims", lambda *a: walks.append(a) or victims(*a))
+    report = m.gc(path, max_bytes=0)
+    assert (report["evicted_nodes"], report["over_budget"]) == (12, 0)
+    assert node_ids(path, ns) == set() and len(walks) == 1
+    assert m.verify(path)["problems"] == []
+
+
 def test_gc_pinned_last_in_one_pass(tmp_path, model):
     prompts = [random_tokens(128, seed=500 + i) for i in range(3)]
     path = tmp_path / "s"
