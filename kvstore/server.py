@@ -44,6 +44,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .options import (
@@ -413,13 +414,21 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
 
     class KVStoreModelProvider(mls.ModelProvider):
         def __init__(self, *a, **kw):
+            # Set while no model loads: requests arriving meanwhile wait for the
+            # model and its store before they look for a prefix to prefetch.
+            self.kvstore_idle = threading.Event()
+            self.kvstore_idle.set()
             super().__init__(*a, **kw)
             providers.append(self)
 
         def _load(self, *a, **kw):
-            super()._load(*a, **kw)
-            for cache in caches:  # open the store now: pinned prefixes are preloaded
-                cache.open_store(self.model_key)
+            self.kvstore_idle.clear()
+            try:
+                super()._load(*a, **kw)
+                for cache in caches:  # open the store now: pinned prefixes preloaded
+                    cache.open_store(self.model_key)
+            finally:
+                self.kvstore_idle.set()
 
     def prompt_cache_factory(max_size: int = 10, max_bytes: int = 1 << 63):
         provider = providers[-1] if providers else None
@@ -488,13 +497,16 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         cache = caches[-1] if caches else None
         return cache if cache is not None and cache.prefetcher is prefetcher else None
 
+    # (A PersistentPromptCache holding no sequence is falsy: it has a length.)
     def prepare(model_key, tokens, salt):
         cache = threaded_cache()
-        return cache.prefetch(model_key, tokens, salt) if cache else None
+        return None if cache is None else cache.prefetch(model_key, tokens, salt)
 
     def extent(model_key, tokens, salt):
         cache = threaded_cache()
-        return cache.held_and_stored(model_key, tokens, salt) if cache else (0, 0)
+        if cache is None:
+            return 0, 0
+        return cache.held_and_stored(model_key, tokens, salt)
 
     generator = response_generator_class(
         prefetch_response_generator_class(

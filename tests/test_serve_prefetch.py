@@ -275,3 +275,43 @@ def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
     assert prefetcher.take() is None
     assert not hasattr(requests["new"], "kvstore_prefetch")
     prefetcher.close()
+
+
+def test_requests_arriving_while_the_model_loads_wait_for_it_then_prefetch():
+    """The model and its store load on the generation thread after the server
+    starts listening: a request arriving meanwhile looks for its prefix once the
+    load has ended (its prefetch is not lost to the race)."""
+    idle, prepared, went = threading.Event(), [], []
+
+    class Base:
+        model_provider = SimpleNamespace(model=None, tokenizer=None, model_key=None)
+        model_provider.kvstore_idle = idle  # cleared: a load in progress
+
+        def _tokenize(self, tokenizer, request, args):
+            return [1, 2, 3], [[1, 2, 3]], [0], None, None
+
+        def generate(self, request, args):
+            went.append(request)
+
+    def load():
+        time.sleep(0.2)
+        provider = Base.model_provider
+        provider.model, provider.tokenizer, provider.model_key = object(), object(), KEY
+        idle.set()
+
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Base,
+        prefetcher,
+        lambda k, t, s: prepared.append((k, t)) or "restored",
+        lambda k, t, s: (0, 90),
+    )()
+    loader = threading.Thread(target=load)
+    loader.start()
+    request = Request()
+    generator.generate(request, None)
+    loader.join()
+    assert prepared == [(KEY, [1, 2, 3])] and went == [request]
+    prefetcher.looking_up(request)
+    assert prefetcher.take() == "restored"
+    prefetcher.close()

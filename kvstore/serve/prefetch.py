@@ -214,9 +214,12 @@ def prefetch_response_generator_class(
         def _kvstore_prompt(self, request, args):
             """``(model_key, tokens, salt)`` of a request to prefetch, or None."""
             provider = self.model_provider
+            idle = getattr(provider, "kvstore_idle", None)
+            if idle is not None:  # a model loading: its store opens with it
+                idle.wait(MAX_HOLD_S)
             tokenizer, key = provider.tokenizer, provider.model_key
             if provider.model is None or tokenizer is None:
-                return None  # the first request loads the model: nothing to read yet
+                return None  # this request will load the model: nothing to read yet
             try:
                 prompt, _, _, _, vision = PrefetchingResponseGenerator._tokenize(
                     self, tokenizer, request, args
