@@ -315,3 +315,27 @@ def test_requests_arriving_while_the_model_loads_wait_for_it_then_prefetch():
     prefetcher.looking_up(request)
     assert prefetcher.take() == "restored"
     prefetcher.close()
+
+
+def test_generation_thread_waits_for_requests_still_arriving():
+    """With its queue empty, the generation thread waits while arriving requests
+    are looked at (so that a burst joins one batch), never longer than a request
+    takes to reach the queue, nor when none is arriving."""
+    prefetcher = Prefetcher()
+    tic = time.perf_counter()
+    prefetcher.await_arrivals(lambda: False, timeout=5)
+    assert time.perf_counter() - tic < 1  # none arriving: no wait
+
+    def arrive_slowly():
+        with prefetcher.probing():
+            time.sleep(0.3)
+
+    for queued, least, most in ((lambda: False, 0.25, 4), (lambda: True, 0, 0.2)):
+        t = threading.Thread(target=arrive_slowly)
+        t.start()
+        time.sleep(0.02)
+        tic = time.perf_counter()
+        prefetcher.await_arrivals(queued, timeout=5)
+        assert least <= time.perf_counter() - tic < most
+        t.join()
+    prefetcher.close()

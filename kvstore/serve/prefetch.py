@@ -19,8 +19,10 @@ the prompt is found first, on the HTTP thread, by the index alone:
   its tail is read or found cheaper to prefill, so that a burst of such requests
   reaches the generation thread together and is prefilled in one batch.
 
-* :class:`Prefetcher`: the pool, a bound on restores waiting to be taken, and
-  which request the generation thread is looking up.
+* :class:`Prefetcher`: the pool, a bound on restores waiting to be taken, which
+  request the generation thread is looking up, and the requests still being
+  looked at on their HTTP threads: the generation thread, its queue empty, waits
+  for them (a few ms each), so that requests arriving together join one batch.
 * :func:`prefetch_response_generator_class`: ``generate`` submits the request and
   waits for its restore; ``_tokenize`` keeps the request's tokens (computed once,
   by whichever thread comes first, under one lock: the tokenizer is not shared
@@ -35,8 +37,9 @@ import logging
 import threading
 import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 log = logging.getLogger("kvstore.server")
 
@@ -47,6 +50,9 @@ MAX_WAITING = 16
 # The longest a request waits for its restore before it goes to the generation
 # thread anyway (whose lookup then waits for what is left: a remote tier's read).
 MAX_HOLD_S = 30.0
+# The longest the generation thread, its queue empty, waits for requests that
+# arrived together and are still being tokenized (a few ms each, one at a time).
+MAX_ARRIVAL_WAIT_S = 0.05
 
 
 @dataclass
@@ -85,6 +91,36 @@ class Prefetcher:
         self._local = threading.local()
         self._closed = False
         self.tokenize_lock = threading.Lock()
+        self._arrivals = threading.Condition()
+        self._probing = 0  # requests tokenized and looked up before they queue
+
+    @contextmanager
+    def probing(self) -> Iterator[None]:
+        """An arriving request's look for its prefix (HTTP thread), counted so
+        that the generation thread can wait for it (:meth:`await_arrivals`)."""
+        with self._arrivals:
+            self._probing += 1
+        try:
+            yield
+        finally:
+            with self._arrivals:
+                self._probing -= 1
+                self._arrivals.notify_all()
+
+    def await_arrivals(
+        self, queued: Callable[[], bool], *, timeout: float = MAX_ARRIVAL_WAIT_S
+    ) -> None:
+        """The generation thread, about to take a request with none queued: wait
+        while arriving requests are being looked at, until one is ``queued()`` or
+        none is left, at most ``timeout``. Requests that arrive together so join
+        one batch, as they do in plain ``mlx_lm.server``, whose generation thread
+        tokenizes them itself (on a CPU a request that missed the batch waited a
+        whole prefill step). Never raises."""
+        try:
+            with self._arrivals:
+                self._arrivals.wait_for(lambda: self._probing == 0 or queued(), timeout)
+        except Exception:
+            log.exception("kvstore: waiting for arriving requests")
 
     def submit(self, request, job: Callable[[], Optional[Prefetched]]) -> None:
         """Start ``job`` for ``request`` (HTTP thread); never raises."""
@@ -191,25 +227,34 @@ def prefetch_response_generator_class(
         def generate(self, request, generation_args, *args, **kwargs):
             # Distributed servers pickle requests to other ranks: left alone.
             if not getattr(self, "_is_distributed", False):
-                self._kvstore_prefetch(request, generation_args)
+                with prefetcher.probing():
+                    hold = self._kvstore_prefetch(request, generation_args)
+                if hold:
+                    prefetcher.wait(request)
             return super().generate(request, generation_args, *args, **kwargs)
 
-        def _kvstore_prefetch(self, request, args) -> None:
-            """Start the request's restore, and wait for it where RAM holds little
-            of the prompt; never raises."""
+        def _next_request(self, timeout=None):
+            queue = getattr(self, "requests", None)
+            if not getattr(self, "_is_distributed", False) and queue is not None:
+                if queue.empty():
+                    prefetcher.await_arrivals(lambda: not queue.empty())
+            return super()._next_request(timeout)
+
+        def _kvstore_prefetch(self, request, args) -> bool:
+            """Start the request's restore; whether to hold the request back until
+            it is ready (RAM holds little of the prompt). Never raises."""
             try:
                 found = self._kvstore_prompt(request, args)
                 if found is None:
-                    return
+                    return False
                 held, stored = extent(*found)
                 if stored <= held:
-                    return
+                    return False
             except Exception:
                 log.exception("kvstore: no prefetch")
-                return
+                return False
             prefetcher.submit(request, lambda: prepare(*found))
-            if stored - held > held:
-                prefetcher.wait(request)
+            return stored - held > held
 
         def _kvstore_prompt(self, request, args):
             """``(model_key, tokens, salt)`` of a request to prefetch, or None."""
