@@ -57,11 +57,8 @@ from .options import (
 )
 from .platform.compat import check_server, server_refusal
 from .serve import listener as serve_metrics
-from .serve.prefetch import (
-    WORKERS,
-    Prefetcher,
-    prefetch_response_generator_class,
-)
+from .serve.prefetch import HOOKED as PREFETCH_HOOKED
+from .serve.prefetch import WORKERS, Prefetcher, prefetch_response_generator_class
 from .serve.request_salts import (
     SaltPolicy,
     SaltRouter,
@@ -317,7 +314,8 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         return 2
     import mlx_lm.server as mls
 
-    missing = missing_hooks(mls)  # what carries a request's salt to the cache
+    # What carries a request's salt to the cache, and its prefetch to the lookup.
+    missing = missing_hooks(mls) + missing_hooks(mls, PREFETCH_HOOKED)
     if missing:
         print(server_refusal(f"{name} is missing" for name in missing), file=sys.stderr)
         return 2

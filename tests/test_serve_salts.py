@@ -130,7 +130,15 @@ def test_header_salt_keeps_what_was_sent():
 def test_hooked_mlx_lm_names_exist():
     import mlx_lm.server
 
+    from kvstore.serve.prefetch import HOOKED as PREFETCH_HOOKED
+
     assert missing_hooks(mlx_lm.server) == []
+    assert missing_hooks(mlx_lm.server, PREFETCH_HOOKED) == []
+    without = SimpleNamespace(ResponseGenerator=type("R", (), {"generate": None}))
+    assert missing_hooks(without, PREFETCH_HOOKED) == [
+        "mlx_lm.server.ResponseGenerator._next_request",
+        "mlx_lm.server.ResponseGenerator._tokenize",
+    ]
     assert missing_hooks(SimpleNamespace()) == [
         "mlx_lm.server.ResponseGenerator",
         "mlx_lm.server.BatchGenerator",

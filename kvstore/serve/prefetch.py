@@ -43,6 +43,9 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 log = logging.getLogger("kvstore.server")
 
+# The mlx_lm.server internals the prefetching generator wraps (checked at start-up).
+HOOKED = {"ResponseGenerator": ("generate", "_next_request", "_tokenize")}
+
 # Threads restoring at once: each restore reads with the store's own reader threads.
 WORKERS = 2
 # Prefetched restores held for requests not looked up yet (each holds its KV).

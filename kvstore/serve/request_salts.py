@@ -21,7 +21,7 @@ change in mlx-lm's loop costs reuse, never a leak between salts.
 import threading
 import unicodedata
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..disk.salts import Salt, Tenant, check_salt
 
@@ -213,10 +213,10 @@ def batch_generator_class(base, router: SaltRouter):
     return SaltedBatchGenerator
 
 
-def missing_hooks(mls) -> List[str]:
-    """The ``mlx_lm.server`` names of :data:`HOOKED` that this mlx-lm lacks."""
+def missing_hooks(mls, hooked: Dict[str, Tuple[str, ...]] = HOOKED) -> List[str]:
+    """The ``mlx_lm.server`` names of ``hooked`` that this mlx-lm lacks."""
     out = []
-    for cls_name, methods in HOOKED.items():
+    for cls_name, methods in hooked.items():
         cls = getattr(mls, cls_name, None)
         if cls is None:
             out.append(f"mlx_lm.server.{cls_name}")
