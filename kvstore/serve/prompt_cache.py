@@ -329,8 +329,7 @@ class PersistentPromptCache:
         :mod:`kvstore.serve.prefetch`). Only a store already open is read."""
         tic = time.perf_counter()
         salt = self._salt(salt, None)
-        with self._lock:
-            store = self._stores.get(model_key)
+        store = self._opened(model_key)
         if store is None:
             return None
         held = self._ram_held(model_key, tokens, salt)
@@ -364,13 +363,13 @@ class PersistentPromptCache:
         """``(held, stored)``: the tokens of ``tokens`` that the RAM LRU would give
         now and those the store may give (by the index alone, in about a
         millisecond, so that an arriving request need not queue for a restore to
-        learn it; with a remote tier, all but the last). ``(held, 0)`` when the
-        store is not open or the salt is unknown."""
+        learn it; with a remote tier, all but the last). ``(0, 0)`` when the store
+        is not open or the salt is unknown; ``(held, 0)`` when RAM holds all the
+        store could give (all but the last token)."""
         salt = self._salt(salt, None)
         if salt is UNKNOWN:
             return 0, 0
-        with self._lock:
-            store = self._stores.get(model_key)
+        store = self._opened(model_key)
         if store is None:
             return 0, 0
         held = self._ram_held(model_key, tokens, salt)
@@ -379,6 +378,12 @@ class PersistentPromptCache:
         if store.remote is not None:
             return held, len(tokens) - 1
         return held, store.lookup(tokens, salt=salt)
+
+    def _opened(self, model_key):
+        """The store open for ``model_key``, or None: the prefetch paths never
+        open one (the model's load does)."""
+        with self._lock:
+            return self._stores.get(model_key)
 
     def can_prefetch(self) -> bool:
         """Whether this mlx-lm's LRU can be searched without copying a cache."""
