@@ -291,6 +291,22 @@ def test_touch_and_atime(index):
     assert index.read(lambda txn: index.atime(txn, NS, hsh(1))) == 0.0
 
 
+def test_touch_keeps_a_recent_time_within_the_resolution(index):
+    put(index, NS, hsh(1), rec([1], created=100.0))
+
+    def atime(h=hsh(1)):
+        return index.read(lambda txn: index.atime(txn, NS, h))
+
+    index.write(lambda txn: index.touch(txn, NS, hsh(1), 150.0, resolution=60))
+    assert atime() == 100.0  # 50 s newer: kept
+    index.write(lambda txn: index.touch(txn, NS, hsh(1), 170.0, resolution=60))
+    assert atime() == 170.0
+    index.write(lambda txn: index.touch(txn, NS, hsh(1), 171.0))
+    assert atime() == 171.0  # exact
+    index.write(lambda txn: index.touch(txn, NS, hsh(2), 500.0, resolution=60))
+    assert atime(hsh(2)) == 0.0  # unknown node: no entry
+
+
 def test_iter_nodes_by_namespace(index):
     put(index, NS, hsh(1), rec([1]))
     put(index, NS, hsh(2), rec([2]))

@@ -48,6 +48,7 @@ Nothing here asserts a time.
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -125,6 +126,9 @@ class Conversations:
         self.active = []
         for _ in range(ACTIVE):
             self.active.append(self._start())
+        # Slots whose first conversation is still going: all started empty together,
+        # so until each has ended the prompts are shorter than the traffic's own.
+        self.first_cohort = set(range(ACTIVE))
 
     def _fresh(self, n: int) -> list:
         out = self.rng.integers(100, 32000, size=n).tolist()
@@ -163,7 +167,14 @@ class Conversations:
         toks, ends = self.tokens(conv), self.ends(conv)
         if len(toks) > MAX_TOKENS or self.rng.random() < 0.05:
             self.active[i] = self._start()
+            self.first_cohort.discard(i)
         return toks, ends
+
+    @property
+    def warm(self) -> bool:
+        """Every conversation of the first cohort has ended: prompt lengths are
+        those of the traffic, no longer of its start."""
+        return not self.first_cohort
 
 
 def node_ends(n_tokens: int, boundaries: list) -> list:
@@ -218,7 +229,8 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
     for toks in conv.systems:
         store.save(toks, _cache(kv, len(toks)), kind="system")
     store.flush()
-    samples, saves, queries, deep = [], 0, [], 0
+    samples, saves, queries, deep, warm_saves = [], 0, [], 0, None
+    window_tokens = 0
     pick = np.random.default_rng(BUILD_SEED + 1)  # the queries' own: same traffic
     last_t, last_saves = time.perf_counter(), 0
     have = store.stats()["nodes"]
@@ -228,6 +240,9 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
         toks, ends = conv.step()
         store.save(toks, _cache(kv, len(toks)), boundaries=ends)
         saves += 1
+        window_tokens += len(toks)
+        if warm_saves is None and conv.warm:
+            warm_saves = saves
         if saves % FLUSH_EVERY == 0:
             store.flush()
             have = store.stats()["nodes"]  # the index's counters: no scan
@@ -239,8 +254,10 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
                     "nodes": have,
                     "seconds": now - t0,
                     "saves_per_s": (saves - last_saves) / (now - last_t),
+                    "tokens_per_save": window_tokens / (saves - last_saves),
                 }
             )
+            window_tokens = 0
             last_t, last_saves = now, saves
             print(
                 f"  {have:>9,} nodes  {saves:>8,} saves  "
@@ -271,6 +288,7 @@ def build(path: str, nodes: int, *, durable: bool = False) -> dict:
         "bytes_on_disk": stats["bytes_on_disk"],
         "durable": durable,
         "saves_per_s": samples,
+        "warm_saves": warm_saves,
         "queries": queries,
         "systems": conv.systems[:10],
     }
@@ -625,12 +643,34 @@ def _runs(runs) -> dict:
 
 
 def writer_rates(record: dict) -> dict:
-    """Saves/s of the writer over the first and the last 10% of its saves."""
+    """Saves/s of the writer over the first and the last 10% of its saves, and over
+    the first 10% once the traffic was warm (``Conversations.warm``), with the mean
+    prompt length of each part."""
     samples = record["saves_per_s"]
+
+    def part(xs):
+        tokens = [s["tokens_per_save"] for s in xs if "tokens_per_save" in s]
+        return med([s["saves_per_s"] for s in xs]), med(tokens) if tokens else None
+
     k = max(1, len(samples) // 10)
-    first = med([s["saves_per_s"] for s in samples[:k]])
-    last = med([s["saves_per_s"] for s in samples[-k:]])
-    return {"first_10pct": first, "last_10pct": last, "ratio": first / last}
+    (first, first_tokens), (last, last_tokens) = part(samples[:k]), part(samples[-k:])
+    out = {
+        "first_10pct": first,
+        "last_10pct": last,
+        "ratio": first / last,
+        "first_tokens_per_save": first_tokens,
+        "last_tokens_per_save": last_tokens,
+    }
+    warm = [s for s in samples if s["saves"] > (record.get("warm_saves") or math.inf)]
+    if len(warm) >= 2:
+        w, w_tokens = part(warm[: max(1, len(warm) // 10)])
+        out.update(
+            warm_saves=record["warm_saves"],
+            warm_first_10pct=w,
+            warm_ratio=w / last,
+            warm_first_tokens_per_save=w_tokens,
+        )
+    return out
 
 
 # -- report -------------------------------------------------------------------------
@@ -660,6 +700,17 @@ ROWS = [
     ("save + flush, warm process (ms)", lambda m: m["save_flush_warm_ms"]["median"]),
     ("writer saves/s, first 10% of build", lambda m: m["writer"]["first_10pct"]),
     ("writer saves/s, last 10% of build", lambda m: m["writer"]["last_10pct"]),
+    (
+        "prompt tokens a save, first / last 10%",
+        lambda m: "{:.0f} / {:.0f}".format(
+            m["writer"]["first_tokens_per_save"], m["writer"]["last_tokens_per_save"]
+        ),
+    ),
+    ("saves until the traffic was warm", lambda m: m["writer"]["warm_saves"]),
+    (
+        "writer saves/s, first 10% once warm",
+        lambda m: m["writer"]["warm_first_10pct"],
+    ),
     (
         "start-up floor: import only (s / MB)",
         lambda m: (m["startup_floor"]["seconds"], m["startup_floor"]["max_rss_mb"]),
@@ -723,7 +774,7 @@ def _cpu_faults(runs: dict) -> str:
 def _value(get, m):
     try:
         return get(m)
-    except KeyError:  # not measured (``--cases``)
+    except (KeyError, TypeError):  # not measured (``--cases``, an older build)
         return None
 
 

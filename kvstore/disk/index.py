@@ -909,8 +909,15 @@ class Index:
         self._add_counters(txn, ns, rec, +1)
         return True
 
-    def touch(self, txn, ns: bytes, h: bytes, when: float):
+    def touch(self, txn, ns: bytes, h: bytes, when: float, *, resolution: float = 0):
+        """Set the access time of a stored node to ``when``, unless the one it has is
+        less than ``resolution`` seconds older (a read instead of a dirtied page)."""
         key = ns + h
+        if resolution > 0:
+            raw = txn.get(key, db=self.db["atime"])
+            if raw is not None and len(raw) == 8:
+                if when - struct.unpack("<d", raw)[0] < resolution:
+                    return
         if txn.get(key, db=self.db["nodes"]) is not None:
             txn.put(key, struct.pack("<d", when), db=self.db["atime"])
 

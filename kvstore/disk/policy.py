@@ -33,7 +33,12 @@ def disk_victims(nodes: Mapping[Hashable, DiskNode], excess: int) -> List[Hashab
     """Least recently used leaves, leaf-first, whose sizes add up to ``excess`` bytes.
 
     A parent whose last child goes becomes a leaf itself and competes by its own
-    access time, so the result never orphans a descendant. Pinned nodes never go.
+    access time, so the result never orphans a descendant. That is the order of due
+    times (a node's latest access in its subtree): children go in time order, so a
+    parent whose own time is older than its last child's is due now and goes next.
+    Its own time matters only when it is newer (a request ended there), which is why
+    the times of a request's ancestors need not be exact
+    (:data:`kvstore.engine.accesses.ANCESTOR_RESOLUTION_S`). Pinned nodes never go.
 
     Args:
         nodes: Every node of the store, by key.

@@ -2,11 +2,18 @@
 
 import threading
 import time
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 from ..disk.index import Index
 from . import payoff
 from .writer import BackgroundWriter
+
+# A node above the one a request ends at gets its access time rewritten at most this
+# often. Eviction takes a node's due time from its whole subtree (the ends' exact
+# times), so this only coarsens ``kvstore ls``'s ``last_use``; a save or restore of a
+# deep conversation rewrote hundreds of random index pages per request without it.
+ANCESTOR_RESOLUTION_S = 600.0
+_NOTED_MAX = 1 << 15  # ancestors remembered as noted (then forgotten all at once)
 
 
 class Accesses:
@@ -32,30 +39,43 @@ class Accesses:
         self.writer = writer
         self.rates = rates
         self._lock = threading.Lock()
-        self._touched: Dict[bytes, float] = {}
+        self._touched: Dict[bytes, Tuple[float, bool]] = {}  # (time, a path's end)
+        self._noted: Dict[bytes, float] = {}  # ancestors: when last noted here
         self.rates_kept: Optional[float] = None  # when the rates were last kept
         self._rates_due = False  # the rates go into the next write of accesses
 
-    def touch(self, hashes: Iterable[bytes]) -> None:
-        """Note an access to nodes ``hashes`` now."""
-        now = time.time()
+    def touch(self, path: Iterable[bytes]) -> None:
+        """Note an access now to the nodes of ``path``, root first: the last is where
+        the request ended (its time is exact), the others are its ancestors."""
+        now, stale = time.time(), time.time() - ANCESTOR_RESOLUTION_S
         with self._lock:
-            for h in hashes:
-                self._touched[h] = now
+            if len(self._noted) > _NOTED_MAX:
+                self._noted.clear()
+            last = None
+            for h in path:
+                # An ancestor noted within the resolution is not noted again (nor
+                # looked up in the index); an end noted before stays one.
+                if last is not None and self._noted.get(last, 0.0) < stale:
+                    self._noted[last] = now
+                    self._touched[last] = (now, self._touched.get(last, (0, False))[1])
+                last = h
+            if last is not None:
+                self._touched[last] = (now, True)
             many = len(self._touched) >= 256
         if many:
             self.writer.submit(self.flush)
 
-    def take(self) -> Dict[bytes, float]:
+    def take(self) -> Dict[bytes, Tuple[float, bool]]:
         """The accesses noted so far, which the caller then writes (:meth:`apply`)."""
         with self._lock:
             touched, self._touched = self._touched, {}
         return touched
 
-    def apply(self, txn, touched: Dict[bytes, float]) -> None:
+    def apply(self, txn, touched: Dict[bytes, Tuple[float, bool]]) -> None:
         """Write ``touched`` (and the rates, when due) in the write transaction ``txn``."""
-        for h, t in touched.items():
-            self.index.touch(txn, self.namespace, h, t)
+        for h, (t, end) in touched.items():
+            coarse = 0.0 if end else ANCESTOR_RESOLUTION_S
+            self.index.touch(txn, self.namespace, h, t, resolution=coarse)
         if self._rates_due:
             self._rates_due = False
             payoff.write_rates(txn, self.index.db["meta"], self.namespace, self.rates)
