@@ -504,11 +504,16 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         cache = threaded_cache()
         if cache is None:
             return 0, 0
-        return cache.held_and_stored(model_key, tokens, salt)
+        return cache.extent(model_key, tokens, salt)
+
+    def prefilled_instead():
+        cache = threaded_cache()
+        if cache is not None:
+            cache.count(prefilled_instead=1)
 
     generator = response_generator_class(
         prefetch_response_generator_class(
-            saved["ResponseGenerator"], prefetcher, prepare, extent
+            saved["ResponseGenerator"], prefetcher, prepare, extent, prefilled_instead
         ),
         router,
     )

@@ -502,6 +502,23 @@ class KVStore:
         root = self.parts.tree_of(salts.parse_salt(salt))[0]
         return self.parts.reads.stored_tokens(arr, root=root)
 
+    def estimate_past(
+        self, tokens, held: int, *, salt: salts.Salt = None
+    ) -> Tuple[int, Optional[float], Optional[float]]:
+        """``(stored, read_s, prefill_s)``: the tokens :meth:`lookup` gives, and the
+        estimated seconds to restore those past the first ``held`` and to prefill
+        them instead, by the measured rates (None while a rate is not known). Index
+        only, like :meth:`lookup`."""
+        arr = self.parts.tokens(tokens)
+        root = self.parts.tree_of(salts.parse_salt(salt))[0]
+        stored, nbytes = self.parts.reads.stored_past(arr, held, root=root)
+        rates = self.policy.rates
+        if stored <= held:
+            return stored, None, None
+        read_s = self.policy.read_seconds(nbytes) if rates.restore else None
+        prefill_s = (stored - held) / rates.prefill if rates.prefill else None
+        return stored, read_s, prefill_s
+
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """Tell the store that the model prefilled ``tokens`` tokens in ``seconds``
         (a generate loop's own measurement), for deciding what restores pay (see

@@ -11,7 +11,12 @@ import pytest
 from conftest import compute_cache, next_logits, random_tokens
 from serving import KEY, provider
 
-from kvstore.serve.prefetch import Prefetcher, prefetch_response_generator_class
+from kvstore.serve.prefetch import (
+    Backlog,
+    Prefetched,
+    Prefetcher,
+    prefetch_response_generator_class,
+)
 from kvstore.server import PersistentPromptCache
 
 pytestmark = pytest.mark.slow
@@ -204,17 +209,43 @@ def test_waiting_prefetches_are_bounded(stored, model, tokenizer):
     pc.close()
 
 
-def test_held_and_stored_reads_the_index_past_the_ram_copy(stored, model, tokenizer):
+def test_extent_reads_the_index_past_the_ram_copy(stored, model, tokenizer):
     path, tokens, salted = stored
     pc = restarted(path, model, tokenizer)
-    assert pc.held_and_stored(KEY, tokens + [5], None) == (0, 600)
-    assert pc.held_and_stored(KEY, random_tokens(50, seed=33), None) == (0, 0)
-    assert pc.held_and_stored(KEY, salted + [5], None) == (0, 0)  # another salt
-    assert pc.held_and_stored(KEY, salted + [5], "a") == (0, 600)
+    assert pc.extent(KEY, tokens + [5], None) == (0, 600, None, None, None)
+    assert pc.extent(KEY, random_tokens(50, seed=33), None)[:2] == (0, 0)
+    assert pc.extent(KEY, salted + [5], None)[:2] == (0, 0)  # another salt
+    assert pc.extent(KEY, salted + [5], "a")[:2] == (0, 600)
+    # With rates measured: what restoring the stored part and prefilling it take.
+    store = pc.open_store(KEY)
+    store.note_prefill(1000, 2.0)
+    store.policy.rates.restore, store.policy.rates.restore_fixed = 1e6, 0.01
+    ext = pc.extent(KEY, tokens + [5], None)
+    assert ext.prefill_s == pytest.approx(1.2) and ext.prefill_rate == 500
+    per_token = store.stats()["bytes_on_disk"] / 1200  # both prompts
+    assert ext.read_s == pytest.approx(0.01 + 600 * per_token / 1e6)
     # Once RAM holds the prompt the store adds nothing to it.
     pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
-    assert pc.held_and_stored(KEY, tokens + [5], None) == (600, 0)
+    assert pc.extent(KEY, tokens + [5], None)[:2] == (600, 0)
     pc.close()
+
+
+def test_backlog_prefills_a_returning_user_when_restores_queued_take_longer():
+    """Eight returning users at once, each restored in 0.26 s or prefilled in
+    0.46 s: every third is prefilled while the others' restores read, so the last
+    is ready at 1.38 s, not 2.08 s; a clock left idle starts again from now."""
+    now = [100.0]
+    backlog = Backlog(clock=lambda: now[0])
+    chosen = [backlog.restore_sooner(0.26, 0.46) for _ in range(8)]
+    assert chosen == [True, False, True, True, False, True, True, False]
+    assert backlog._reads_free == pytest.approx(101.30)
+    assert backlog._prefill_free == pytest.approx(101.38)
+    now[0] = 200.0
+    assert backlog.restore_sooner(0.26, 0.46)  # idle since: from now
+    backlog.prefill(5.0)  # a long prompt sent straight on
+    assert backlog.restore_sooner(0.26, 0.46)
+    assert backlog.restore_sooner(None, 0.01)  # no restore rate yet: restored
+    assert backlog.restore_sooner(0.26, None)
 
 
 def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
@@ -274,6 +305,62 @@ def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
     prefetcher.looking_up(requests["broken"])
     assert prefetcher.take() is None
     assert not hasattr(requests["new"], "kvstore_prefetch")
+    prefetcher.close()
+
+
+def test_returning_user_behind_busy_reads_goes_on_to_be_prefilled():
+    """When the restores queued before it would keep a returning user waiting
+    longer than prefilling its stored prefix, it goes straight on and its lookup
+    is told that the store adds nothing worth reading (no restore on the
+    generation thread); without a prefill rate every returning user is held."""
+    gate, went, prefilled = threading.Event(), [], []
+
+    class Base:
+        model_provider = SimpleNamespace(model=object(), tokenizer=object())
+        model_provider.model_key = KEY
+
+        def _tokenize(self, tokenizer, request, args):
+            return list(request.tokens), [list(request.tokens)], [0], None, None
+
+        def generate(self, request, args):
+            went.append(request.tokens[0])
+
+    def prepare(key, tokens, salt):
+        assert gate.wait(10)
+        return "restored"
+
+    rate = [None]
+
+    def extent(key, tokens, salt):  # 90 of 100 tokens stored, none in RAM
+        return 0, 90, 1.0, 2.5 if rate[0] else None, rate[0]
+
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Base, prefetcher, prepare, extent, lambda: prefilled.append(1)
+    )()
+    requests, threads = [], []
+    for i, r in enumerate((None, 90.0, 90.0)):
+        rate[0] = r
+        request = Request()
+        request.tokens = [i] + [7] * 99
+        requests.append(request)
+        threads.append(
+            threading.Thread(target=generator.generate, args=(request, None))
+        )
+        threads[-1].start()
+        time.sleep(0.1)
+    # The first two wait for their restores (one without a prefill rate, one
+    # whose read ends at 2 s, before 2.6 s of prefill); the third's would end at
+    # 3 s, the prefill of its prefix and the two others' rest at 2.7 s.
+    assert went == [2] and prefilled == [1]
+    prefetcher.looking_up(requests[2])
+    pre = prefetcher.take()
+    assert isinstance(pre, Prefetched)
+    assert (pre.tail, pre.held, pre.tokens) == (None, 0, requests[2].tokens)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert sorted(went) == [0, 1, 2]
     prefetcher.close()
 
 

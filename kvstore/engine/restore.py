@@ -214,12 +214,24 @@ class ReadPath:
     def stored_tokens(self, arr: np.ndarray, *, root: bytes) -> int:
         """How many tokens of ``arr`` a fetch would restore now (index only; 0 when
         the index is damaged, which the index logged once)."""
+        return self.stored_past(arr, len(arr), root=root)[0]
+
+    def stored_past(
+        self, arr: np.ndarray, held: int, *, root: bytes
+    ) -> Tuple[int, int]:
+        """``(stored, nbytes)``: :meth:`stored_tokens`, and the bytes of the nodes a
+        restore of the tokens past ``held`` would read (index only)."""
         try:
             path = self.find(arr, limit=len(arr) - 1, root=root)
         except IndexDamaged:
             self.counters.add(errors=1)
-            return 0
-        return sum(step.take for step in path)
+            return 0, 0
+        stored = nbytes = 0
+        for step in path:
+            stored += step.take
+            if stored > held:
+                nbytes += step.rec.total_bytes
+        return stored, nbytes
 
     def all_stored(self, arr: np.ndarray, *, root: bytes) -> Optional[List[Step]]:
         """The nodes holding all of ``arr`` (with the checkpoint at its end that a

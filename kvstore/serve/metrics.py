@@ -173,6 +173,13 @@ SERVER_METRICS = (
         "restores_prefetched",
     ),
     (
+        "kvstore_prefilled_instead",
+        "counter",
+        "Returning users prefilled because the restores queued before them would "
+        "have kept them waiting longer",
+        "prefilled_instead",
+    ),
+    (
         "kvstore_restores_shared",
         "counter",
         "Prefetched restores that copied a shared prefix from another request's",

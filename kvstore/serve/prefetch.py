@@ -14,7 +14,9 @@ the prompt is found first, on the HTTP thread, by the index alone:
 - the store holds over twice what RAM does (a returning user whose chat left RAM):
   the request reaches the generation thread only once its restore is ready, so
   the generation loop never waits for it and serves the requests that are ready
-  meanwhile;
+  meanwhile. When the restores already queued would make it wait longer than the
+  model would take to prefill it (:class:`Backlog`, by the measured rates: many
+  returning users at once on a GPU), it goes straight on to be prefilled instead;
 - RAM holds most of it (a chat's next turn): the request goes straight on while
   its tail is read or found cheaper to prefill, so that a burst of such requests
   reaches the generation thread together and is prefilled in one batch.
@@ -23,6 +25,8 @@ the prompt is found first, on the HTTP thread, by the index alone:
   request the generation thread is looking up, and the requests still being
   looked at on their HTTP threads: the generation thread, its queue empty, waits
   for them (a few ms each), so that requests arriving together join one batch.
+* :class:`Backlog`: when the store's reads and the model's prefill would be free,
+  given the work already sent to each.
 * :func:`prefetch_response_generator_class`: ``generate`` submits the request and
   waits for its restore; ``_tokenize`` keeps the request's tokens (computed once,
   by whichever thread comes first, under one lock: the tokenizer is not shared
@@ -35,11 +39,12 @@ started yet, RAM changed meanwhile) leaves the lookup to restore as before.
 
 import logging
 import threading
+import time
 import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 log = logging.getLogger("kvstore.server")
 
@@ -76,6 +81,62 @@ class Prefetched:
     joined: bool = False  # its first tokens copied from another request's restore
 
 
+class Extent(NamedTuple):
+    """What RAM and the store hold of an arriving request's prompt (the index
+    alone), and what getting the stored part past RAM would cost: None where a
+    rate is not measured yet."""
+
+    held: int  # tokens the RAM LRU would give now
+    stored: int  # tokens the store may give
+    read_s: Optional[float] = None  # restoring the stored tokens past ``held``
+    prefill_s: Optional[float] = None  # prefilling those tokens instead
+    prefill_rate: Optional[float] = None  # the model's, tokens/s
+
+
+class Backlog:
+    """When the store's reads and the model's prefill would next be free, given
+    the work sent to each: restores one after another at the measured byte rate
+    (their reads share the disk and the host-to-device copy), prompts sent straight
+    on at the measured prefill rate. A returning user takes whichever finishes its
+    stored prefix sooner: behind seven restores, the eighth is prefilled while they
+    read. A clock that was not needed for a while starts again from now."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reads_free = self._prefill_free = 0.0
+
+    def prefill(self, seconds: Optional[float]) -> None:
+        """Prefill work sent straight on (None or 0: none, or not estimated)."""
+        if seconds:
+            with self._lock:
+                self._prefill_free = max(self._clock(), self._prefill_free) + seconds
+
+    def read(self, seconds: Optional[float]) -> None:
+        """A restore started that is not weighed (a next turn's tail)."""
+        if seconds:
+            with self._lock:
+                self._reads_free = max(self._clock(), self._reads_free) + seconds
+
+    def restore_sooner(
+        self, read_s: Optional[float], prefill_s: Optional[float]
+    ) -> bool:
+        """Whether restoring (True) or prefilling (False) the stored prefix finishes
+        it sooner, counted on that clock; True while either rate is unknown."""
+        if read_s is None or prefill_s is None:
+            self.read(read_s)
+            return True
+        with self._lock:
+            now = self._clock()
+            read_done = max(now, self._reads_free) + read_s
+            prefill_done = max(now, self._prefill_free) + prefill_s
+            if read_done <= prefill_done:
+                self._reads_free = read_done
+                return True
+            self._prefill_free = prefill_done
+            return False
+
+
 class Prefetcher:
     """Runs prefetch jobs of arriving requests and hands their results to the
     generation thread's lookup of the same request.
@@ -96,6 +157,7 @@ class Prefetcher:
         self.tokenize_lock = threading.Lock()
         self._arrivals = threading.Condition()
         self._probing = 0  # requests tokenized and looked up before they queue
+        self.backlog = Backlog()
 
     @contextmanager
     def probing(self) -> Iterator[None]:
@@ -139,6 +201,21 @@ class Prefetcher:
             request.kvstore_prefetch = ticket
         except Exception:
             log.exception("kvstore: prefetch not started")
+
+    def settle(self, request, found: Prefetched) -> None:
+        """Give ``request``'s lookup ``found`` without running a job (HTTP thread): a
+        request sent on to be prefilled finds that the store adds nothing worth
+        reading. Never raises."""
+        try:
+            ticket, future = _Ticket(), Future()
+            future.set_result(found)
+            weakref.finalize(request, self._release, ticket)
+            with self._lock:
+                self._waiting += 1  # given back by _release, as a job's
+                ticket.future = future
+            request.kvstore_prefetch = ticket
+        except Exception:
+            log.exception("kvstore: prefetch not settled")
 
     def _release(self, ticket: "_Ticket") -> None:
         with self._lock:
@@ -211,7 +288,8 @@ def prefetch_response_generator_class(
     base,
     prefetcher: Prefetcher,
     prepare: Callable[[Any, List[int], Any], Any],
-    extent: Callable[[Any, List[int], Any], Tuple[int, int]],
+    extent: Callable[[Any, List[int], Any], Tuple],
+    on_prefill_instead: Callable[[], None] = lambda: None,
 ):
     """mlx-lm's ``ResponseGenerator`` that restores each arriving request's prefix
     before handing the request to the generation thread.
@@ -221,9 +299,11 @@ def prefetch_response_generator_class(
         prefetcher: Runs the jobs.
         prepare: ``prepare(model_key, tokens, salt)`` on a pool thread: the
             request's restore (:meth:`kvstore.server.PersistentPromptCache.prefetch`).
-        extent: ``extent(model_key, tokens, salt)`` on the HTTP thread: the
-            tokens RAM holds and those the store may give (the index alone; see
-            :meth:`kvstore.server.PersistentPromptCache.held_and_stored`).
+        extent: ``extent(model_key, tokens, salt)`` on the HTTP thread: an
+            :class:`Extent` (or its first fields) by the index alone; see
+            :meth:`kvstore.server.PersistentPromptCache.extent`.
+        on_prefill_instead: Called for a returning user sent on to be prefilled
+            (:class:`Backlog`).
     """
 
     class PrefetchingResponseGenerator(base):
@@ -250,14 +330,29 @@ def prefetch_response_generator_class(
                 found = self._kvstore_prompt(request, args)
                 if found is None:
                     return False
-                held, stored = extent(*found)
-                if stored <= held:
+                ext = Extent(*extent(*found))
+                rate, n = ext.prefill_rate, len(found[1])
+                backlog = prefetcher.backlog
+                if ext.stored <= ext.held:  # a new user: prefilled past RAM
+                    backlog.prefill((n - ext.held) / rate if rate else None)
                     return False
+                backlog.prefill((n - ext.stored) / rate if rate else None)
+                returning = ext.stored - ext.held > ext.held
+                if returning and not backlog.restore_sooner(ext.read_s, ext.prefill_s):
+                    key, tokens, salt = found
+                    prefetcher.settle(
+                        request,
+                        Prefetched(key, salt, list(tokens), ext.held, None, 0.0),
+                    )
+                    on_prefill_instead()
+                    return False
+                if not returning:
+                    backlog.read(ext.read_s)
             except Exception:
                 log.exception("kvstore: no prefetch")
                 return False
             prefetcher.submit(request, lambda: prepare(*found))
-            return stored - held > held
+            return returning
 
         def _kvstore_prompt(self, request, args):
             """``(model_key, tokens, salt)`` of a request to prefetch, or None."""

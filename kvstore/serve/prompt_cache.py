@@ -19,10 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..disk.salts import parse_salt
 from . import listener as serve_metrics
 from .metrics import ServeMetrics
-from .prefetch import (
-    Prefetched,
-    Prefetcher,
-)
+from .prefetch import Extent, Prefetched, Prefetcher
 from .request_salts import (
     UNKNOWN,
     SaltedCache,
@@ -52,6 +49,7 @@ _COUNTER_NAMES = (
     "restore_seconds",
     "restores_prefetched",
     "restores_shared",
+    "prefilled_instead",
     "saves",
     "saves_skipped",
     "saves_unattributed",
@@ -359,25 +357,28 @@ class PersistentPromptCache:
             joined=head is not None,
         )
 
-    def held_and_stored(self, model_key, tokens: List[int], salt) -> Tuple[int, int]:
-        """``(held, stored)``: the tokens of ``tokens`` that the RAM LRU would give
-        now and those the store may give (by the index alone, in about a
-        millisecond, so that an arriving request need not queue for a restore to
-        learn it; with a remote tier, all but the last). ``(0, 0)`` when the store
-        is not open or the salt is unknown; ``(held, 0)`` when RAM holds all the
-        store could give (all but the last token)."""
+    def extent(self, model_key, tokens: List[int], salt) -> Extent:
+        """The tokens of ``tokens`` that the RAM LRU would give now, those the store
+        may give, and the estimated seconds to restore the stored ones past RAM or
+        to prefill them, by the index alone (about a millisecond, so that an
+        arriving request need not queue for a restore to learn it; with a remote
+        tier, all but the last are counted as stored, at no estimate). ``(0, 0)``
+        when the store is not open or the salt is unknown; ``(held, 0)`` when RAM
+        holds all the store could give (all but the last token)."""
         salt = self._salt(salt, None)
         if salt is UNKNOWN:
-            return 0, 0
+            return Extent(0, 0)
         store = self._opened(model_key)
         if store is None:
-            return 0, 0
+            return Extent(0, 0)
         held = self._ram_held(model_key, tokens, salt)
+        rate = store.policy.rates.prefill
         if held >= len(tokens) - 1:
-            return held, 0
+            return Extent(held, 0, prefill_rate=rate)
         if store.remote is not None:
-            return held, len(tokens) - 1
-        return held, store.lookup(tokens, salt=salt)
+            return Extent(held, len(tokens) - 1, prefill_rate=rate)
+        stored, read_s, prefill_s = store.estimate_past(tokens, held, salt=salt)
+        return Extent(held, stored, read_s, prefill_s, rate)
 
     def _opened(self, model_key):
         """The store open for ``model_key``, or None: the prefetch paths never
