@@ -496,9 +496,11 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         return cache if cache is not None and cache.prefetcher is prefetcher else None
 
     # (A PersistentPromptCache holding no sequence is falsy: it has a length.)
-    def prepare(model_key, tokens, salt):
+    def prepare(model_key, tokens, salt, weigh=True):
         cache = threaded_cache()
-        return None if cache is None else cache.prefetch(model_key, tokens, salt)
+        if cache is None:
+            return None
+        return cache.prefetch(model_key, tokens, salt, weigh=weigh)
 
     def extent(model_key, tokens, salt):
         cache = threaded_cache()

@@ -357,7 +357,7 @@ class KVStore:
         return self.parts.reads.fetch(arr, root=root, started=tic)
 
     def fetch_beyond(
-        self, tokens, held: int, *, salt: salts.Salt = None
+        self, tokens, held: int, *, salt: salts.Salt = None, weigh: bool = True
     ) -> Optional[Tail]:
         """Restore the stored KV of ``tokens`` past the first ``held``, which the
         caller has in a cache of its own.
@@ -371,6 +371,9 @@ class KVStore:
             tokens: The prompt's token ids.
             held: Tokens of ``tokens`` the caller holds (0: none).
             salt: The tree to read (see :meth:`fetch`).
+            weigh: False: restore what is stored whatever the rates say (the caller
+                weighed it against its own queue: ``kvstore serve``'s restores of
+                returning users).
 
         Returns:
             A :class:`Tail` (``start <= held < end <= len(tokens) - 1``), or None
@@ -380,7 +383,9 @@ class KVStore:
         arr, tic = self.parts.tokens(tokens), time.perf_counter()
         _check_held(held)
         root = self.parts.before_fetch(arr, salts.parse_salt(salt))
-        return self.parts.tail.fetch_beyond(arr, held, root=root, started=tic)
+        return self.parts.tail.fetch_beyond(
+            arr, held, root=root, started=tic, weigh=weigh
+        )
 
     def join_tail(self, head: Sequence[Any], tail: Tail, *, query: int) -> List[Any]:
         """``head`` (a cache holding at least ``tail.start`` tokens) with ``tail``

@@ -265,10 +265,12 @@ def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
         def generate(self, request, args):
             went.append(request.name)
 
-    def prepare(key, tokens, salt):
+    def prepare(key, tokens, salt, weigh=True):
         if tokens[0] == 9:
             raise RuntimeError("disk on fire")
         assert gate.wait(10)
+        # A returning user's restore was weighed on arrival: not weighed again.
+        assert weigh == (tokens[0] != 1)
         return ("restored", tuple(tokens))
 
     extents = {1: (0, 90), 7: (0, 0), 9: (10, 90), 4: (60, 90)}  # (held, stored)
@@ -325,7 +327,7 @@ def test_returning_user_behind_busy_reads_goes_on_to_be_prefilled():
         def generate(self, request, args):
             went.append(request.tokens[0])
 
-    def prepare(key, tokens, salt):
+    def prepare(key, tokens, salt, weigh=True):
         assert gate.wait(10)
         return "restored"
 
@@ -390,7 +392,7 @@ def test_requests_arriving_while_the_model_loads_wait_for_it_then_prefetch():
     generator = prefetch_response_generator_class(
         Base,
         prefetcher,
-        lambda k, t, s: prepared.append((k, t)) or "restored",
+        lambda k, t, s, **kw: prepared.append((k, t)) or "restored",
         lambda k, t, s: (0, 90),
     )()
     loader = threading.Thread(target=load)

@@ -97,6 +97,9 @@ def test_tail_weighed_against_prefilling_the_difference(tmp_path, model, monkeyp
             store.fetch_beyond(stored + [1], 310) for _ in range(2 * EXPLORE_EVERY)
         ]
         assert tails == [None] * (2 * EXPLORE_EVERY)
+        # Weighed by the caller (a server against its queue): read all the same.
+        tail = store.fetch_beyond(stored + [1], 310, weigh=False)
+        assert (tail.start, tail.end) == (310 // C * C, 320)
 
 
 def store_arr(tokens):

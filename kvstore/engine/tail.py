@@ -87,13 +87,19 @@ class TailRead:
         self.counters = counters
 
     def fetch_beyond(
-        self, arr: np.ndarray, held: int, *, root: Callable[[], bytes], started: float
+        self,
+        arr: np.ndarray,
+        held: int,
+        *,
+        root: Callable[[], bytes],
+        started: float,
+        weigh: bool = True,
     ) -> Optional[Tail]:
         """``KVStore.fetch_beyond`` once its arguments are checked: the tree's root
         is ``root()``, the fetch began at ``started`` (a ``perf_counter``). Never
         raises for a broken store (a miss, logged and counted)."""
         try:
-            tail = self._fetch_beyond(arr, held, root=root())
+            tail = self._fetch_beyond(arr, held, root=root(), weigh=weigh)
         except Exception:
             log.exception("kvstore: fetch failed; treating it as a miss")
             self.counters.add(errors=1)
@@ -102,7 +108,9 @@ class TailRead:
         self.counters.fetched(len(arr), reused, time.perf_counter() - started)
         return tail
 
-    def _fetch_beyond(self, arr: np.ndarray, held: int, *, root) -> Optional[Tail]:
+    def _fetch_beyond(
+        self, arr: np.ndarray, held: int, *, root, weigh: bool
+    ) -> Optional[Tail]:
         path = self.reads.find(arr, limit=len(arr) - 1, root=root)
         end = sum(step.take for step in path)
         if end <= held:
@@ -123,6 +131,14 @@ class TailRead:
         decision = self.policy.decide(
             takes, costs, cuttable=not self.layout.has_state, explore=held == 0
         )
+        if not weigh and (not decision.restore or decision.nodes is not None):
+            prefill = self.policy.rates.prefill
+            decision = Decision(
+                True,
+                sum(takes),
+                self.policy.read_seconds(sum(costs)),
+                sum(takes) / prefill if prefill else None,
+            )
         if not decision.restore:
             self.policy.record(decision, nbytes=0, seconds=0.0)
             if self.policy.mode == "auto":

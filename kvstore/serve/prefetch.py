@@ -297,8 +297,10 @@ def prefetch_response_generator_class(
     Args:
         base: The class to extend.
         prefetcher: Runs the jobs.
-        prepare: ``prepare(model_key, tokens, salt)`` on a pool thread: the
-            request's restore (:meth:`kvstore.server.PersistentPromptCache.prefetch`).
+        prepare: ``prepare(model_key, tokens, salt[, weigh=False])`` on a pool
+            thread: the request's restore
+            (:meth:`kvstore.server.PersistentPromptCache.prefetch`); ``weigh=False``
+            for a returning user, whose restore :class:`Backlog` chose.
         extent: ``extent(model_key, tokens, salt)`` on the HTTP thread: an
             :class:`Extent` (or its first fields) by the index alone; see
             :meth:`kvstore.server.PersistentPromptCache.extent`.
@@ -351,7 +353,10 @@ def prefetch_response_generator_class(
             except Exception:
                 log.exception("kvstore: no prefetch")
                 return False
-            prefetcher.submit(request, lambda: prepare(*found))
+            if returning:  # weighed against the queue: restored as decided
+                prefetcher.submit(request, lambda: prepare(*found, weigh=False))
+            else:
+                prefetcher.submit(request, lambda: prepare(*found))
             return returning
 
         def _kvstore_prompt(self, request, args):

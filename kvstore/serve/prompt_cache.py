@@ -321,10 +321,14 @@ class PersistentPromptCache:
             log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
             self.count(saves_skipped=1, store_errors=1)
 
-    def prefetch(self, model_key, tokens: List[int], salt) -> Optional[Prefetched]:
+    def prefetch(
+        self, model_key, tokens: List[int], salt, *, weigh: bool = True
+    ) -> Optional[Prefetched]:
         """On a prefetch thread: restore what the store holds of ``tokens`` past
         the RAM LRU's copy, for the request's lookup to take (see
-        :mod:`kvstore.serve.prefetch`). Only a store already open is read."""
+        :mod:`kvstore.serve.prefetch`). Only a store already open is read.
+        ``weigh=False``: restored whatever the rates say of this request alone (it
+        was weighed against the queue on its arrival, :class:`Backlog`)."""
         tic = time.perf_counter()
         salt = self._salt(salt, None)
         store = self._opened(model_key)
@@ -338,9 +342,9 @@ class PersistentPromptCache:
             if held < len(tokens) - 1:
                 head = self.shared.head(other, common) if other is not None else None
                 if head is not None:
-                    tail = _joined_tail(store, tokens, head, common, salt)
+                    tail = _joined_tail(store, tokens, head, common, salt, weigh)
                 else:
-                    tail = _stored_tail(store, tokens, held, salt)
+                    tail = _stored_tail(store, tokens, held, salt, weigh)
         finally:
             self.shared.end(entry, tail)
         seconds = time.perf_counter() - tic
@@ -602,25 +606,25 @@ def _prefetched_tail(pre: Optional[Prefetched], model, tokens, ram_n: int, salt)
     return (tail if tail.end > ram_n else None), True
 
 
-def _stored_tail(store, tokens: List[int], ram_n: int, salt):
+def _stored_tail(store, tokens: List[int], ram_n: int, salt, weigh: bool = True):
     """What the store holds of ``tokens`` past a RAM copy of ``ram_n`` of them (a
     :class:`kvstore.engine.tail.Tail`: only the nodes past the copy are read), or None
-    when it holds no more or prefilling the difference is cheaper (by the
-    measured rates)."""
+    when it holds no more or (``weigh``) prefilling the difference is cheaper (by
+    the measured rates)."""
     # The index alone tells whether the store holds more (a remote tier may).
     if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
         return None
-    tail = store.fetch_beyond(tokens, ram_n, salt=salt)
+    tail = store.fetch_beyond(tokens, ram_n, salt=salt, weigh=weigh)
     return tail if tail is not None and tail.end > ram_n else None
 
 
-def _joined_tail(store, tokens: List[int], head, common: int, salt):
+def _joined_tail(store, tokens: List[int], head, common: int, salt, weigh: bool):
     """A whole-prefix restore of ``tokens`` from ``head`` (another request's restore,
     not yet used, sharing their first ``common`` tokens) and the stored nodes past
     those: fresh cache objects (the requests' generate loops write to their own)."""
     from ..engine.tail import Tail
 
-    rest = store.fetch_beyond(tokens, common, salt=salt)
+    rest = store.fetch_beyond(tokens, common, salt=salt, weigh=weigh)
     if rest is None or rest.end <= common:
         rest = Tail(head.cache, common, common)  # nothing more: the shared part only
     cache = store.join_tail(head.cache, rest, query=len(tokens))
