@@ -47,7 +47,8 @@ class Accesses:
     def touch(self, path: Iterable[bytes]) -> None:
         """Note an access now to the nodes of ``path``, root first: the last is where
         the request ended (its time is exact), the others are its ancestors."""
-        now, stale = time.time(), time.time() - ANCESTOR_RESOLUTION_S
+        now = time.time()
+        stale = now - ANCESTOR_RESOLUTION_S
         with self._lock:
             if len(self._noted) > _NOTED_MAX:
                 self._noted.clear()
