@@ -505,7 +505,7 @@ class KVStore:
         """
         arr = self.parts.tokens(tokens)
         root = self.parts.tree_of(salts.parse_salt(salt))[0]
-        return self.parts.reads.stored_tokens(arr, root=root)
+        return self.parts.reads.stored_past(arr, len(arr), root=root)[0]
 
     def estimate_past(
         self, tokens, held: int, *, salt: salts.Salt = None

@@ -100,6 +100,8 @@ def test_tail_weighed_against_prefilling_the_difference(tmp_path, model, monkeyp
         # Weighed by the caller (a server against its queue): read all the same.
         tail = store.fetch_beyond(stored + [1], 310, weigh=False)
         assert (tail.start, tail.end) == (310 // C * C, 320)
+        store.policy.mode = "never"  # but never against the user's restore="never"
+        assert store.fetch_beyond(stored + [1], 0, weigh=False) is None
 
 
 def store_arr(tokens):

@@ -295,9 +295,12 @@ class RestorePolicy:
         *,
         cuttable: bool = True,
         explore: bool = True,
+        weighed: bool = False,
     ) -> Decision:
         """What to restore of a stored path whose node ``i`` holds ``takes[i]`` of the
         prompt's tokens and costs ``nbytes[i]`` bytes to read (0 when it is in memory).
+        ``weighed``: the caller weighed the rates itself (a server against its
+        queue): the whole path is restored as in ``"always"`` mode, unless ``"never"``.
         ``explore=False``: a path chosen to be recomputed is never restored to measure
         the restore rate (a short tail past a caller's own copy rates mostly fixed
         costs, and in a server it holds up every request batched with it).
@@ -308,7 +311,7 @@ class RestorePolicy:
         """
         total = sum(takes)
         prefill = self.rates.prefill
-        if self.mode != "auto" or not prefill:
+        if self.mode != "auto" or not prefill or weighed:
             restore_s = self.read_seconds(sum(nbytes)) if self.rates.restore else None
             recompute_s = total / prefill if prefill else None
             return Decision(self.mode != "never", total, restore_s, recompute_s)

@@ -211,16 +211,12 @@ class ReadPath:
             guarded=True,  # searches, and children ranges it covers
         )
 
-    def stored_tokens(self, arr: np.ndarray, *, root: bytes) -> int:
-        """How many tokens of ``arr`` a fetch would restore now (index only; 0 when
-        the index is damaged, which the index logged once)."""
-        return self.stored_past(arr, len(arr), root=root)[0]
-
     def stored_past(
         self, arr: np.ndarray, held: int, *, root: bytes
     ) -> Tuple[int, int]:
-        """``(stored, nbytes)``: :meth:`stored_tokens`, and the bytes of the nodes a
-        restore of the tokens past ``held`` would read (index only)."""
+        """``(stored, nbytes)``: how many tokens of ``arr`` a fetch would restore now
+        (0 when the index is damaged, which the index logged once), and the bytes of
+        the nodes a restore of the tokens past ``held`` would read (index only)."""
         try:
             path = self.find(arr, limit=len(arr) - 1, root=root)
         except IndexDamaged:

@@ -129,16 +129,12 @@ class TailRead:
         # the whole prefixes that restores read teach it better, and on an H100
         # server one such tail held up the seven requests batched with it (0.3 s).
         decision = self.policy.decide(
-            takes, costs, cuttable=not self.layout.has_state, explore=held == 0
+            takes,
+            costs,
+            cuttable=not self.layout.has_state,
+            explore=held == 0,
+            weighed=not weigh,
         )
-        if not weigh and (not decision.restore or decision.nodes is not None):
-            prefill = self.policy.rates.prefill
-            decision = Decision(
-                True,
-                sum(takes),
-                self.policy.read_seconds(sum(costs)),
-                sum(takes) / prefill if prefill else None,
-            )
         if not decision.restore:
             self.policy.record(decision, nbytes=0, seconds=0.0)
             if self.policy.mode == "auto":

@@ -353,10 +353,8 @@ def prefetch_response_generator_class(
             except Exception:
                 log.exception("kvstore: no prefetch")
                 return False
-            if returning:  # weighed against the queue: restored as decided
-                prefetcher.submit(request, lambda: prepare(*found, weigh=False))
-            else:
-                prefetcher.submit(request, lambda: prepare(*found))
+            # A returning user was weighed against the queue: restored as decided.
+            prefetcher.submit(request, lambda: prepare(*found, weigh=not returning))
             return returning
 
         def _kvstore_prompt(self, request, args):
