@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the address --metrics-port listens on, IPv4 or IPv6 (default: 127.0.0.1)",
     )
     p.add_argument(
+        "--kvstore-log-level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="level of kvstore's own log lines (default: mlx_lm.server's "
+        "--log-level); DEBUG adds when each save is captured and written",
+    )
+    p.add_argument(
         "--api-metrics",
         action="store_true",
         help="also serve GET /metrics and /kvstore/stats on the API port (for a "
@@ -326,6 +332,8 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         parser.print_help()
         print("\nmlx_lm.server options:\n")
     args, rest = parser.parse_known_args(argv)
+    if args.kvstore_log_level:
+        logging.getLogger("kvstore").setLevel(args.kvstore_log_level)
     try:
         patterns, store_dir = _check_options(args)
     except _BadOption as e:

@@ -362,3 +362,42 @@ def test_the_loop_is_busy_until_it_rested_rest_s():
     assert activity.busy()
     threading.Event().wait(REST_S + 0.05)
     assert not activity.busy()
+
+
+def test_a_step_longer_than_rest_s_keeps_the_loop_busy():
+    """A batch step (one prefill of many long prompts) or a sequential request that
+    runs past REST_S keeps the loop busy until it ends: a save let in meanwhile
+    slowed the step by half on a GPU."""
+    from kvstore.serve.timing import (
+        REST_S,
+        Activity,
+        PrefillClock,
+        timed_batch_generator_class,
+        timed_response_generator_class,
+    )
+
+    activity = Activity()
+    seen = []
+
+    class Batch:
+        def next(self):
+            threading.Event().wait(REST_S + 0.1)
+            seen.append(activity.busy())
+            return ([], [])  # nothing came out of it: no touch
+
+    gen = timed_batch_generator_class(Batch, lambda *a: None, activity)()
+    gen.next()
+    assert seen == [True]
+    assert not activity.busy()  # it did no work, and no step runs now
+
+    class Responses:
+        def _serve_single(self, request, stream):
+            threading.Event().wait(REST_S + 0.1)
+            seen.append(activity.busy())
+
+    cls = timed_response_generator_class(
+        Responses, object, PrefillClock(), lambda *a: None, activity
+    )
+    cls()._serve_single(("not", "a request"), None)
+    assert seen == [True, True]
+    assert not activity.busy()

@@ -415,3 +415,14 @@ def test_prefetch_threads_option():
     assert p.parse_known_args([])[0].prefetch_threads == 2
     with pytest.raises(SystemExit):
         p.parse_known_args(["--prefetch-threads", "0"])
+
+
+def test_kvstore_log_level_option():
+    from kvstore.server import build_parser
+
+    p = build_parser()
+    args = p.parse_known_args(["--kvstore-log-level", "DEBUG"])[0]
+    assert args.kvstore_log_level == "DEBUG"
+    assert p.parse_known_args([])[0].kvstore_log_level is None  # mlx-lm's level
+    with pytest.raises(SystemExit):
+        p.parse_known_args(["--kvstore-log-level", "LOUD"])

@@ -220,7 +220,7 @@ def stream(port: int, body: dict) -> dict:
     A connection reset before any response (the HTTP server's listen backlog is 5:
     16 clients connecting at once can overflow it) is retried; the time counts.
     """
-    tic = time.perf_counter()
+    tic, sent_at = time.perf_counter(), time.time()
     for retries in range(5):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
         try:
@@ -260,6 +260,7 @@ def stream(port: int, body: dict) -> dict:
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {
         "ttft": times[0] - tic if times else end - tic,
+        "sent_at": sent_at,  # the wall clock, to match a server's log lines
         "seconds": end - tic,
         "tokens": len(times),
         "max_gap": max(gaps, default=0.0),

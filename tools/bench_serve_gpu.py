@@ -507,6 +507,7 @@ def round_record(results: List[dict], wall: float) -> dict:
             {
                 "user": user,
                 "ttft_s": r["ttft"],
+                "sent_at": r.get("sent_at"),
                 "seconds": r["seconds"],
                 "prompt_tokens": r["prompt"],
                 "cached_tokens": r["cached"],

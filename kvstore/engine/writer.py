@@ -109,8 +109,15 @@ class BackgroundWriter:
                 return
             job, nbytes = item
             self._job_started = time.monotonic()
+            yielded = self.yielded_s
             try:
                 job()
+                log.debug(
+                    "kvstore: wrote %d bytes in %.1f ms (%.1f ms of it yielding)",
+                    nbytes,
+                    1e3 * (time.monotonic() - self._job_started),
+                    1e3 * (self.yielded_s - yielded),
+                )
             # The store stopped taking writes: said once (damage: by the index).
             except StoreError as e:
                 self.failed += 1

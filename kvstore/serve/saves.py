@@ -10,10 +10,11 @@ captures on a thread of its own:
   never changes it) after evaluating it there;
 * a queued save whose tokens a later one of the same tree extends is merged into
   it (the later save writes every node the earlier one would have);
-* a save waits while the generation loop is busy (``busy()``: it did work within
-  :data:`kvstore.serve.timing.REST_S`): its device-to-host copies and the writer's
-  work slow the decoding of every stream (with CUDA, a stream decoded at 0.80-0.85x of
-  its speed while KV moved to the host beside it). It goes ahead once the loop rests,
+* a save waits while the generation loop is busy (``busy()``: a step runs, or it
+  did work within :data:`kvstore.serve.timing.REST_S`): its device-to-host copies
+  and the writer's work slow the decoding of every stream (with CUDA, a stream
+  decoded at 0.80-0.85x of its speed while KV moved to the host beside it, and a
+  batch's prefill step took 1.5-2x as long). It goes ahead once the loop rests,
   after :data:`MAX_DEFER_S`, while more than :data:`MAX_HELD` saves wait, once
   mlx-lm's RAM cache no longer holds its cache (evicted, or replaced by a longer
   entry: then the save alone keeps that KV in memory, which mlx-lm no longer counts),
@@ -190,7 +191,16 @@ class SaveQueue:
                 with self._cond:
                     if self._jobs:
                         self._busy = True
-                        return self._jobs.popleft()
+                        job = self._jobs.popleft()
+                        log.debug(
+                            "kvstore: save of %d tokens goes ahead after %.0f ms "
+                            "(%d queued%s)",
+                            job.held,
+                            1e3 * (time.monotonic() - job.queued_at),
+                            waiting,
+                            ", hurried" if hurry else "",
+                        )
+                        return job
                 continue
             if self._held is not oldest:
                 self._held = oldest
@@ -216,9 +226,15 @@ class SaveQueue:
         """Capture ``job`` once its store's writer has room for it; one the writer
         refuses all the same (counted there) waits and is tried again, while its
         prefix is in RAM or its KV is kept (:meth:`_wait`)."""
+        tic = time.monotonic()
         try:
             self._save_when_room(job)
         finally:
+            log.debug(
+                "kvstore: save of %d tokens captured in %.1f ms",
+                job.held,
+                1e3 * (time.monotonic() - tic),
+            )
             self._evicted_bytes -= job.evicted_bytes
             job.evicted_bytes = 0
 

@@ -13,15 +13,16 @@ by what it measured before (the store keeps the rate):
 
 Each measurement goes to a callback (the prompt cache's ``note_prefill``); a
 failure there is logged, never raised into mlx-lm's generation thread. Both paths
-also tell an :class:`Activity` when the loop did work, so that saves can wait for
-it to rest (:mod:`kvstore.serve.saves`).
+also tell an :class:`Activity` while a step runs and when the loop did work, so that
+saves can wait for it to rest (:mod:`kvstore.serve.saves`).
 """
 
 import logging
 import math
 import threading
 import time
-from typing import Callable, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator, Optional
 
 log = logging.getLogger("kvstore.server")
 
@@ -40,14 +41,31 @@ def _report(on_prefill: OnPrefill, tokens: int, seconds: float) -> None:
 
 
 class Activity:
-    """When mlx-lm's generation loop last did work: a batch step that processed
-    prompt tokens or generated any, or a token of a sequential request."""
+    """When mlx-lm's generation loop last did work (a batch step that processed
+    prompt tokens or generated any, or a token of a sequential request), and
+    whether a step runs now: one prefill step of a batch of long prompts takes
+    longer than :data:`REST_S` (0.3-0.6 s for 8 users' next turns on an H200), and
+    a save let in meanwhile slowed that step by half."""
 
     def __init__(self):
         self._last: Optional[float] = None
+        self._running = 0
+        self._lock = threading.Lock()
 
     def touch(self) -> None:
         self._last = time.monotonic()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """The loop works for as long as this lasts (a batch step, a sequential
+        request), whatever it returns."""
+        with self._lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
 
     def idle_for(self) -> float:
         """Seconds since the loop last did work (infinite: it never did)."""
@@ -55,8 +73,8 @@ class Activity:
         return math.inf if last is None else time.monotonic() - last
 
     def busy(self) -> bool:
-        """Whether the loop did work within the last :data:`REST_S`."""
-        return self.idle_for() < REST_S
+        """Whether a step runs, or the loop did work within the last :data:`REST_S`."""
+        return self._running > 0 or self.idle_for() < REST_S
 
 
 def _did_work(out) -> bool:
@@ -76,6 +94,13 @@ def timed_batch_generator_class(
 
     class TimedBatchGenerator(base):
         def next(self, *args, **kwargs):
+            with activity.step() if activity is not None else nullcontext():
+                out = self._timed_next(*args, **kwargs)
+            if activity is not None and _did_work(out):
+                activity.touch()
+            return out
+
+        def _timed_next(self, *args, **kwargs):
             stats = getattr(self, "stats", None)
             if stats is None:  # an mlx-lm without the counters: nothing measured
                 out = super().next(*args, **kwargs)
@@ -85,8 +110,6 @@ def timed_batch_generator_class(
                 tokens = getattr(window, "prompt_tokens", 0)
                 if tokens:
                     _report(on_prefill, tokens, getattr(window, "prompt_time", 0.0))
-            if activity is not None and _did_work(out):
-                activity.touch()
             return out
 
     return TimedBatchGenerator
@@ -162,6 +185,7 @@ def timed_response_generator_class(
                 )
             except (TypeError, ValueError):
                 pass  # another shape of request: served untimed
-            return super()._serve_single(request, *args, **kwargs)
+            with activity.step() if activity is not None else nullcontext():
+                return super()._serve_single(request, *args, **kwargs)
 
     return TimedResponseGenerator
