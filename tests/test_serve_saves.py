@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from conftest import compute_cache, random_tokens
+from conftest import assert_same_as_cold, compute_cache, random_tokens
 from serving import KEY, provider
 
 from kvstore import KVStore
@@ -243,10 +243,10 @@ def left_ram(why: str):
     return lambda j: j.cache
 
 
-@pytest.mark.parametrize("why", ["max_defer", "evicted", "replaced", "flush", "close"])
+@pytest.mark.parametrize("why", ["max_defer", "evicted", "flush", "close"])
 def test_a_save_waits_for_rest_only_so_long(tmp_path, model, why):
     """A busy loop holds a save back no longer than max_defer_s, not at all once
-    mlx-lm's RAM cache no longer holds the save's own cache (the save alone keeps
+    mlx-lm's RAM cache no longer holds the save's tokens (the save alone keeps
     that memory then), and never past a flush or a close."""
     tokens = random_tokens(100, seed=49)
     counts, loop = Counts(), Loop()
@@ -275,7 +275,7 @@ def test_a_save_waits_for_rest_only_so_long(tmp_path, model, why):
                 threading.Event().wait(0.05)
         store.flush()
         assert store.lookup(tokens + [1]) == 100
-        at_once = why in ("evicted", "replaced")
+        at_once = why == "evicted"
         assert counts.get("saves_held", 0) == (0 if at_once else 1)
         q.close()
 
@@ -401,3 +401,36 @@ def test_a_step_longer_than_rest_s_keeps_the_loop_busy():
     cls()._serve_single(("not", "a request"), None)
     assert seen == [True, True]
     assert not activity.busy()
+
+
+def test_a_save_replaced_in_ram_by_a_longer_entry_keeps_waiting_with_its_kv(
+    tmp_path, model
+):
+    """mlx-lm drops a chat's last turn from its LRU when the next prompt's cache is
+    stored: the turn's save, held while the loop works, keeps waiting (it went ahead
+    mid-prefill before), now holding the longer entry's KV instead of its own, and
+    is saved from it once the loop rests."""
+    tokens = random_tokens(100, seed=51)
+    longer = tokens + random_tokens(40, seed=52)
+    longer_cache = compute_cache(model, longer)
+    counts, loop = Counts(), Loop()
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        q = SaveQueue(in_ram=lambda j: longer_cache, count=counts, busy=loop.busy)
+        held = job(store, tokens, compute_cache(model, tokens))
+        q.put(held)
+        for _ in range(100):
+            if counts.get("saves_held"):
+                break
+            threading.Event().wait(0.02)
+        threading.Event().wait(0.2)  # a few polls more: still waiting
+        assert q.queued == 1 and counts.get("saves_held") == 1
+        assert held.cache is longer_cache
+        loop.working = False
+        for _ in range(100):
+            if q.queued == 0:
+                break
+            threading.Event().wait(0.05)
+        store.flush()
+        assert store.lookup(longer + [1]) == 100  # its own tokens, no more
+        assert_same_as_cold(model, store, tokens + random_tokens(5, seed=53), 100)
+        q.close()

@@ -305,12 +305,18 @@ class PersistentPromptCache:
         # the cache with the last generated token, which was never fed) is saved for
         # the tokens it does hold.
         if self.saves is not None:
+            tic = time.perf_counter()
             evaluate(prompt_cache)  # here: the save thread reads finished arrays only
             job = SaveJob(
                 store, model, list(tokens), held, prompt_cache, cache_type, salt
             )
             self.saves.put(job)
             self.count(saves=1)
+            log.debug(
+                "kvstore: save of %d tokens queued in %.1f ms",
+                held,
+                1e3 * (time.perf_counter() - tic),
+            )
             return
         try:
             store.save_prefix(

@@ -16,10 +16,12 @@ captures on a thread of its own:
   decoded at 0.80-0.85x of its speed while KV moved to the host beside it, and a
   batch's prefill step took 1.5-2x as long). It goes ahead once the loop rests,
   after :data:`MAX_DEFER_S`, while more than :data:`MAX_HELD` saves wait, once
-  mlx-lm's RAM cache no longer holds its cache (evicted, or replaced by a longer
-  entry: then the save alone keeps that KV in memory, which mlx-lm no longer counts),
-  and at a flush or close; meanwhile later turns of the same conversation merge into
-  it;
+  mlx-lm's RAM cache no longer holds its tokens (evicted: then the save alone keeps
+  that KV in memory, which mlx-lm does not count), and at a flush or close. While a
+  longer entry holds them (mlx-lm drops a trimmable cache's prefixes when it stores
+  a longer one: a chat's last turn when its next prompt is prefilled) it waits with
+  that entry's KV instead of its own. Meanwhile later turns of the same
+  conversation merge into it;
 * while the writer is full a save waits, and is retried when the writer drains:
   from its own RAM entry, or from a longer entry that replaced it (mlx-lm drops a
   trimmable cache's prefixes when it stores a longer one: a system prompt's entry
@@ -217,7 +219,15 @@ class SaveQueue:
             return False
         try:
             # Checked while the loop works only: a search of the RAM cache's trie.
-            return self._busy_loop() and self._in_ram(oldest) is oldest.cache
+            if not self._busy_loop():
+                return False
+            cache = self._in_ram(oldest)
+            if cache is None:
+                return False  # evicted: the job alone holds its KV, uncounted
+            # A longer entry replaced its own (mlx-lm drops a trimmable cache's
+            # prefixes): it waits with that entry's KV, and its own can be freed.
+            oldest.cache = cache
+            return True
         except Exception:
             log.exception("kvstore: cannot tell whether the generation loop rests")
             return False
