@@ -306,7 +306,7 @@ class PersistentPromptCache:
         # the tokens it does hold.
         if self.saves is not None:
             tic = time.perf_counter()
-            evaluate(prompt_cache)  # scheduled here: the save thread reads no lazy graph
+            evaluate(prompt_cache)  # here: the save thread reads finished arrays only
             job = SaveJob(
                 store, model, list(tokens), held, prompt_cache, cache_type, salt
             )
