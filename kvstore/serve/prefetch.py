@@ -189,33 +189,36 @@ class Prefetcher:
 
     def submit(self, request, job: Callable[[], Optional[Prefetched]]) -> None:
         """Start ``job`` for ``request`` (HTTP thread); never raises."""
+        self._attach(request, lambda: self._pool.submit(job), bounded=True)
+
+    def settle(self, request, found: Prefetched) -> None:
+        """Give ``request``'s lookup ``found`` without running a job (HTTP thread): a
+        request sent on to be prefilled finds that the store adds nothing worth
+        reading. Not refused past ``max_waiting``: the lookup would restore
+        instead. Never raises."""
+
+        def settled() -> Future:
+            future = Future()
+            future.set_result(found)
+            return future
+
+        self._attach(request, settled, bounded=False)
+
+    def _attach(self, request, future: Callable[[], Future], *, bounded: bool) -> None:
+        """Give ``request`` a ticket holding ``future()``, counted as waiting until
+        :meth:`_release`; ``bounded``: none past ``max_waiting`` or once closed."""
         try:
             ticket = _Ticket()
             # Released when taken, or when a request that is never looked up goes.
             weakref.finalize(request, self._release, ticket)
             with self._lock:
-                if self._closed or self._waiting >= self._max_waiting:
+                if bounded and (self._closed or self._waiting >= self._max_waiting):
                     return
                 self._waiting += 1
-                ticket.future = self._pool.submit(job)
+                ticket.future = future()
             request.kvstore_prefetch = ticket
         except Exception:
             log.exception("kvstore: prefetch not started")
-
-    def settle(self, request, found: Prefetched) -> None:
-        """Give ``request``'s lookup ``found`` without running a job (HTTP thread): a
-        request sent on to be prefilled finds that the store adds nothing worth
-        reading. Never raises."""
-        try:
-            ticket, future = _Ticket(), Future()
-            future.set_result(found)
-            weakref.finalize(request, self._release, ticket)
-            with self._lock:
-                self._waiting += 1  # given back by _release, as a job's
-                ticket.future = future
-            request.kvstore_prefetch = ticket
-        except Exception:
-            log.exception("kvstore: prefetch not settled")
 
     def _release(self, ticket: "_Ticket") -> None:
         with self._lock:
