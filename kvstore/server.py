@@ -66,6 +66,7 @@ from .serve.request_salts import (
     missing_hooks,
     response_generator_class,
 )
+from .serve.saves import StepHeldSaves
 from .serve.timing import (
     Activity,
     PrefillClock,
@@ -468,7 +469,9 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         )
         cache.prefill_clock = clock
         cache.activity = activity
-        if not cache.use_threads(prefetcher):
+        if cache.use_threads(prefetcher):
+            cache.step_held = StepHeldSaves()  # queued at the loop's top
+        else:
             log.warning(
                 "kvstore: this mlx-lm's LRU cannot be searched: restores and saves "
                 "run on the generation thread"
@@ -516,6 +519,11 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             return 0, 0
         return cache.extent(model_key, tokens, salt)
 
+    def loop_top(idle: bool) -> None:
+        cache = threaded_cache()
+        if cache is not None:
+            cache.loop_top(idle=idle)
+
     def prefilled_instead():
         cache = threaded_cache()
         if cache is not None:
@@ -523,7 +531,12 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
 
     generator = response_generator_class(
         prefetch_response_generator_class(
-            saved["ResponseGenerator"], prefetcher, prepare, extent, prefilled_instead
+            saved["ResponseGenerator"],
+            prefetcher,
+            prepare,
+            extent,
+            prefilled_instead,
+            loop_top,
         ),
         router,
     )

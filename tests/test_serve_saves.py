@@ -322,7 +322,8 @@ def test_a_full_ram_cache_holds_saves_back_until_it_evicts_theirs(
 
 def test_the_batch_path_tells_when_the_loop_works():
     """A BatchGenerator step that returned responses touches the activity; an
-    empty step (nothing to do) does not."""
+    empty step (nothing to do) does not. Each step counts, and says whether it
+    processed prompt tokens (returned prompt responses)."""
     from kvstore.serve.timing import Activity, timed_batch_generator_class
 
     class Base:
@@ -340,6 +341,10 @@ def test_the_batch_path_tells_when_the_loop_works():
     gen.out = ([], ["a token"])
     gen.next()
     assert activity.idle_for() < 1.0
+    assert (activity.steps, activity.prefilling) == (2, False)
+    gen.out = (["progress"], [])
+    gen.next()
+    assert (activity.steps, activity.prefilling) == (3, True)
 
 
 def test_the_store_writer_steps_aside_while_the_loop_works(tmp_path, model, tokenizer):
@@ -434,3 +439,83 @@ def test_a_save_replaced_in_ram_by_a_longer_entry_keeps_waiting_with_its_kv(
         assert store.lookup(longer + [1]) == 100  # its own tokens, no more
         assert_same_as_cold(model, store, tokens + random_tokens(5, seed=53), 100)
         q.close()
+
+
+def test_saves_of_a_batch_step_are_held_until_the_loop_decodes_or_rests(
+    tmp_path, model, tokenizer
+):
+    """The caches a batch step stores are copied out for their saves, together, at
+    the loop's top once a step has run since that processed no prompt (the first
+    tokens are out), once the loop has rested, after MAX_STEPS_HELD steps, and at
+    close, whatever is left. They are saved as a cold run computes them."""
+    from kvstore.serve import saves
+    from kvstore.serve.timing import REST_S, Activity
+
+    a, b, c, d = (random_tokens(70 + 10 * i, seed=60 + i) for i in range(4))
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    assert pc.use_threads(Prefetcher())
+    pc.activity, pc.step_held = Activity(), saves.StepHeldSaves()
+    act = pc.activity
+
+    def step(prefilling: bool):
+        with act.step():
+            pass
+        act.prefilling = prefilling
+        act.touch()
+
+    pc.open_store(KEY)
+    step(prefilling=True)  # the step that ends a's prompt
+    pc.insert_cache(KEY, a, compute_cache(model, a), salt="t")
+    pc.loop_top(idle=False)
+    step(prefilling=True)  # a's last prompt token: its first token
+    pc.loop_top(idle=False)
+    assert (pc.stats()["saves"], pc.stats()["saves_queued"], len(pc.step_held)) == (
+        1,
+        0,
+        1,
+    )
+    step(prefilling=False)  # decoding
+    pc.loop_top(idle=False)
+    assert len(pc.step_held) == 0
+
+    # A finished chat's cache, the loop idle: held until it has rested.
+    pc.insert_cache(KEY, b, compute_cache(model, b), salt="t")
+    pc.loop_top(idle=True)
+    assert len(pc.step_held) == 1
+    time.sleep(REST_S + 0.05)
+    pc.loop_top(idle=True)
+    assert len(pc.step_held) == 0
+
+    # Prompts all the time: held MAX_STEPS_HELD steps at most.
+    pc.insert_cache(KEY, c, compute_cache(model, c), salt="u")
+    for _ in range(saves.MAX_STEPS_HELD - 1):
+        step(prefilling=True)
+        pc.loop_top(idle=False)
+    assert len(pc.step_held) == 1
+    step(prefilling=True)
+    pc.loop_top(idle=False)
+    assert len(pc.step_held) == 0
+
+    pc.insert_cache(KEY, d, compute_cache(model, d), salt=None)
+    pc.close()  # the loop has ended: d is saved with the rest
+    with KVStore(tmp_path / "s", model, tokenizer) as s2:
+        for tokens, salt in ((a, "t"), (b, "t"), (c, "u"), (d, None)):
+            assert s2.lookup(tokens + [1], salt=salt) == len(tokens)
+        assert_same_as_cold(model, s2, d + [1, 2], len(d))
+
+
+def test_a_flush_waits_for_the_loop_to_queue_its_held_saves(tmp_path, model, tokenizer):
+    from kvstore.serve.saves import StepHeldSaves
+
+    tokens = random_tokens(90, seed=64)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    assert pc.use_threads(Prefetcher())
+    pc.step_held = StepHeldSaves()
+    store = pc.open_store(KEY)
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt="t")
+    loop = threading.Timer(0.3, lambda: pc.loop_top(idle=True))  # never stepped
+    loop.start()
+    pc.flush()  # returns once the loop (here a timer) queued and saved it
+    loop.join()
+    assert store.lookup(tokens + [1], salt="t") == 90
+    pc.close()

@@ -293,6 +293,7 @@ def prefetch_response_generator_class(
     prepare: Callable[[Any, List[int], Any], Any],
     extent: Callable[[Any, List[int], Any], Tuple],
     on_prefill_instead: Callable[[], None] = lambda: None,
+    on_loop_top: Callable[[bool], None] = lambda idle: None,
 ):
     """mlx-lm's ``ResponseGenerator`` that restores each arriving request's prefix
     before handing the request to the generation thread.
@@ -309,6 +310,9 @@ def prefetch_response_generator_class(
             :meth:`kvstore.server.PersistentPromptCache.extent`.
         on_prefill_instead: Called for a returning user sent on to be prefilled
             (:class:`Backlog`).
+        on_loop_top: Called on the generation thread at the top of each turn of its
+            loop (``_next_request``), with whether the loop has no batch to step
+            (it then waits for requests with a timeout).
     """
 
     class PrefetchingResponseGenerator(base):
@@ -322,6 +326,7 @@ def prefetch_response_generator_class(
             return super().generate(request, generation_args, *args, **kwargs)
 
         def _next_request(self, timeout=None):
+            on_loop_top(timeout is not None)
             queue = getattr(self, "requests", None)
             if not getattr(self, "_is_distributed", False) and queue is not None:
                 if queue.empty():

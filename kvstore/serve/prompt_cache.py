@@ -25,12 +25,9 @@ from .request_salts import (
     SaltedCache,
     SaltRouter,
 )
-from .saves import SaveJob, SaveQueue, evaluate
+from .saves import SaveJob, SaveQueue, StepHeldSaves, evaluate_all
 from .shared import SharedRestores
-from .timing import (
-    Activity,
-    PrefillClock,
-)
+from .timing import REST_S, Activity, PrefillClock
 
 log = logging.getLogger("kvstore.server")
 
@@ -62,6 +59,9 @@ _COUNTER_NAMES = (
     "rejected_requests",
 )
 
+# How long a flush waits for the generation loop to queue the saves it holds (it
+# does once it has rested REST_S, at its next turn: 0.1 s apart while it idles).
+FLUSH_WAIT_S = 5.0
 _FROM_REQUEST = object()  # the salt of the request being served (SaltRouter)
 
 
@@ -134,8 +134,10 @@ class PersistentPromptCache:
         # those whose prefix one in progress shares.
         self.prefetcher: Optional[Prefetcher] = None
         self.shared = SharedRestores()
-        # Saves captured off the generation thread (kvstore serve sets one).
+        # Saves captured off the generation thread (kvstore serve sets one), and
+        # those its batch loop holds for a step (set with the loop's hook).
         self.saves: Optional[SaveQueue] = None
+        self.step_held: Optional[StepHeldSaves] = None
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -305,18 +307,14 @@ class PersistentPromptCache:
         # the cache with the last generated token, which was never fed) is saved for
         # the tokens it does hold.
         if self.saves is not None:
-            tic = time.perf_counter()
-            evaluate(prompt_cache)  # here: the save thread reads finished arrays only
             job = SaveJob(
                 store, model, list(tokens), held, prompt_cache, cache_type, salt
             )
-            self.saves.put(job)
             self.count(saves=1)
-            log.debug(
-                "kvstore: save of %d tokens queued in %.1f ms",
-                held,
-                1e3 * (time.perf_counter() - tic),
-            )
+            if self.step_held is not None:
+                self.step_held.hold(job, steps=self.activity.steps)
+            else:
+                self._queue_saves([job])
             return
         try:
             store.save_prefix(
@@ -326,6 +324,40 @@ class PersistentPromptCache:
         except Exception as e:
             log.warning("kvstore: not saved (%s: %s)", type(e).__name__, e)
             self.count(saves_skipped=1, store_errors=1)
+
+    def loop_top(self, *, idle: bool) -> None:
+        """At the top of each turn of the generation loop (on its thread): queue the
+        saves :attr:`step_held` holds that are due (``idle``: the loop has no batch
+        to step). Never raises."""
+        if self.step_held is None or not len(self.step_held):
+            return
+        act = self.activity
+        try:
+            jobs = self.step_held.due(
+                steps=act.steps,
+                decoding=not act.prefilling,
+                rested=idle and act.idle_for() >= REST_S,
+            )
+            self._queue_saves(jobs)
+        except Exception:
+            log.exception("kvstore: held saves were not queued")
+            self.count(saves_skipped=1, store_errors=1)
+
+    def _queue_saves(self, jobs: List[SaveJob]) -> None:
+        """Evaluate the jobs' caches here (the save thread reads finished arrays
+        only), together, and queue them."""
+        if not jobs:
+            return
+        tic = time.perf_counter()
+        evaluate_all([job.cache for job in jobs])
+        for job in jobs:
+            self.saves.put(job)
+        log.debug(
+            "kvstore: %d save(s) of %s tokens queued in %.1f ms",
+            len(jobs),
+            "/".join(str(job.held) for job in jobs),
+            1e3 * (time.perf_counter() - tic),
+        )
 
     def prefetch(
         self, model_key, tokens: List[int], salt, *, weigh: bool = True
@@ -537,6 +569,8 @@ class PersistentPromptCache:
 
     def flush(self) -> None:
         """Wait until every queued write of every open store is on disk."""
+        if self.step_held is not None and not self.step_held.wait_empty(FLUSH_WAIT_S):
+            log.warning("kvstore: the generation loop did not queue its held saves")
         if self.saves is not None:
             self.saves.flush()
         with self._lock:
@@ -552,6 +586,8 @@ class PersistentPromptCache:
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self.saves is not None:
+            if self.step_held is not None:  # the generation loop has ended
+                self._queue_saves(self.step_held.take())
             self.saves.close()  # hands every queued save to its store's writer
         with self._lock:
             stores, self._stores = [

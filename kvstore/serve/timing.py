@@ -50,6 +50,8 @@ class Activity:
     def __init__(self):
         self._last: Optional[float] = None
         self._running = 0
+        self.steps = 0  # steps run to their end
+        self.prefilling = False  # the last batch step processed prompt tokens
         self._lock = threading.Lock()
 
     def touch(self) -> None:
@@ -66,6 +68,7 @@ class Activity:
         finally:
             with self._lock:
                 self._running -= 1
+                self.steps += 1
 
     def idle_for(self) -> float:
         """Seconds since the loop last did work (infinite: it never did)."""
@@ -85,6 +88,12 @@ def _did_work(out) -> bool:
     return bool(out)
 
 
+def _prompt_work(out) -> bool:
+    """Whether a ``BatchGenerator.next()`` step processed prompt tokens (mlx-lm's
+    prompt responses; an older one that returns one list: taken as not)."""
+    return isinstance(out, tuple) and bool(out[0])
+
+
 def timed_batch_generator_class(
     base, on_prefill: OnPrefill, activity: Optional[Activity] = None
 ):
@@ -96,8 +105,10 @@ def timed_batch_generator_class(
         def next(self, *args, **kwargs):
             with activity.step() if activity is not None else nullcontext():
                 out = self._timed_next(*args, **kwargs)
-            if activity is not None and _did_work(out):
-                activity.touch()
+            if activity is not None:
+                activity.prefilling = _prompt_work(out)
+                if _did_work(out):
+                    activity.touch()
             return out
 
         def _timed_next(self, *args, **kwargs):
