@@ -87,6 +87,36 @@ def test_save_waits_for_a_full_writer_instead_of_being_dropped(tmp_path, model):
         q.close()
 
 
+def test_a_save_that_leaves_a_stored_node_midway_waits_for_room_for_it_whole(
+    tmp_path, model
+):
+    """A prompt that matches a stored node only in part is saved from that node's
+    start (a new sibling): the room a save needs counts those tokens, so it waits
+    for a writer with room for them too, instead of being dropped there and tried
+    again."""
+    other = random_tokens(2 * C, seed=70)  # two whole nodes
+    tokens = other[: C + 8] + random_tokens(60, seed=71)  # leaves node 2 after 8
+    counts, gate = Counts(), threading.Event()
+    with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
+        store.save(other, compute_cache(model, other))
+        store.flush()
+        assert store.lookup(tokens) == C + 8
+        tb = store.parts.shapes.token_bytes
+        # Room for the 60 tokens past the matched prefix, not for the 68 past its
+        # last whole node.
+        store.writer.max_pending_bytes = (1 << 20) + 64 * tb
+        assert store.writer.submit(gate.wait, 1 << 20)
+        q = SaveQueue(in_ram=lambda j: j.cache, count=counts)
+        q.put(job(store, tokens, compute_cache(model, tokens)))
+        threading.Timer(0.3, gate.set).start()
+        q.flush()
+        store.flush()
+        assert counts == {"saves_deferred": 1}
+        assert store.stats()["writes_dropped"] == 0
+        assert_same_as_cold(model, store, tokens + [1], len(tokens))
+        q.close()
+
+
 def test_deferred_save_whose_prefix_left_ram_keeps_its_kv_within_the_bound(
     tmp_path, model
 ):

@@ -376,12 +376,16 @@ class SaveQueue:
 def _room_for(job: SaveJob) -> bool:
     """Whether the store's writer takes the job's new tokens now: it refuses a
     save that would take the bytes waiting past ``max_pending_bytes`` (unless
-    nothing waits). The new tokens are those past the stored prefix."""
+    nothing waits). The new tokens are those past the last stored node the prompt
+    uses whole (at most: a node may also end where a segment does)."""
     writer = job.store.writer
     pending = writer.pending_bytes
     if not pending:
         return True
     stored = job.store.lookup(job.tokens[: job.held + 1], salt=job.salt)
+    # A stored node the prompt leaves midway is not extended: the save writes a new
+    # sibling from that node's start.
+    stored -= stored % job.store.chunk_tokens
     need = max(0, job.held - stored) * job.store.parts.shapes.token_bytes
     return pending + need <= writer.max_pending_bytes
 
