@@ -650,22 +650,26 @@ class Blobs:
                 pass
         return sum(sizes) if sizes else None
 
-    def remove(self, ns: bytes, h: bytes) -> None:
-        """Unlink node ``h``'s files (both parts).
+    def remove(self, ns: bytes, h: bytes) -> bool:
+        """Unlink node ``h``'s files (both parts); whether there was one.
 
         Raises:
             OSError: a part could not be unlinked (the other part was tried too).
         """
         if not self._real_dirs(ns, h):
-            return
-        error = None
+            return False
+        error, removed = None, False
         for part in (DELTA_PART, STATE_PART):
             try:
-                fsutil.unlink_if_exists(self.path(ns, h, part))
+                os.unlink(self.path(ns, h, part))
+                removed = True
+            except FileNotFoundError:
+                pass
             except OSError as e:
                 error = error or e
         if error is not None:
             raise error
+        return removed
 
     def quarantine(self, ns: bytes, h: bytes, reason: str) -> Optional[str]:
         """Move a broken node's files aside (with a note saying why); None if gone."""

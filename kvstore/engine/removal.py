@@ -192,7 +192,9 @@ class Removal:
         for (ns, h), _ in evicted:
             if ns == self.namespace:
                 self.forget(h)
-        maintenance.release_files(self.index, self.blobs, [key for key, _ in evicted])
+        maintenance.release_files(
+            self.index, self.blobs, [key for key, _ in evicted], sizes=False
+        )
         self.counters.add(nodes_evicted=len(evicted))
 
     def enforce_disk_budget(self) -> None:

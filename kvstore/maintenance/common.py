@@ -182,6 +182,7 @@ def release_files(
     *,
     quarantine: Optional[Mapping[Key, str]] = None,
     deleted_in: Optional[int] = None,
+    sizes: bool = True,
 ) -> Released:
     """Second step of a deletion: unlink (or quarantine) the files of deleted nodes.
 
@@ -197,6 +198,8 @@ def release_files(
         quarantine: For the nodes whose file is broken: the reason, and the file is
             moved to the quarantine directory instead of being unlinked.
         deleted_in: The id of the write transaction that deleted them, if known.
+        sizes: Count the unlinked files' bytes (a look at each file first); False
+            for callers that know them from the records (``bytes`` stays 0).
 
     Returns:
         Counts of what was unlinked and where quarantined files went.
@@ -216,15 +219,15 @@ def release_files(
                     shed.tick()  # each lookup maps pages all over the index
                     if txn.get(ns + h, db=index.db["nodes"]) is not None:
                         continue  # re-added meanwhile: the file is its again
-                size = blobs.size(ns, h)
+                reason = quarantine.get((ns, h))
+                size = blobs.size(ns, h) if sizes or reason is not None else 0
                 if size is None:
                     continue
-                reason = quarantine.get((ns, h))
                 try:
                     if reason is None:
-                        blobs.remove(ns, h)
-                        done.unlinked += 1
-                        done.bytes += size
+                        if blobs.remove(ns, h):
+                            done.unlinked += 1
+                            done.bytes += size
                     else:
                         where = blobs.quarantine(ns, h, reason)
                         if where:
@@ -426,7 +429,9 @@ def evict_to_budget(
 
             gone = index.write(evict, frees=True)
             keys = [key for key, _ in gone]
-            released = release_files(index, blobs, keys, deleted_in=committed[0])
+            released = release_files(
+                index, blobs, keys, deleted_in=committed[0], sizes=False
+            )
             result.unremovable += released.failed
             result.nodes += len(gone)
             result.bytes += sum(rec.total_bytes for _, rec in gone)
