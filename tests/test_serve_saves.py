@@ -69,22 +69,29 @@ def test_save_covered_by_a_later_one_is_merged(tmp_path, model):
         q.close()
 
 
+def save_behind(store, model, tokens, gate) -> Counts:
+    """Queue a save of ``tokens`` while ``gate`` holds the store's writer, open it
+    0.3 s later: the queue's counts once the save is written."""
+    counts = Counts()
+    q = SaveQueue(in_ram=lambda j: j.cache, count=counts)
+    q.put(job(store, tokens, compute_cache(model, tokens)))
+    threading.Timer(0.3, gate.set).start()
+    q.flush()
+    store.flush()
+    q.close()
+    return counts
+
+
 def test_save_waits_for_a_full_writer_instead_of_being_dropped(tmp_path, model):
     tokens = random_tokens(100, seed=44)
-    counts, gate = Counts(), threading.Event()
+    gate = threading.Event()
     with KVStore(
         tmp_path / "s", model, chunk_tokens=C, max_pending_bytes=1 << 20
     ) as store:
-        q = SaveQueue(in_ram=lambda j: j.cache, count=counts)
         fill_writer(store, gate)
-        q.put(job(store, tokens, compute_cache(model, tokens)))
-        threading.Timer(0.3, gate.set).start()
-        q.flush()
-        store.flush()
-        assert counts == {"saves_deferred": 1}
+        assert save_behind(store, model, tokens, gate) == {"saves_deferred": 1}
         assert store.stats()["writes_dropped"] == 0
         assert store.lookup(tokens + [1]) == 100
-        q.close()
 
 
 def test_a_save_that_leaves_a_stored_node_midway_waits_for_room_for_it_whole(
@@ -96,7 +103,7 @@ def test_a_save_that_leaves_a_stored_node_midway_waits_for_room_for_it_whole(
     again."""
     other = random_tokens(2 * C, seed=70)  # two whole nodes
     tokens = other[: C + 8] + random_tokens(60, seed=71)  # leaves node 2 after 8
-    counts, gate = Counts(), threading.Event()
+    gate = threading.Event()
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:
         store.save(other, compute_cache(model, other))
         store.flush()
@@ -106,15 +113,9 @@ def test_a_save_that_leaves_a_stored_node_midway_waits_for_room_for_it_whole(
         # last whole node.
         store.writer.max_pending_bytes = (1 << 20) + 64 * tb
         assert store.writer.submit(gate.wait, 1 << 20)
-        q = SaveQueue(in_ram=lambda j: j.cache, count=counts)
-        q.put(job(store, tokens, compute_cache(model, tokens)))
-        threading.Timer(0.3, gate.set).start()
-        q.flush()
-        store.flush()
-        assert counts == {"saves_deferred": 1}
+        assert save_behind(store, model, tokens, gate) == {"saves_deferred": 1}
         assert store.stats()["writes_dropped"] == 0
         assert_same_as_cold(model, store, tokens + [1], len(tokens))
-        q.close()
 
 
 def test_deferred_save_whose_prefix_left_ram_keeps_its_kv_within_the_bound(
