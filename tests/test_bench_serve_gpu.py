@@ -93,8 +93,18 @@ def test_chat_load_end_to_end(tmp_path):
     assert prompts["plain"] == prompts["kvstore-fresh"][:6]
     # Restarted: every round-1 prompt comes back from the store (all but its last
     # token), where plain computed it.
-    first = phases["kvstore-dropped"]["rounds"][0]["requests"]
-    assert all(q["cached_tokens"] >= q["prompt_tokens"] - 2 for q in first), first
+    # Unless the server weighed prefilling one cheaper (the Backlog, restore="auto":
+    # on a tiny model both take milliseconds, and a busy machine can tip them).
+    dropped = phases["kvstore-dropped"]
+    first = dropped["rounds"][0]["requests"]
+    missed = sum(q["cached_tokens"] < q["prompt_tokens"] - 2 for q in first)
+    weighed = dropped["kvstore"]["prefilled_instead"]
+    weighed += dropped["store"]["recomputes_chosen"]
+    assert missed <= weighed and missed < len(first), (
+        [(q["cached_tokens"], q["prompt_tokens"]) for q in first],
+        dropped["kvstore"],
+        dropped["store"],
+    )
     assert phases["kvstore-dropped"]["kvstore"]["disk_hits"] >= 3
     assert phases["kvstore-dropped"]["log_lines"].get("disk", 0) >= 3
     assert phases["kvstore-fresh"]["store"]["nodes_written"] > 0

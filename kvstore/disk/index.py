@@ -870,21 +870,26 @@ class Index:
 
     def delete_node(self, txn, ns: bytes, h: bytes) -> Optional[NodeRecord]:
         """Remove one node (not its children) inside a write transaction."""
-        key = ns + h
-        raw = txn.get(key, db=self.db["nodes"])
+        raw = txn.get(ns + h, db=self.db["nodes"])
         if raw is None:
             return None
         try:
             rec = NodeRecord.decode(bytes(raw))
         except CorruptRecord:
             rec = None
+        self.delete_read_node(txn, ns, h, rec)
+        return rec
+
+    def delete_read_node(self, txn, ns: bytes, h: bytes, rec: Optional[NodeRecord]):
+        """:meth:`delete_node` of a node whose record this write transaction has just
+        read: ``rec`` (None: it did not decode)."""
+        key = ns + h
         txn.delete(key, db=self.db["nodes"])
         txn.delete(key, db=self.db["atime"])
         txn.delete(key, db=self.db["pins"])
         if rec is not None:
             txn.delete(child_key(ns, rec.parent, rec.tokens, h), db=self.db["children"])
             self._add_counters(txn, ns, rec, -1)
-        return rec
 
     def replace_node(self, txn, ns: bytes, h: bytes, rec: NodeRecord) -> None:
         """Rewrite an existing node's record (same tokens and parent), e.g. to add a

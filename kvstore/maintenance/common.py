@@ -423,7 +423,7 @@ def evict_to_budget(
                         and (pinned_last or not rec.pinned)
                         and not index.has_children(txn, ns, h)
                     ):
-                        index.delete_node(txn, ns, h)
+                        index.delete_read_node(txn, ns, h, rec)
                         gone.append(((ns, h), rec))
                 return gone
 
