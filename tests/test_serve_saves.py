@@ -535,9 +535,18 @@ def test_saves_of_a_batch_step_are_held_until_the_loop_decodes_or_rests(
         assert_same_as_cold(model, s2, d + [1, 2], len(d))
 
 
-def test_a_flush_waits_for_the_loop_to_queue_its_held_saves(tmp_path, model, tokenizer):
+def test_a_flush_waits_for_the_loop_to_queue_its_held_saves(
+    tmp_path, model, tokenizer, monkeypatch
+):
+    """Also while the loop copies them out (slowed here): a save the loop has taken
+    but not queued yet is still waited for."""
+    from kvstore.serve import prompt_cache
     from kvstore.serve.saves import StepHeldSaves
 
+    real = prompt_cache.evaluate_all
+    monkeypatch.setattr(
+        prompt_cache, "evaluate_all", lambda caches: time.sleep(0.3) or real(caches)
+    )
     tokens = random_tokens(90, seed=64)
     pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
     assert pc.use_threads(Prefetcher())

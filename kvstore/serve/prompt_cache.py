@@ -332,16 +332,18 @@ class PersistentPromptCache:
         if self.step_held is None or not len(self.step_held):
             return
         act = self.activity
+        jobs = self.step_held.due(
+            steps=act.steps,
+            decoding=not act.prefilling,
+            rested=idle and act.idle_for() >= REST_S,
+        )
         try:
-            jobs = self.step_held.due(
-                steps=act.steps,
-                decoding=not act.prefilling,
-                rested=idle and act.idle_for() >= REST_S,
-            )
             self._queue_saves(jobs)
         except Exception:
             log.exception("kvstore: held saves were not queued")
-            self.count(saves_skipped=1, store_errors=1)
+            self.count(saves_skipped=len(jobs), store_errors=1)
+        finally:
+            self.step_held.handed(len(jobs))
 
     def _queue_saves(self, jobs: List[SaveJob]) -> None:
         """Evaluate the jobs' caches here (the save thread reads finished arrays
@@ -587,7 +589,11 @@ class PersistentPromptCache:
             self.prefetcher.close()
         if self.saves is not None:
             if self.step_held is not None:  # the generation loop has ended
-                self._queue_saves(self.step_held.take())
+                jobs = self.step_held.take()
+                try:
+                    self._queue_saves(jobs)
+                finally:
+                    self.step_held.handed(len(jobs))
             self.saves.close()  # hands every queued save to its store's writer
         with self._lock:
             stores, self._stores = [

@@ -99,6 +99,7 @@ class StepHeldSaves:
 
     def __init__(self):
         self._jobs: List[tuple] = []  # (job, the steps the loop had run when held)
+        self._handing = 0  # taken by due(), not yet queued (handed())
         self._cond = threading.Condition()
 
     def hold(self, job: SaveJob, *, steps: int) -> None:
@@ -122,12 +123,18 @@ class StepHeldSaves:
         with self._cond:
             out = [j for j, mark in self._jobs if go(mark)]
             self._jobs = [(j, m) for j, m in self._jobs if not go(m)]
-            if not self._jobs:
-                self._cond.notify_all()
+            self._handing += len(out)
         return out
 
+    def handed(self, n: int) -> None:
+        """``n`` saves :meth:`due` gave are queued (or failed): a flush waits for
+        them until then."""
+        with self._cond:
+            self._handing -= n
+            self._cond.notify_all()
+
     def take(self) -> List[SaveJob]:
-        """Every held save (the loop has ended)."""
+        """Every held save (the loop has ended); :meth:`handed` once queued."""
         return self.due(steps=0, decoding=True, rested=True)
 
     def __len__(self) -> int:
@@ -137,7 +144,9 @@ class StepHeldSaves:
     def wait_empty(self, timeout: float) -> bool:
         """Wait until the loop has queued every held save; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs, timeout)
+            return self._cond.wait_for(
+                lambda: not self._jobs and not self._handing, timeout
+            )
 
 
 class SaveQueue:
