@@ -661,10 +661,7 @@ class Blobs:
         error, removed = None, False
         for part in (DELTA_PART, STATE_PART):
             try:
-                os.unlink(self.path(ns, h, part))
-                removed = True
-            except FileNotFoundError:
-                pass
+                removed = fsutil.unlink_if_exists(self.path(ns, h, part)) or removed
             except OSError as e:
                 error = error or e
         if error is not None:

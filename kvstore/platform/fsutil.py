@@ -496,12 +496,13 @@ def unlock_byte(fd: int, offset: int) -> None:
             pass
 
 
-def unlink_if_exists(path: str) -> None:
-    """Remove the file at ``path``; nothing when there is none."""
+def unlink_if_exists(path: str) -> bool:
+    """Remove the file at ``path``; whether there was one."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def remove_leftovers(directory: str, prefix: str, *, older_than_s: float) -> None:
