@@ -7,7 +7,8 @@ holds up every stream being decoded, and while the writer is behind by more than
 captures on a thread of its own:
 
 * the generation thread only queues the cache (already in mlx-lm's RAM LRU, which
-  never changes it) after evaluating it there;
+  never changes it) after evaluating it there; the caches a batch step stores wait
+  for that in :class:`StepHeldSaves` until the loop decodes or rests;
 * a queued save whose tokens a later one of the same tree extends is merged into
   it (the later save writes every node the earlier one would have);
 * a save waits while the generation loop is busy (``busy()``: a step runs, or it
