@@ -472,6 +472,43 @@ def test_a_save_replaced_in_ram_by_a_longer_entry_keeps_waiting_with_its_kv(
         q.close()
 
 
+def test_a_waiting_save_takes_kv_only_from_an_entry_the_loop_evaluated(
+    tmp_path, model, tokenizer
+):
+    """The longer RAM entry that replaced a waiting save's own gives the save its KV
+    only once the generation thread has evaluated it (queued that entry's own
+    save): evaluated on the save thread, a lazy entry races the generation loop, and
+    on CUDA the save failed ("There is no Stream(gpu, 0) in current thread")."""
+    from kvstore.serve import saves
+    from kvstore.serve.timing import Activity
+
+    a = random_tokens(70, seed=80)
+    longer = a + random_tokens(30, seed=81)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    assert pc.use_threads(Prefetcher())
+    pc.activity = act = Activity()
+    store = pc.open_store(KEY)
+    a_cache = compute_cache(model, a)
+    pc.insert_cache(KEY, a, a_cache, salt="t")  # queued at once: no batch loop
+    waiting = SaveJob(store, KEY, list(a), len(a), a_cache, "assistant", "t")
+    assert pc._save_in_ram(waiting) is a_cache
+
+    pc.step_held = saves.StepHeldSaves()  # the batch loop's: held for a step
+    longer_cache = compute_cache(model, longer)
+    pc.insert_cache(KEY, longer, longer_cache, salt="t")
+    assert len(pc.step_held) == 1
+    assert pc._save_in_ram(waiting) is None  # a's entry is gone, longer's is held
+
+    with act.step():  # a decoding step: the held save is copied out and queued
+        pass
+    act.prefilling = False
+    act.touch()
+    pc.loop_top(idle=False)
+    assert len(pc.step_held) == 0
+    assert pc._save_in_ram(waiting) is longer_cache
+    pc.close()
+
+
 def test_saves_of_a_batch_step_are_held_until_the_loop_decodes_or_rests(
     tmp_path, model, tokenizer
 ):
@@ -545,7 +582,7 @@ def test_a_flush_waits_for_the_loop_to_queue_its_held_saves(
 
     real = prompt_cache.evaluate_all
     monkeypatch.setattr(
-        prompt_cache, "evaluate_all", lambda caches: time.sleep(0.3) or real(caches)
+        prompt_cache, "evaluate_all", lambda *a: time.sleep(0.3) or real(*a)
     )
     tokens = random_tokens(90, seed=64)
     pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))

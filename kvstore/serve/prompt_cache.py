@@ -25,7 +25,7 @@ from .request_salts import (
     SaltedCache,
     SaltRouter,
 )
-from .saves import SaveJob, SaveQueue, StepHeldSaves, evaluate_all
+from .saves import SaveJob, SaveQueue, Settled, StepHeldSaves, evaluate_all
 from .shared import SharedRestores
 from .timing import REST_S, Activity, PrefillClock
 
@@ -138,6 +138,7 @@ class PersistentPromptCache:
         # those its batch loop holds for a step (set with the loop's hook).
         self.saves: Optional[SaveQueue] = None
         self.step_held: Optional[StepHeldSaves] = None
+        self._settled = Settled()  # caches of queued saves, evaluated
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -351,7 +352,7 @@ class PersistentPromptCache:
         if not jobs:
             return
         tic = time.perf_counter()
-        evaluate_all([job.cache for job in jobs])
+        evaluate_all([job.cache for job in jobs], self._settled)
         for job in jobs:
             self.saves.put(job)
         log.debug(
@@ -478,20 +479,22 @@ class PersistentPromptCache:
     def _save_in_ram(self, job: SaveJob) -> Optional[List[Any]]:
         """The RAM LRU cache holding the tokens ``job`` saves (a deferred save): its
         own entry, or a longer entry of the same tokens (mlx-lm drops a trimmable
-        cache's prefixes when it stores a longer one); None when none holds them."""
+        cache's prefixes when it stores a longer one); None when none holds them,
+        or the one that does is not evaluated yet (:class:`Settled`)."""
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         with self._lru_lock:
             trie = self._lru._trie
             found = trie.search(_ram_key(job.model_key, job.salt), job.tokens)
             if found.exact is not None:
-                return trie.get(found.model, found.exact).prompt_cache
-            if found.longer is None or found.common_prefix < job.held:
+                cache = trie.get(found.model, found.exact).prompt_cache
+            elif found.longer is None or found.common_prefix < job.held:
                 return None
-            entry = trie.get(found.model, found.longer)
-            if not can_trim_prompt_cache(entry.prompt_cache):
-                return None  # state layers: the longer cache cannot give a prefix
-            return entry.prompt_cache
+            else:
+                cache = trie.get(found.model, found.longer).prompt_cache
+                if not can_trim_prompt_cache(cache):
+                    return None  # state layers: the longer cache cannot give a prefix
+        return cache if cache is job.cache or cache in self._settled else None
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """The server prefilled ``tokens`` prompt tokens in ``seconds``: the open

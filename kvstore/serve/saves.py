@@ -37,6 +37,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, List, Optional
 
@@ -404,16 +405,44 @@ def _writes_dropped(store) -> int:
     return store.parts.counters.snapshot().writes_dropped
 
 
-def evaluate_all(caches: List[List[Any]]) -> None:
+class Settled:
+    """The caches whose arrays the generation thread has evaluated (queued saves'):
+    the only RAM entries a waiting save may take its KV from on the save thread.
+    MLX evaluates a lazy array on the thread that asks for it, which races the
+    generation thread, and on CUDA fails there ("There is no Stream(gpu, 0) in
+    current thread": a fresh entry still held for its own save). Layers are kept
+    by weak reference; a layer that takes none is never settled."""
+
+    def __init__(self):
+        self._layers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def add(self, cache: List[Any]) -> None:
+        try:
+            self._layers.update(cache)
+        except TypeError:
+            pass
+
+    def __contains__(self, cache) -> bool:
+        try:
+            return bool(cache) and all(layer in self._layers for layer in cache)
+        except TypeError:
+            return False
+
+
+def evaluate_all(caches: List[List[Any]], settled: Optional[Settled] = None) -> None:
     """Evaluate several caches in one ``mx.eval`` (one wait for the device instead of
-    one each); a cache that fails it is evaluated alone (:func:`evaluate`)."""
+    one each); a cache that fails it is evaluated alone (:func:`evaluate`). Those
+    evaluated go to ``settled``."""
     import mlx.core as mx
 
     try:
         mx.eval([c.state for cache in caches for c in cache])
+        done = caches
     except Exception:
-        for cache in caches:
-            evaluate(cache)
+        done = [cache for cache in caches if evaluate(cache) is None]
+    if settled is not None:
+        for cache in done:
+            settled.add(cache)
 
 
 def evaluate(cache: List[Any]) -> Optional[BaseException]:
