@@ -293,3 +293,34 @@ def test_probe_restore_decode_runs_every_case_on_the_cpu(tmp_path):
     }
     assert [s["restored"] for s in samples["restore"]] == [299, 299]
     assert all(s["a"]["tok_s"] > 0 and s["b"]["tok_s"] > 0 for s in samples["cold"])
+
+
+def test_sample_stacks_records_a_launched_server_and_lets_sigterm_end_it(tmp_path):
+    """``--sample-stacks``: the launcher samples every busy thread's stack into
+    BENCH_STACKS and times each BatchGenerator step; SIGTERM (how the benchmark
+    stops a server) flushes the file and still ends the process at once."""
+    import signal
+    import time
+
+    sys.path.insert(0, os.path.dirname(tool.__file__))
+    import stack_sampler
+
+    out = tmp_path / "stacks.jsonl"
+    env = dict(os.environ, BENCH_STACKS=str(out))
+    body = "import time\nwhile True: sum(range(10000)); time.sleep(0.001)"
+    proc = subprocess.Popen(
+        [sys.executable, tool.__file__, "--launch", "timeit", "-n", "1", body],
+        env=env,
+    )
+    deadline = time.monotonic() + 120  # mlx-lm's import first, then the body
+    while "<timeit-src>" not in (out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    tic = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) != 0  # ended by the signal, not by a timeout
+    assert time.monotonic() - tic < 10
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    main = [s for s in lines if s.get("thread") == "MainThread" and "stack" in s]
+    assert any("<timeit-src>:inner" in s["stack"][0] for s in main)
+    stack_sampler.main([str(out), "--thread", "Main", "--top", "3"])

@@ -422,6 +422,8 @@ class Phase:
         tic = time.perf_counter()
         name = "kvstore" if phase.startswith("kvstore") else "plain"
         server = None
+        if self.args.sample_stacks:
+            os.environ["BENCH_STACKS"] = os.path.join(log_dir, f"{name}-stacks.jsonl")
         try:
             server = Server(
                 name, self.command(phase, store), log_dir, launcher=self.launcher
@@ -880,7 +882,16 @@ def launch(argv: List[str]) -> None:
     """``python -m MODULE ARGS`` without PyTorch (transformers would import it: 10+ s)."""
     import runpy
 
+    stacks = os.environ.get("BENCH_STACKS")
+    if stacks:  # --sample-stacks
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from stack_sampler import StackSampler
+
+        sampler = StackSampler(stacks)
+        sampler.start()
     sys.modules["torch"] = None
+    if stacks:
+        sampler.trace_steps()
     sys.argv = argv
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
@@ -911,6 +922,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ban-below", type=int, default=17, help="ids banned by logit bias")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument(
+        "--sample-stacks",
+        action="store_true",
+        help="each server samples its threads' stacks into LOGS/PHASE/NAME-stacks.jsonl "
+        "(tools/stack_sampler.py)",
+    )
     p.add_argument(
         "--drop-caches",
         choices=("auto", "skip"),
