@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from conftest import assert_same_as_cold, compute_cache, random_tokens
+from conftest import assert_same_as_cold, compute_cache, next_logits, random_tokens
 from serving import KEY, provider
 
 from kvstore import KVStore
@@ -506,6 +506,42 @@ def test_a_waiting_save_takes_kv_only_from_an_entry_the_loop_evaluated(
     pc.loop_top(idle=False)
     assert len(pc.step_held) == 0
     assert pc._save_in_ram(waiting) is longer_cache
+    pc.close()
+
+
+def test_a_lookup_reuses_the_kv_a_waiting_save_holds_once_ram_evicted_it(
+    tmp_path, model, tokenizer, monkeypatch
+):
+    """mlx-lm's LRU evicted a chat's entry while its save still waits (16 users fill
+    its 10 entries while the writer waits for the loop to rest): the chat's next
+    turn takes the KV the save holds, as a cold run computes it, instead of
+    prefilling it all again; never another salt's."""
+    import mlx.core as mx
+
+    gate = threading.Event()
+    real = SaveQueue._save
+    monkeypatch.setattr(
+        SaveQueue, "_save", lambda self, job: gate.wait(30) and real(self, job)
+    )
+    a, b = random_tokens(80, seed=90), random_tokens(60, seed=91)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer), max_size=1)
+    assert pc.use_threads(Prefetcher())
+    store = pc.open_store(KEY)
+    pc.insert_cache(KEY, a, compute_cache(model, a), salt="t")  # its save waits
+    pc.insert_cache(KEY, b, compute_cache(model, b), salt="t")  # a leaves the LRU
+    nxt = a + random_tokens(20, seed=92)
+    _, rest = pc.fetch_nearest_cache(KEY, nxt, salt="u")
+    assert rest == nxt  # another tenant's waiting save is not looked at
+    cache, rest = pc.fetch_nearest_cache(KEY, nxt, salt="t")
+    assert rest == nxt[80:]
+    warm = next_logits(model, cache, rest)
+    cold = next_logits(model, compute_cache(model, []), nxt)
+    assert mx.allclose(warm, cold, atol=1e-4, rtol=1e-4).item()
+    gate.set()
+    pc.flush()  # the save's KV is as it was: the copy was used, not the job's
+    saved, n = store.fetch(nxt, salt="t")
+    assert n == 80
+    assert mx.allclose(next_logits(model, saved, rest), cold, atol=1e-4).item()
     pc.close()
 
 

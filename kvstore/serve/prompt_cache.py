@@ -9,6 +9,7 @@ RAM and queues its KV for the store (:mod:`kvstore.serve.saves`). Storage proble
 are logged and counted, never raised into mlx-lm's generation thread.
 """
 
+import copy
 import logging
 import os
 import threading
@@ -206,6 +207,10 @@ class PersistentPromptCache:
         with self._lru_lock:
             cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
         ram_n = len(tokens) - len(rest) if cache is not None else 0
+        kept = self._kept_by_a_save(model, salt, tokens, ram_n)
+        if kept is not None:
+            cache, ram_n = kept
+            rest = tokens[ram_n:]
         source, n, seconds, from_ram = ("ram" if ram_n else None), ram_n, 0.0, ram_n
         prefetched = False
         # The store gives at most len(tokens) - 1 tokens: ask only when it may do better.
@@ -258,6 +263,8 @@ class PersistentPromptCache:
             seconds * 1e3,
             f" (prefetched in {pre.seconds * 1e3:.1f} ms)" if prefetched else "",
         )
+        if kept is not None:
+            log.info("kvstore: %d of them from a waiting save's KV", kept[1])
         self.prefill_clock.looked_up(len(rest))
         return cache, rest
 
@@ -475,6 +482,34 @@ class PersistentPromptCache:
         the store's writer wait while it does. (``kvstore serve`` replaces
         ``activity`` after construction: looked up at each call.)"""
         return self.activity.busy()
+
+    def _kept_by_a_save(
+        self, model: Any, salt, tokens: List[int], ram_n: int
+    ) -> Optional[Tuple[List[Any], int]]:
+        """``(cache, n)``: a copy of a waiting save's KV cut to the ``n`` first tokens
+        of ``tokens`` when that is more than the RAM LRU's ``ram_n`` (its entry was
+        evicted while the save waits), else None. At most ``len(tokens) - 1``
+        tokens, like a restore. Never raises."""
+        if self.saves is None or ram_n >= len(tokens) - 1:
+            return None
+        try:
+            from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+            job, n = self.saves.kept_prefix(
+                model, salt, tokens[: len(tokens) - 1], longer_than=ram_n
+            )
+            if job is None:
+                return None
+            held = _held_tokens(job.store, job.cache)
+            if held < n or (held > n and not can_trim_prompt_cache(job.cache)):
+                return None
+            cache = copy.deepcopy(job.cache)
+            if held > n:
+                trim_prompt_cache(cache, held - n)
+            return cache, n
+        except Exception:
+            log.exception("kvstore: a waiting save's KV was not reused")
+            return None
 
     def _save_in_ram(self, job: SaveJob) -> Optional[List[Any]]:
         """The RAM LRU cache holding the tokens ``job`` saves (a deferred save): its

@@ -39,7 +39,9 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..disk.policy import stronger_kind
 
@@ -186,6 +188,7 @@ class SaveQueue:
         self._jobs: Deque[SaveJob] = collections.deque()
         self._held: Optional[SaveJob] = None  # the oldest job, counted as held
         self._busy = False
+        self._current: Optional[SaveJob] = None  # the job being saved
         self._hurry = 0  # flushes waiting: saves go ahead at once
         self._closed = False
         self._cond = threading.Condition()
@@ -214,6 +217,29 @@ class SaveQueue:
         """Saves queued, not yet handed to a writer."""
         with self._cond:
             return len(self._jobs) + self._busy
+
+    def kept_prefix(
+        self, model_key, salt, tokens: Sequence[int], *, longer_than: int
+    ) -> Tuple[Optional[SaveJob], int]:
+        """``(job, n)``: the save, queued or being saved, whose KV holds the longest
+        prefix of ``tokens`` (``n`` tokens, over ``longer_than``), or ``(None,
+        longer_than)``. mlx-lm's LRU may have evicted an entry whose save still waits
+        with its KV: a lookup can use it rather than prefill it again. The job's
+        cache was evaluated on the generation thread (a longer entry's when it
+        replaced its own); only its first ``held`` tokens are the job's."""
+        with self._cond:
+            jobs = list(self._jobs)
+            if self._current is not None:
+                jobs.append(self._current)
+        best, best_n = None, longer_than
+        want = np.asarray(tokens)
+        for job in jobs:
+            if job.held <= best_n or job.model_key != model_key or job.salt != salt:
+                continue
+            n = _common_prefix(job.tokens, job.held, want)
+            if n > best_n:
+                best, best_n = job, n
+        return best, best_n
 
     def flush(self) -> None:
         """Wait until every queued save is handed to its store's writer (none waits
@@ -247,6 +273,7 @@ class SaveQueue:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._current = None
                     self._cond.notify_all()
 
     def _next_job(self) -> Optional[SaveJob]:
@@ -266,7 +293,7 @@ class SaveQueue:
                 with self._cond:
                     if self._jobs:
                         self._busy = True
-                        job = self._jobs.popleft()
+                        job = self._current = self._jobs.popleft()
                         log.debug(
                             "kvstore: save of %d tokens goes ahead after %.0f ms "
                             "(%d queued%s)",
@@ -399,6 +426,15 @@ def _room_for(job: SaveJob) -> bool:
     stored -= stored % job.store.chunk_tokens
     need = max(0, job.held - stored) * job.store.parts.shapes.token_bytes
     return pending + need <= writer.max_pending_bytes
+
+
+def _common_prefix(tokens: Sequence[int], held: int, want: np.ndarray) -> int:
+    """How many of the first ``held`` of ``tokens`` begin ``want``."""
+    n = min(held, len(want))
+    if n <= 0:
+        return 0
+    same = np.asarray(tokens[:n]) == want[:n]
+    return n if same.all() else int(np.argmin(same))
 
 
 def _writes_dropped(store) -> int:
