@@ -73,6 +73,13 @@ class SaveJob:
     salt: Any
     queued_at: float = field(default_factory=time.monotonic)
     evicted_bytes: int = 0  # KV kept only by this job, after RAM evicted its entry
+    _array: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+
+    def held_array(self) -> np.ndarray:
+        """The ``held`` tokens it saves, as an array (made once)."""
+        if self._array is None:
+            self._array = np.asarray(self.tokens[: self.held])
+        return self._array
 
     def covered_by(self, other: "SaveJob") -> bool:
         """Whether saving ``other`` writes every node this job would."""
@@ -231,12 +238,17 @@ class SaveQueue:
             jobs = list(self._jobs)
             if self._current is not None:
                 jobs.append(self._current)
+        jobs = [
+            job
+            for job in jobs
+            if job.held > longer_than
+            and job.model_key == model_key
+            and job.salt == salt
+        ]
         best, best_n = None, longer_than
-        want = np.asarray(tokens)
+        want = np.asarray(tokens) if jobs else None
         for job in jobs:
-            if job.held <= best_n or job.model_key != model_key or job.salt != salt:
-                continue
-            n = _common_prefix(job.tokens, job.held, want)
+            n = _common_prefix(job.held_array(), want)
             if n > best_n:
                 best, best_n = job, n
         return best, best_n
@@ -428,12 +440,12 @@ def _room_for(job: SaveJob) -> bool:
     return pending + need <= writer.max_pending_bytes
 
 
-def _common_prefix(tokens: Sequence[int], held: int, want: np.ndarray) -> int:
-    """How many of the first ``held`` of ``tokens`` begin ``want``."""
-    n = min(held, len(want))
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
     if n <= 0:
         return 0
-    same = np.asarray(tokens[:n]) == want[:n]
+    same = a[:n] == b[:n]
     return n if same.all() else int(np.argmin(same))
 
 
