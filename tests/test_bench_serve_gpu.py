@@ -50,6 +50,7 @@ def test_chat_load_end_to_end(tmp_path):
         "kvstore-dropped",
         "--drop-caches",
         "skip",
+        "--sample-stacks",
         "--dir",
         str(tmp_path / "work"),
         "--json",
@@ -109,6 +110,10 @@ def test_chat_load_end_to_end(tmp_path):
     assert phases["kvstore-dropped"]["log_lines"].get("disk", 0) >= 3
     assert phases["kvstore-fresh"]["store"]["nodes_written"] > 0
     assert phases["kvstore-dropped"]["page_cache_dropped"] is False
+    # --sample-stacks: each round lists the loop's steps up to its last first token.
+    for s in (phases["kvstore-fresh"], phases["kvstore-dropped"], phases["plain"]):
+        for rnd in s["rounds"]:
+            assert any(step[2] > 0 for step in rnd["steps"]), (s["phase"], rnd["steps"])
     table = "\n".join(data["table"])
     assert "| kvstore-dropped |" in table and "fresh saves lost = 0" in table
     assert "page cache not dropped" in table

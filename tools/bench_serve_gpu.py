@@ -438,6 +438,8 @@ class Phase:
             out.update(memory.stop())
             out["phase_s"] = time.perf_counter() - tic
         out["log_lines"] = kvstore_log(os.path.join(log_dir, f"{name}.log"))
+        if self.args.sample_stacks:
+            round_steps(out, os.environ["BENCH_STACKS"])
         return out
 
     def _wave_round(self, server: Server, users: int) -> dict:
@@ -475,6 +477,25 @@ class Phase:
             stats = server.get("/kvstore/stats")
             out["kvstore"] = {k: v for k, v in stats.items() if k != "stores"}
             out["store"] = stats["stores"][0] if stats["stores"] else None
+
+
+def round_steps(out: dict, stacks: str) -> None:
+    """Put on each round (``--sample-stacks``) the generation loop's steps from its
+    requests' sending to its last first token: ``[seconds after sending, seconds
+    taken, prompts, generated tokens]`` each (tools/stack_sampler.py's step lines)."""
+    try:
+        with open(stacks) as f:
+            steps = [s for s in map(json.loads, f) if s.get("thread") == "step"]
+    except (OSError, ValueError):
+        return
+    for rnd in out.get("rounds", []):
+        sent = min(r["sent_at"] for r in rnd["requests"])
+        last = sent + max(r["ttft_s"] for r in rnd["requests"])
+        rnd["steps"] = [
+            [round(s["t"] - sent, 4), s["dur"], s["prompts"], s["tokens"]]
+            for s in steps
+            if sent <= s["t"] <= last
+        ]
 
 
 def waves(users: int) -> List[float]:

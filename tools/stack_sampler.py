@@ -83,6 +83,14 @@ class StackSampler:
                 os.kill(os.getpid(), signal.SIGTERM)
 
         signal.signal(signal.SIGTERM, on_term)
+        # kvstore serve handles SIGTERM itself and ends with os._exit (no atexit).
+        real_exit = os._exit
+
+        def exit_flushed(status):
+            self.flush()
+            real_exit(status)
+
+        os._exit = exit_flushed
 
     def _run(self) -> None:
         own = threading.get_ident()
