@@ -115,6 +115,7 @@ def test_chat_load_end_to_end(tmp_path):
         for rnd in s["rounds"]:
             assert any(step[2] > 0 for step in rnd["steps"]), (s["phase"], rnd["steps"])
     table = "\n".join(data["table"])
+    assert "steps to the first token" in table and "| kvstore-fresh | 0 |" in table
     assert "| kvstore-dropped |" in table and "fresh saves lost = 0" in table
     assert "page cache not dropped" in table
     again = subprocess.run(

@@ -817,6 +817,7 @@ def report(data: dict) -> List[str]:
                 cells.append("")
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
         rows += [""] + verdicts(figures, plain, n_rounds, users)
+        rows += step_rows(mine, n_rounds)
     for s in samples:
         if s.get("error"):
             rows.append(
@@ -827,6 +828,42 @@ def report(data: dict) -> List[str]:
                 f"note: repeat {s['repeat']}, {s['users']} users: page cache {s.get('note')}"
             )
     return rows + data.get("notes", [])
+
+
+def step_rows(samples: List[dict], n_rounds: int) -> List[str]:
+    """With ``--sample-stacks``: each sample's steps up to its round's last first
+    token: the wait from sending to the first step, the prompt steps' seconds, and
+    the first decode step's."""
+    timed = [s for s in samples if any("steps" in r for r in s.get("rounds", []))]
+    if not timed:
+        return []
+    rows = [
+        "",
+        "steps to the first token, s: wait for the first step / prompt steps / "
+        "first decode step",
+        "",
+        "| phase | repeat | "
+        + " | ".join(f"round {r + 1}" for r in range(n_rounds))
+        + " |",
+        "|---|---|" + "---|" * n_rounds,
+    ]
+    for s in timed:
+        cells = []
+        for rnd in s["rounds"]:
+            steps = rnd.get("steps") or []
+            prompt = [f"{d:.3f}" for _, d, p, _ in steps if p]
+            decode = [d for _, d, p, t in steps if not p and t]
+            cells.append(
+                f"{steps[0][0]:.3f} / {'+'.join(prompt) or '-'} / "
+                + (f"{decode[0]:.3f}" if decode else "-")
+                if steps
+                else "-"
+            )
+        cells += ["-"] * (n_rounds - len(cells))
+        rows.append(
+            f"| {s['phase']} | {s.get('repeat', '-')} | " + " | ".join(cells) + " |"
+        )
+    return rows
 
 
 def verdicts(
