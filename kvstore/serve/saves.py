@@ -43,6 +43,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..disk.chunking import common_prefix
 from ..disk.policy import stronger_kind
 
 log = logging.getLogger("kvstore.server")
@@ -248,7 +249,7 @@ class SaveQueue:
         best, best_n = None, longer_than
         want = np.asarray(tokens) if jobs else None
         for job in jobs:
-            n = _common_prefix(job.held_array(), want)
+            n = common_prefix(job.held_array(), want)
             if n > best_n:
                 best, best_n = job, n
         return best, best_n
@@ -438,15 +439,6 @@ def _room_for(job: SaveJob) -> bool:
     stored -= stored % job.store.chunk_tokens
     need = max(0, job.held - stored) * job.store.parts.shapes.token_bytes
     return pending + need <= writer.max_pending_bytes
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many first tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if n <= 0:
-        return 0
-    same = a[:n] == b[:n]
-    return n if same.all() else int(np.argmin(same))
 
 
 def _writes_dropped(store) -> int:
