@@ -632,3 +632,52 @@ def test_a_flush_waits_for_the_loop_to_queue_its_held_saves(
     loop.join()
     assert store.lookup(tokens + [1], salt="t") == 90
     pc.close()
+
+
+def test_the_batch_loop_starts_computing_a_finished_sequences_cache_at_once(
+    model, monkeypatch
+):
+    """mlx-lm hands a finished sequence's cache over as lazy copies out of the batch;
+    left lazy, the next turn's prompt step would compute them on its user's path."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore.serve.request_salts import SaltRouter, batch_generator_class
+    from kvstore.serve.saves import start_evaluating
+
+    started, real = [], mx.async_eval
+
+    def spy(*arrays):
+        started.append(
+            {id(a) for x in arrays for a in (x if isinstance(x, list) else [x])}
+        )
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    router = SaltRouter()
+    gen = batch_generator_class(BatchGenerator, router)(model, max_tokens=3)
+    router.set_request(None)
+    gen.insert_segments([[random_tokens(12, seed=1)]], max_tokens=[2])
+    gen.insert_segments([[random_tokens(7, seed=2)]], max_tokens=[4])
+    finished = []
+    for _ in range(50):
+        _, responses = gen.next()
+        for r in responses:
+            if r.finish_reason is not None:
+                arrays = {
+                    id(a)
+                    for layer in r.prompt_cache
+                    for a in layer.state
+                    if isinstance(a, mx.array)
+                }
+                assert arrays
+                # passed to mx.async_eval within the step that finished it
+                assert any(arrays <= ids for ids in started), r.uid
+                finished.append(r.uid)
+        started.clear()
+        if len(finished) == 2:
+            break
+    assert len(finished) == 2
+    gen.close()
+    start_evaluating([[KVCache()], []])  # layers holding nothing: left alone
