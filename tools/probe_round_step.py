@@ -24,9 +24,8 @@ process, rotated over ``--repeats``:
 * ``restored-clear``: as ``restored``, with ``mx.clear_cache()`` after the fetches;
 * ``plain-clear``, ``plain-eval``, ``plain-idle`` (not run unless named): ``plain``
   with, between the rounds, ``mx.clear_cache()``; an ``mx.eval`` of the finished
-  caches; the device idle for 2.3 s; ``plain-async``: each finished cache passed to
-  ``kvstore.serve.saves.start_evaluating`` as it finishes (what ``kvstore serve``
-  does). Every case then waits ``--gap`` seconds (the next turns' trip to the
+  caches; the device idle for 2.3 s; ``plain-async``: each finished cache started with
+  ``mx.async_eval`` as it finishes. Every case then waits ``--gap`` seconds (the next turns' trip to the
   server) without waiting for the device.
 
 Prints each sample's round-2 steps and writes every sample as JSON. A tool for the
@@ -50,6 +49,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("plain", "saved", "restored", "restored-clear")
 # Between the rounds, each alone: what a save does beside writing.
 PLAIN_VARIANTS = ("plain-clear", "plain-eval", "plain-idle", "plain-async")
+
+
+def start_evaluating(caches) -> None:
+    """Start computing caches on the device without waiting (``mx.async_eval``)."""
+    import mlx.core as mx
+
+    mx.async_eval(
+        [
+            a
+            for cache in caches
+            for c in cache
+            for a in c.state
+            if isinstance(a, mx.array)
+        ]
+    )
 
 
 def chats(spec: dict):
@@ -124,8 +138,6 @@ def child(spec: dict) -> dict:
         if case == "restored-clear":
             mx.clear_cache()
     gen = BatchGenerator(model, prefill_step_size=bench_gpu.STEP)
-    from kvstore.serve.saves import start_evaluating
-
     out["round1"], finished = run_round(
         gen,
         prompts,

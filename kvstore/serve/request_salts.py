@@ -12,8 +12,7 @@ beside it.
   request) to tell the :class:`SaltRouter` whose request it is.
 * :func:`batch_generator_class` remembers each batch sequence's salt and tags the
   caches that mlx-lm's batch loop hands to ``insert_cache`` with it
-  (:class:`SaltedCache`); a finished sequence's cache it also starts computing at
-  once (:func:`kvstore.serve.saves.start_evaluating`).
+  (:class:`SaltedCache`).
 
 A cache insert whose salt cannot be told is not stored anywhere (counted), so a
 change in mlx-lm's loop costs reuse, never a leak between salts.
@@ -25,7 +24,6 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..disk.salts import Salt, Tenant, check_salt
-from .saves import start_evaluating
 
 UNKNOWN = object()  # a cache whose request cannot be told: never stored
 
@@ -176,8 +174,7 @@ def response_generator_class(base, router: SaltRouter):
 
 def batch_generator_class(base, router: SaltRouter):
     """mlx-lm's ``BatchGenerator`` that tags the caches it hands out with their
-    sequence's salt (the salt of the request looked up just before it was inserted),
-    and starts computing those of finished sequences at once."""
+    sequence's salt (the salt of the request looked up just before it was inserted)."""
 
     class SaltedBatchGenerator(base):
         def __init__(self, *args, **kwargs):
@@ -200,14 +197,11 @@ def batch_generator_class(base, router: SaltRouter):
 
         def next(self, *args, **kwargs):
             prompt_responses, gen_responses = super().next(*args, **kwargs)
-            finished = []
             for r in gen_responses:
                 if r.finish_reason is not None:
                     salt = self._kvstore_salts.pop(r.uid, UNKNOWN)
                     if r.prompt_cache is not None:
-                        finished.append(r.prompt_cache)
                         r.prompt_cache = SaltedCache(r.prompt_cache, salt)
-            start_evaluating(finished)
             return prompt_responses, gen_responses
 
         def remove(self, uids, *args, **kwargs):

@@ -485,50 +485,6 @@ def evaluate_all(caches: List[List[Any]], settled: Optional[Settled] = None) -> 
             settled.add(cache)
 
 
-def start_evaluating(caches: List[List[Any]]) -> None:
-    """Start computing caches on the device, without waiting (on the generation
-    thread).
-
-    mlx-lm hands a finished sequence's cache over as lazy copies out of the batch
-    (``BatchKVCache.extract``). Left so, the next turn's prompt step computes them,
-    on the returning user's path: round 2's first prompt step of 8 users with
-    6.6K-token chats (8B shape, H200) took 0.39-0.47 s with them lazy and 0.25-0.30 s
-    with them evaluated before (``tools/probe_round_step.py``). Started here, they
-    run while the answers finish streaming and the next turns arrive. A failure
-    leaves them lazy (:func:`evaluate` reports it when a save needs them)."""
-    import mlx.core as mx
-
-    arrays = [
-        a
-        for cache in caches
-        for c in cache
-        for a in _state_arrays(c)
-        if isinstance(a, mx.array)
-    ]
-    if not arrays:
-        return
-    try:
-        mx.async_eval(arrays)
-    except Exception as e:
-        log.debug("kvstore: finished caches left lazy (%s: %s)", type(e).__name__, e)
-
-
-def _state_arrays(layer: Any) -> List[Any]:
-    """A cache layer's state as a flat list (empty where it holds none)."""
-    try:
-        state = layer.state
-    except Exception:  # e.g. a layer that holds nothing yet
-        return []
-    out, todo = [], [state]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, (list, tuple)):
-            todo.extend(x)
-        elif x is not None:
-            out.append(x)
-    return out
-
-
 def evaluate(cache: List[Any]) -> Optional[BaseException]:
     """Evaluate a cache's arrays on this (the generation) thread, so that another
     thread only reads arrays of finished work (MLX is not thread-safe: a lazy graph
