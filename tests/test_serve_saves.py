@@ -478,7 +478,8 @@ def test_a_waiting_save_takes_kv_only_from_an_entry_the_loop_evaluated(
     """The longer RAM entry that replaced a waiting save's own gives the save its KV
     only once the generation thread has evaluated it (queued that entry's own
     save): evaluated on the save thread, a lazy entry races the generation loop, and
-    on CUDA the save failed ("There is no Stream(gpu, 0) in current thread")."""
+    on CUDA the save failed ("There is no Stream(gpu, 0) in current thread").
+    Until then the save waits with its own KV."""
     from kvstore.serve import saves
     from kvstore.serve.timing import Activity
 
@@ -497,7 +498,9 @@ def test_a_waiting_save_takes_kv_only_from_an_entry_the_loop_evaluated(
     longer_cache = compute_cache(model, longer)
     pc.insert_cache(KEY, longer, longer_cache, salt="t")
     assert len(pc.step_held) == 1
-    assert pc._save_in_ram(waiting) is None  # a's entry is gone, longer's is held
+    # a's entry is gone and longer's is held unevaluated: a keeps its own KV and
+    # waits (going ahead, it would copy beside the loop's steps)
+    assert pc._save_in_ram(waiting) is a_cache
 
     with act.step():  # a decoding step: the held save is copied out and queued
         pass
