@@ -635,3 +635,29 @@ def test_a_flush_waits_for_the_loop_to_queue_its_held_saves(
     loop.join()
     assert store.lookup(tokens + [1], salt="t") == 90
     pc.close()
+
+
+def test_close_closes_the_stores_when_the_held_saves_cannot_be_queued(
+    tmp_path, model, tokenizer, monkeypatch
+):
+    """The held saves' copy-out failing at close is logged and counted, as at the
+    top of the loop: the save thread still ends and the stores still close."""
+    from kvstore.serve import prompt_cache
+    from kvstore.serve.saves import StepHeldSaves
+
+    def boom(*a):
+        raise RuntimeError("copy-out failed")
+
+    tokens = random_tokens(40, seed=66)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    assert pc.use_threads(Prefetcher())
+    pc.step_held = StepHeldSaves()
+    store = pc.open_store(KEY)
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt="t")
+    assert len(pc.step_held) == 1
+    monkeypatch.setattr(prompt_cache, "evaluate_all", boom)
+    pc.close()
+    assert pc.stats()["saves_skipped"] == 1 and pc.stats()["store_errors"] == 1
+    assert not pc.saves._thread.is_alive()
+    with pytest.raises(Exception):
+        store.lookup(tokens + [1], salt="t")  # closed

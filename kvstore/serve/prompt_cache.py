@@ -345,6 +345,12 @@ class PersistentPromptCache:
             decoding=not act.prefilling,
             rested=idle and act.idle_for() >= REST_S,
         )
+        self._queue_taken(jobs)
+
+    def _queue_taken(self, jobs: List[SaveJob]) -> None:
+        """Queue saves taken from :attr:`step_held`; a failure is logged and counted
+        (the generation loop and ``close`` go on), and the jobs are handed either way
+        (a flush waits for that)."""
         try:
             self._queue_saves(jobs)
         except Exception:
@@ -632,11 +638,7 @@ class PersistentPromptCache:
             self.prefetcher.close()
         if self.saves is not None:
             if self.step_held is not None:  # the generation loop has ended
-                jobs = self.step_held.take()
-                try:
-                    self._queue_saves(jobs)
-                finally:
-                    self.step_held.handed(len(jobs))
+                self._queue_taken(self.step_held.take())
             self.saves.close()  # hands every queued save to its store's writer
         with self._lock:
             stores, self._stores = [
