@@ -330,3 +330,31 @@ def test_sample_stacks_records_a_launched_server_and_lets_sigterm_end_it(tmp_pat
     main = [s for s in lines if s.get("thread") == "MainThread" and "stack" in s]
     assert any("<timeit-src>:inner" in s["stack"][0] for s in main)
     stack_sampler.main([str(out), "--thread", "Main", "--top", "3"])
+
+
+@pytest.mark.stress
+def test_probe_round_step_runs_every_case_on_the_cpu(tmp_path):
+    """``tools/probe_round_step.py`` at the tiny shape: every case in its own process,
+    round 1's prompts restored whole (but their last token) where asked."""
+    probe = _load_tool("probe_round_step")
+    CASES, PLAIN_VARIANTS = probe.CASES, probe.PLAIN_VARIANTS
+    out = tmp_path / "step.json"
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "probe_round_step.py")
+    argv = [sys.executable, tool, "--shape", "tiny", "--users", "3", "--system", "40"]
+    argv += ["--question", "8", "--new", "5", "--decode", "3", "--repeats", "1"]
+    argv += ["--gap", "0", "--cases", *CASES, *PLAIN_VARIANTS]
+    run = subprocess.run(
+        argv + ["--dir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    samples = json.loads(out.read_text())["samples"]
+    assert set(samples) == set(CASES) | set(PLAIN_VARIANTS)
+    assert all(len(rows) == 1 for rows in samples.values())
+    for case in ("restored", "restored-clear"):
+        assert samples[case][0]["restored"] == [47, 47, 47]
+    for rows in samples.values():
+        steps = rows[0]["round2"]["steps"]
+        assert steps[0]["prompts"] == 3 and rows[0]["round2"]["ttft"] > 0

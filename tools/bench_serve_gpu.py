@@ -620,6 +620,14 @@ def run(args) -> dict:
         )
         if any(p in args.phases for p in ("kvstore-restart", "kvstore-dropped")):
             data["priming_kvstore"] = prime_restores(phase, args, users, logs)
+    else:
+        note = (
+            "--no-prime: the first phase compiled MLX's kernels (seconds in its round "
+            "1 on a fresh machine); its figures, and ratios against them, are no "
+            "measure"
+        )
+        data["notes"].append(note)
+        print(f"note: {note}", flush=True)
     steps = plan(args.users, args.repeats, args.phases)
     durations: Dict[int, float] = {}  # the longest phase seen, per --users value
     for i, (rep, users, name) in enumerate(steps):
