@@ -4,7 +4,7 @@
 Usage::
 
     python tools/gc_passes.py STORE [STORE ...] [--fraction 0.5] [--no-check-data]
-        [--profile PASS] [--json OUT]
+        [--profile PASS] [--evict-batch N] [--json OUT]
 
 For each store: ``gc --max-bytes`` (``--fraction`` of the bytes it holds) on a scratch
 copy (chunk files hard-linked, index copied: ``tools/bench_scale.py``'s
@@ -12,7 +12,10 @@ copy (chunk files hard-linked, index copied: ``tools/bench_scale.py``'s
 :func:`kvstore.maintenance.gc.gc` timed: dropping namespaces, removing broken nodes
 (the check of every record and file), eviction, orphans, temp files.
 ``--profile _evict`` (or another pass's function name) prints that pass's 25 most
-expensive functions (cProfile, by own time). Stores built by ``tools/bench_scale.py``.
+expensive functions (cProfile, by own time). Each eviction commit (its deletions and
+the commit) is timed too, reported as the median of each twelfth of them in order, and
+the process's peak RSS; ``--evict-batch`` sets the nodes a commit deletes (gc's own
+batches grow to 2,048). Stores built by ``tools/bench_scale.py``.
 """
 
 import argparse
@@ -21,7 +24,9 @@ import importlib
 import json
 import os
 import pstats
+import resource
 import shutil
+import statistics
 import sys
 import time
 
@@ -37,10 +42,19 @@ PASSES = (
 )
 
 
-def timed_gc(path: str, *, fraction: float, check_data: bool, profile=None) -> dict:
+def timed_gc(
+    path: str,
+    *,
+    fraction: float,
+    check_data: bool,
+    profile=None,
+    evict_batch=None,
+) -> dict:
     from bench_scale import scratch_copy
 
     from kvstore import maintenance
+    from kvstore.disk.index import Index
+    from kvstore.maintenance import common
 
     gcmod = importlib.import_module("kvstore.maintenance.gc")
     times, prof = {}, cProfile.Profile() if profile else None
@@ -63,9 +77,22 @@ def timed_gc(path: str, *, fraction: float, check_data: bool, profile=None) -> d
 
         return run
 
+    commits, write, batch = [], Index.write, common._RELEASE_BATCH
+
+    def timed_write(self, fn, *args, **kwargs):
+        tic = time.perf_counter()
+        try:
+            return write(self, fn, *args, **kwargs)
+        finally:
+            if kwargs.get("frees"):  # an eviction's (or a removal's) commit
+                commits.append(time.perf_counter() - tic)
+
     totals = maintenance.store_stats(path)["totals"]
     copy = scratch_copy(path, path.rstrip(os.sep) + "-gc-passes")
     try:
+        Index.write = timed_write
+        if evict_batch:
+            common._RELEASE_BATCH = evict_batch
         for name, fn in originals.items():
             setattr(gcmod, name, timed(name, fn))
         wall, cpu = time.perf_counter(), time.process_time()
@@ -77,6 +104,7 @@ def timed_gc(path: str, *, fraction: float, check_data: bool, profile=None) -> d
             "cpu_s": round(time.process_time() - cpu, 3),
         }
     finally:
+        Index.write, common._RELEASE_BATCH = write, batch
         for name, fn in originals.items():
             setattr(gcmod, name, fn)
         shutil.rmtree(copy, ignore_errors=True)
@@ -87,8 +115,24 @@ def timed_gc(path: str, *, fraction: float, check_data: bool, profile=None) -> d
         "nodes": totals["nodes"],
         "evicted_nodes": report["evicted_nodes"],
         "check_data": check_data,
+        "evict_batch": evict_batch or batch,
         "passes": times,
+        "commits": len(commits),
+        "commit_ms_by_twelfth": _twelfths(commits),
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
     }
+
+
+def _twelfths(seconds: list) -> list:
+    """The median of each twelfth of ``seconds`` (in order; fewer parts for fewer
+    than 12), in ms."""
+    n = len(seconds)
+    parts = min(12, n)
+    bounds = [n * i // parts for i in range(parts + 1)] if parts else []
+    return [
+        round(statistics.median(seconds[a:b]) * 1e3, 1)
+        for a, b in zip(bounds, bounds[1:])
+    ]
 
 
 def main(argv=None) -> int:
@@ -97,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--fraction", type=float, default=0.5, help="budget: of the bytes")
     p.add_argument("--no-check-data", action="store_true", help="gc --no-check-data")
     p.add_argument("--profile", choices=PASSES, help="cProfile this pass")
+    p.add_argument(
+        "--evict-batch", type=int, metavar="N", help="nodes an eviction commit deletes"
+    )
     p.add_argument("--json", metavar="OUT", help="append one line per store")
     args = p.parse_args(argv)
     for path in args.stores:
@@ -105,6 +152,7 @@ def main(argv=None) -> int:
             fraction=args.fraction,
             check_data=not args.no_check_data,
             profile=args.profile,
+            evict_batch=args.evict_batch,
         )
         print(json.dumps(result))
         if args.json:
