@@ -289,9 +289,11 @@ def case_order(cases: list, row: int) -> list:
     return [cases[(i + row) % n] for i in first]
 
 
-def spawn(spec: dict) -> dict:
+def spawn(spec: dict, *, script: str = __file__) -> dict:
+    """``script --child SPEC`` in a fresh process (this tool's children, or a probe's
+    built on it): its last line of output, as JSON."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
+        [sys.executable, script, "--child", json.dumps(spec)],
         capture_output=True,
         text=True,
     )

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -94,15 +93,7 @@ def run(args) -> dict:
             for i in range(len(CASES)):
                 case = CASES[(i + r) % len(CASES)]
                 spec = dict(shape=args.shape, length=length, case=case, store=store)
-                proc = subprocess.run(
-                    [sys.executable, os.path.abspath(__file__), "--child"],
-                    input=json.dumps(spec),
-                    capture_output=True,
-                    text=True,
-                )
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{case} at {length}: {proc.stderr[-2000:]}")
-                out = json.loads(proc.stdout.splitlines()[-1])
+                out = bench_gpu.spawn(spec, script=os.path.abspath(__file__))
                 samples[str(length)][case].append(out)
                 print(
                     f"r{r} {length:>6} {case:13s} decode "
@@ -128,8 +119,8 @@ def run(args) -> dict:
 
 
 def main(argv=None):
-    if argv is None and sys.argv[1:] == ["--child"]:
-        print(json.dumps(child(json.loads(sys.stdin.read()))))
+    if argv is None and sys.argv[1:2] == ["--child"]:
+        print(json.dumps(child(json.loads(sys.argv[2]))))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(bench_gpu.SHAPES), default="llama-8b")

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -191,25 +190,13 @@ def setup(spec: dict) -> None:
             mx.clear_cache()
 
 
-def _spawn(spec: dict) -> dict:
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['case']}: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.splitlines()[-1])
-
-
 def _prompt_steps(r: dict) -> str:
     return " ".join(f"{s['dur'] * 1e3:.0f}" for s in r["steps"] if s["prompts"])
 
 
 def main(argv=None) -> int:
-    if argv is None and sys.argv[1:] == ["--child"]:
-        print(json.dumps(child(json.loads(sys.stdin.read()))))
+    if argv is None and sys.argv[1:2] == ["--child"]:
+        print(json.dumps(child(json.loads(sys.argv[2]))))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(bench_gpu.SHAPES), default="llama-8b")
@@ -244,7 +231,8 @@ def main(argv=None) -> int:
             store = os.path.join(args.dir, "setup-store")
             if case == "saved":  # an empty store each time
                 store = os.path.join(args.dir, f"saved-{r}")
-            out = _spawn(dict(base, case=case, store=store))
+            spec = dict(base, case=case, store=store)
+            out = bench_gpu.spawn(spec, script=os.path.abspath(__file__))
             samples[case].append(out)
             print(
                 f"r{r} {case:15s} round 1 {out['round1']['ttft']:.3f} s, "
