@@ -948,6 +948,7 @@ def launch(argv: List[str]) -> None:
     """``python -m MODULE ARGS`` without PyTorch (transformers would import it: 10+ s)."""
     import runpy
 
+    sys.modules["torch"] = None
     stacks = os.environ.get("BENCH_STACKS")
     if stacks:  # --sample-stacks
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -955,9 +956,7 @@ def launch(argv: List[str]) -> None:
 
         sampler = StackSampler(stacks)
         sampler.start()
-    sys.modules["torch"] = None
-    if stacks:
-        sampler.trace_steps()
+        sampler.trace_steps()  # imports mlx_lm.generate: after torch is kept out
     sys.argv = argv
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 
