@@ -507,17 +507,25 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
         return cache if cache is not None and cache.prefetcher is prefetcher else None
 
     # (A PersistentPromptCache holding no sequence is falsy: it has a length.)
-    def prepare(model_key, tokens, salt, weigh=True):
+    def prepare(model_key, tokens, salt, weigh=True, registration=None):
         cache = threaded_cache()
         if cache is None:
+            if registration is not None:
+                registration.entry.abandon()
             return None
-        return cache.prefetch(model_key, tokens, salt, weigh=weigh)
+        return cache.prefetch(
+            model_key, tokens, salt, weigh=weigh, registration=registration
+        )
 
     def extent(model_key, tokens, salt):
         cache = threaded_cache()
         if cache is None:
             return 0, 0
         return cache.extent(model_key, tokens, salt)
+
+    def register(model_key, tokens, salt, held):
+        cache = threaded_cache()
+        return None if cache is None else cache.register(model_key, tokens, salt, held)
 
     def loop_top(idle: bool) -> None:
         cache = threaded_cache()
@@ -537,6 +545,7 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
             extent,
             prefilled_instead,
             loop_top,
+            register,
         ),
         router,
     )

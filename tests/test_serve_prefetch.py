@@ -115,6 +115,110 @@ def test_requests_sharing_a_prefix_read_it_once(tmp_path, model, tokenizer):
     pc.close()
 
 
+def test_users_of_one_system_prompt_read_it_once_whichever_is_looked_up_first(
+    tmp_path, model, tokenizer
+):
+    """Two users of one 300-token system prompt arrive together and are registered
+    on arrival; the first's request is looked up (its restore taken) before the
+    second's prefetch starts. The second still copies the first's system prompt,
+    handed over as that restore ended, and reads only its own 200 tokens."""
+    system = random_tokens(300, seed=33)
+    a, b = system + random_tokens(200, seed=34), system + random_tokens(200, seed=35)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    for tokens in (a, b):
+        pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    pc.close()
+    pc = restarted(tmp_path / "s", model, tokenizer)
+    store = pc.open_store(KEY)
+    qa, qb = a + [1], b + [2]
+    reg_a, reg_b = pc.register(KEY, qa, None, 0), pc.register(KEY, qb, None, 0)
+    assert reg_b.other is reg_a.entry and reg_b.common == 300
+    first = Request()
+    pc.prefetcher.submit(first, lambda: pc.prefetch(KEY, qa, None, registration=reg_a))
+    first.kvstore_prefetch.future.exception()
+    cache, rest = look_up(pc, first, qa)
+    same_as_cold(model, cache, qa, rest)
+    read = store.stats()["tokens_reused"]
+    second = Request()
+    pc.prefetcher.submit(
+        second,
+        lambda: pc.prefetch(KEY, qb, None, registration=reg_b),
+        joins=True,
+    )
+    assert second.kvstore_prefetch.future.result().joined
+    assert store.stats()["tokens_reused"] - read == 200
+    cache, rest = look_up(pc, second, qb)
+    assert len(rest) == 1 and cache[0].offset == 500
+    same_as_cold(model, cache, qb, rest)
+    assert pc.stats()["restores_shared"] == 1
+    pc.close()
+
+
+def test_a_prefetch_waiting_for_another_restore_does_not_hold_up_the_restores():
+    """With one restoring thread busy, a request sharing the prefix of the restore
+    in progress starts at once (it only waits for that restore, on a thread of its
+    own) and gets its registration; the restore of a request that will never
+    run (refused past ``max_waiting``) is abandoned at once."""
+    gate, started = threading.Event(), []
+
+    class Base:
+        model_provider = SimpleNamespace(model=object(), tokenizer=object())
+        model_provider.model_key = KEY
+
+        def _tokenize(self, tokenizer, request, args):
+            return list(request.tokens), [list(request.tokens)], [0], None, None
+
+        def generate(self, request, args):
+            pass
+
+    from kvstore.serve.shared import SharedRestores
+
+    shared = SharedRestores(min_shared=4)
+
+    def prepare(key, tokens, salt, weigh=True, registration=None):
+        started.append((tokens[-1], registration.other is not None))
+        if registration.other is None:
+            assert gate.wait(10)
+        shared.end(registration.entry, None)
+        return "restored"
+
+    def register(key, tokens, salt, held):
+        return shared.begin(key, tokens, held)
+
+    system = list(range(10, 30))
+    prefetcher = Prefetcher(workers=1, max_waiting=2)
+    generator = prefetch_response_generator_class(
+        Base,
+        prefetcher,
+        prepare,
+        lambda k, t, s: (0, len(t) - 1),  # returning users: nothing in RAM
+        register=register,
+    )()
+    requests = []
+    for last in (1, 2, 3):
+        request = Request()
+        request.tokens = system + [last]
+        requests.append(request)
+    threads = [
+        threading.Thread(target=generator.generate, args=(r, None))
+        for r in requests[:2]
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    assert started == [(1, False), (2, True)]  # the second did not queue
+    # A third is refused (two wait already): its entry is abandoned, not left
+    # for later arrivals to wait 30 s on.
+    generator.generate(requests[2], None)
+    assert not hasattr(requests[2], "kvstore_prefetch")
+    third = [e for e in shared._entries if e.tokens[-1] == 3][0]
+    assert third.done.is_set()
+    gate.set()
+    for t in threads:
+        t.join(10)
+    prefetcher.close()
+
+
 def test_prefetch_restores_only_past_the_ram_copy(stored, model, tokenizer):
     path, tokens, _ = stored
     pc = restarted(path, model, tokenizer)

@@ -50,3 +50,33 @@ def test_a_tail_past_a_ram_copy_is_not_a_head():
     shared.end(entry, partial)
     _, other, common = shared.begin("k", SYSTEM + [1], held=0)
     assert other is None or shared.head(other, common) is None
+
+
+def test_a_restore_hands_its_kv_to_those_already_waiting_even_once_taken():
+    """A request registered on arrival waits for the earlier restore of its
+    prefix: that restore hands over its KV as it ends, so the waiter gets it even if
+    the first request's lookup took it before the waiter looked; one registering
+    after that lookup shares nothing."""
+    shared = SharedRestores(min_shared=256)
+    first, _, _ = shared.begin("k", SYSTEM + [1], held=0)
+    waiter, other, common = shared.begin("k", SYSTEM + [2], held=0)
+    assert other is first and common == 1000
+    tail = Tail(["kv"], 0, 1001)
+    shared.end(first, tail)
+    shared.taken(first)  # its lookup came first
+    assert shared.head(other, common, waiter=waiter) is tail
+    assert waiter.handed is None  # handed once, not kept
+    shared.end(waiter, None)
+    late, none, _ = shared.begin("k", SYSTEM + [3], held=0)
+    assert none is None
+    shared.end(late, None)
+
+
+def test_an_abandoned_restore_releases_its_waiters_at_once():
+    shared = SharedRestores(min_shared=256, wait_s=30.0)
+    first, _, _ = shared.begin("k", SYSTEM + [1], held=0)
+    waiter, other, common = shared.begin("k", SYSTEM + [2], held=0)
+    threading.Timer(0.05, first.abandon).start()
+    assert shared.head(other, common, waiter=waiter) is None  # not after 30 s
+    shared.end(waiter, None)
+    assert len(shared) == 0

@@ -46,12 +46,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
+from .shared import Registration
+
 log = logging.getLogger("kvstore.server")
 
 # The mlx_lm.server internals the prefetching generator wraps (checked at start-up).
 HOOKED = {"ResponseGenerator": ("generate", "_next_request", "_tokenize")}
 
 # Threads restoring at once: each restore reads with the store's own reader threads.
+# (A prefetch waiting for another's restore of its prefix runs on a thread of its own.)
 WORKERS = 2
 # Prefetched restores held for requests not looked up yet (each holds its KV).
 MAX_WAITING = 16
@@ -149,6 +152,11 @@ class Prefetcher:
 
     def __init__(self, *, workers: int = WORKERS, max_waiting: int = MAX_WAITING):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-prefetch")
+        # Jobs that wait for another's restore, then read what follows it: they
+        # must not keep the restores they wait for from starting.
+        self._joiners = ThreadPoolExecutor(
+            max_waiting, thread_name_prefix="kvstore-prefetch-join"
+        )
         self._max_waiting = max_waiting
         self._waiting = 0
         self._lock = threading.Lock()
@@ -187,9 +195,27 @@ class Prefetcher:
         except Exception:
             log.exception("kvstore: waiting for arriving requests")
 
-    def submit(self, request, job: Callable[[], Optional[Prefetched]]) -> None:
-        """Start ``job`` for ``request`` (HTTP thread); never raises."""
-        self._attach(request, lambda: self._pool.submit(job), bounded=True)
+    def submit(
+        self,
+        request,
+        job: Callable[[], Optional[Prefetched]],
+        *,
+        joins: bool = False,
+        on_dropped: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Start ``job`` for ``request`` (HTTP thread); never raises. ``joins``: it
+        waits for another request's restore first (a thread of its own).
+        ``on_dropped``: called if the job will never run (refused past
+        ``max_waiting``, cancelled before it started)."""
+        pool = self._joiners if joins else self._pool
+
+        def start() -> Future:
+            future = pool.submit(job)
+            future.add_done_callback(lambda f: f.cancelled() and on_dropped())
+            return future
+
+        if not self._attach(request, start, bounded=True):
+            on_dropped()
 
     def settle(self, request, found: Prefetched) -> None:
         """Give ``request``'s lookup ``found`` without running a job (HTTP thread): a
@@ -204,21 +230,24 @@ class Prefetcher:
 
         self._attach(request, settled, bounded=False)
 
-    def _attach(self, request, future: Callable[[], Future], *, bounded: bool) -> None:
+    def _attach(self, request, future: Callable[[], Future], *, bounded: bool) -> bool:
         """Give ``request`` a ticket holding ``future()``, counted as waiting until
-        :meth:`_release`; ``bounded``: none past ``max_waiting`` or once closed."""
+        :meth:`_release`; ``bounded``: none past ``max_waiting`` or once closed.
+        Whether it was given."""
         try:
             ticket = _Ticket()
             # Released when taken, or when a request that is never looked up goes.
             weakref.finalize(request, self._release, ticket)
             with self._lock:
                 if bounded and (self._closed or self._waiting >= self._max_waiting):
-                    return
+                    return False
                 self._waiting += 1
                 ticket.future = future()
             request.kvstore_prefetch = ticket
+            return True
         except Exception:
             log.exception("kvstore: prefetch not started")
+            return False
 
     def _release(self, ticket: "_Ticket") -> None:
         with self._lock:
@@ -270,7 +299,8 @@ class Prefetcher:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._pool, self._joiners):
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Ticket:
@@ -279,6 +309,22 @@ class _Ticket:
 
     def __init__(self):
         self.future: Optional[Future] = None
+
+
+def _abandoned(reg: Optional[Registration]) -> None:
+    """Abandon ``reg``'s restore (if any): it will not run."""
+    if reg is not None:
+        reg.entry.abandon()
+
+
+def _read_past_shared(ext: Extent, reg: Optional[Registration]) -> Optional[float]:
+    """The estimated read of a request's stored prefix, less the part it takes
+    from an earlier request's restore (``reg``), in proportion to the tokens."""
+    if reg is None or reg.other is None or not ext.read_s:
+        return ext.read_s
+    past = ext.stored - ext.held
+    own = ext.stored - max(reg.common, ext.held)
+    return ext.read_s * max(0, own) / past if past > 0 else ext.read_s
 
 
 def _copied(out):
@@ -294,6 +340,7 @@ def prefetch_response_generator_class(
     extent: Callable[[Any, List[int], Any], Tuple],
     on_prefill_instead: Callable[[], None] = lambda: None,
     on_loop_top: Callable[[bool], None] = lambda idle: None,
+    register: Callable[..., Optional[Registration]] = lambda *args: None,
 ):
     """mlx-lm's ``ResponseGenerator`` that restores each arriving request's prefix
     before handing the request to the generation thread.
@@ -313,6 +360,10 @@ def prefetch_response_generator_class(
         on_loop_top: Called on the generation thread at the top of each turn of its
             loop (``_next_request``), with whether the loop has no batch to step
             (it then waits for requests with a timeout).
+        register: ``register(model_key, tokens, salt, held)`` on the HTTP thread:
+            the request's restore entered for later arrivals to share
+            (:meth:`kvstore.server.PersistentPromptCache.register`), or None;
+            given to ``prepare`` as ``registration``.
     """
 
     class PrefetchingResponseGenerator(base):
@@ -336,6 +387,7 @@ def prefetch_response_generator_class(
         def _kvstore_prefetch(self, request, args) -> bool:
             """Start the request's restore; whether to hold the request back until
             it is ready (RAM holds little of the prompt). Never raises."""
+            reg = None
             try:
                 found = self._kvstore_prompt(request, args)
                 if found is None:
@@ -348,21 +400,31 @@ def prefetch_response_generator_class(
                     return False
                 backlog.prefill((n - ext.stored) / rate if rate else None)
                 returning = ext.stored - ext.held > ext.held
-                if returning and not backlog.restore_sooner(ext.read_s, ext.prefill_s):
+                reg = register(*found, ext.held)
+                read_s = _read_past_shared(ext, reg)
+                if returning and not backlog.restore_sooner(read_s, ext.prefill_s):
                     key, tokens, salt = found
                     prefetcher.settle(
                         request,
                         Prefetched(key, salt, list(tokens), ext.held, None, 0.0),
                     )
                     on_prefill_instead()
+                    _abandoned(reg)
                     return False
                 if not returning:
-                    backlog.read(ext.read_s)
+                    backlog.read(read_s)
             except Exception:
                 log.exception("kvstore: no prefetch")
+                _abandoned(reg)
                 return False
             # A returning user was weighed against the queue: restored as decided.
-            prefetcher.submit(request, lambda: prepare(*found, weigh=not returning))
+            extra = {} if reg is None else {"registration": reg}
+            prefetcher.submit(
+                request,
+                lambda: prepare(*found, weigh=not returning, **extra),
+                joins=reg is not None and reg.other is not None,
+                on_dropped=reg.entry.abandon if reg is not None else lambda: None,
+            )
             return returning
 
         def _kvstore_prompt(self, request, args):

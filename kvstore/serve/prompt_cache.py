@@ -27,7 +27,7 @@ from .request_salts import (
     SaltRouter,
 )
 from .saves import SaveJob, SaveQueue, Settled, StepHeldSaves, evaluate_all
-from .shared import SharedRestores
+from .shared import Registration, SharedRestores
 from .timing import REST_S, Activity, PrefillClock
 
 log = logging.getLogger("kvstore.server")
@@ -375,32 +375,55 @@ class PersistentPromptCache:
             1e3 * (time.perf_counter() - tic),
         )
 
+    def register(
+        self, model_key, tokens: List[int], salt, held: int
+    ) -> Optional[Registration]:
+        """On the HTTP thread, as a request arrives: its restore entered among those
+        that requests arriving later may share (:mod:`kvstore.serve.shared`), and
+        the earlier one sharing its prefix, if any. None while no store is open.
+        The registration goes to :meth:`prefetch`, or is abandoned."""
+        salt = self._salt(salt, None)
+        if salt is UNKNOWN or self._opened(model_key) is None:
+            return None
+        return self.shared.begin((model_key, salt), tokens, held)
+
     def prefetch(
-        self, model_key, tokens: List[int], salt, *, weigh: bool = True
+        self,
+        model_key,
+        tokens: List[int],
+        salt,
+        *,
+        weigh: bool = True,
+        registration: Optional[Registration] = None,
     ) -> Optional[Prefetched]:
         """On a prefetch thread: restore what the store holds of ``tokens`` past
         the RAM LRU's copy, for the request's lookup to take (see
         :mod:`kvstore.serve.prefetch`). Only a store already open is read.
         ``weigh=False``: restored whatever the rates say of this request alone (it
-        was weighed against the queue on its arrival, :class:`Backlog`)."""
+        was weighed against the queue on its arrival, :class:`Backlog`).
+        ``registration``: :meth:`register`'s on its arrival (else entered now)."""
         tic = time.perf_counter()
         salt = self._salt(salt, None)
-        store = self._opened(model_key)
-        if store is None:
-            return None
-        held = self._ram_held(model_key, tokens, salt)
-        tail, remote_hits = None, _remote_hits(store)
-        entry, other, common = self.shared.begin((model_key, salt), tokens, held)
-        head = None
+        tail = head = None
         try:
+            store = self._opened(model_key)
+            if store is None:
+                return None
+            held = self._ram_held(model_key, tokens, salt)
+            remote_hits = _remote_hits(store)
+            if registration is None:
+                registration = self.shared.begin((model_key, salt), tokens, held)
+            entry, other, common = registration
             if held < len(tokens) - 1:
-                head = self.shared.head(other, common) if other is not None else None
+                if other is not None:
+                    head = self.shared.head(other, common, waiter=entry)
                 if head is not None:
                     tail = _joined_tail(store, tokens, head, common, salt, weigh)
                 else:
                     tail = _stored_tail(store, tokens, held, salt, weigh)
         finally:
-            self.shared.end(entry, tail)
+            if registration is not None:  # those waiting for it go on
+                self.shared.end(registration.entry, tail)
         seconds = time.perf_counter() - tic
         remote = _remote_hits(store) > remote_hits  # counted where it is used
         return Prefetched(

@@ -9,16 +9,26 @@ tokens share a long prefix with a restore in progress (or done and not yet taken
 by its request's lookup) wait for that restore, then read from the store only the
 nodes past the shared prefix and join them to a copy of it on the device.
 
+A request's restore is entered here as the request arrives (on its HTTP thread), in
+the order requests arrive, before a prefetch thread starts it; a prefetch that waits
+for another's restore runs on a thread of its own, not on one of the few that
+restore (:class:`~kvstore.serve.prefetch.Prefetcher`). So users of a few system
+prompts arriving together read each system prompt once, whichever restores start
+first.
+
 Only a restore no lookup has taken yet is shared: until then no generate loop has
-written to its cache, so its first tokens are exactly what the store holds. An
-entry is dropped when its lookup takes it; one never taken goes with its KV (a
-weak reference). Entries are keyed by model and salt: tenants never share.
+written to its cache, so its first tokens are exactly what the store holds. A
+restore hands its KV to the prefetches already waiting for it as it ends, before
+its own request can reach a lookup; one arriving later finds it only while no
+lookup has taken it. An entry is dropped when its lookup takes it; one never taken
+goes with its KV (a weak reference). Entries are keyed by model and salt: tenants
+never share.
 """
 
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional
 
 import numpy as np
 
@@ -34,12 +44,30 @@ WAIT_S = 30.0
 class Restoring:
     """One prefetch's restore: its request's ``key`` (model, salt) and tokens; once
     ``done``, a weak reference to its :class:`~kvstore.engine.tail.Tail` when it
-    restored the whole prefix (``start`` 0)."""
+    restored the whole prefix (``start`` 0). ``waiters``: the later entries waiting
+    for it; ``handed``: the tail handed to this one by the entry it waits for."""
 
     key: Any
     tokens: np.ndarray  # int32, as the store compares token ids
     done: threading.Event = field(default_factory=threading.Event)
     tail: Optional[weakref.ref] = None
+    waiters: List["Restoring"] = field(default_factory=list)
+    handed: Any = None
+
+    def abandon(self) -> None:
+        """Never restored (sent on to be prefilled, refused, cancelled): whoever
+        waits for it reads from the store itself."""
+        self.handed = None
+        self.done.set()
+
+
+class Registration(NamedTuple):
+    """A restore entered in :class:`SharedRestores`: its ``entry``, and the earlier
+    ``other`` sharing its first ``common`` tokens (None, 0: none worth waiting for)."""
+
+    entry: Restoring
+    other: Optional[Restoring]
+    common: int
 
 
 class SharedRestores:
@@ -51,13 +79,12 @@ class SharedRestores:
         self._lock = threading.Lock()
         self._entries: List[Restoring] = []
 
-    def begin(
-        self, key: Any, tokens: List[int], held: int
-    ) -> Tuple[Restoring, Optional[Restoring], int]:
+    def begin(self, key: Any, tokens: List[int], held: int) -> Registration:
         """Register a restore of ``tokens`` past ``held`` RAM tokens. Returns its
         entry, the entry sharing the longest prefix with it (at least
         ``min_shared`` tokens past ``held``; None if none) and that prefix's
-        length, at most ``len(tokens) - 1`` (the store restores no more)."""
+        length, at most ``len(tokens) - 1`` (the store restores no more). The
+        entry must be ended (:meth:`end`) or abandoned: later ones may wait for it."""
         entry = Restoring(key, np.asarray(tokens, dtype=np.int32))
         best, best_n = None, 0
         with self._lock:
@@ -69,22 +96,38 @@ class SharedRestores:
                 if n > best_n:
                     best, best_n = other, n
             self._entries.append(entry)
-        if best is None or best_n - held < self.min_shared:
-            return entry, None, 0
-        return entry, best, best_n
+            if best is None or best_n - held < self.min_shared:
+                return Registration(entry, None, 0)
+            if not best.done.is_set():
+                best.waiters.append(entry)
+        return Registration(entry, best, best_n)
 
     def end(self, entry: Restoring, tail: Any) -> None:
-        """``entry``'s restore finished with ``tail`` (or None)."""
-        if tail is not None and tail.start == 0:
-            entry.tail = weakref.ref(tail)
-        entry.done.set()
+        """``entry``'s restore finished with ``tail`` (or None): handed to the
+        entries waiting for it, and shared with later ones until it is taken."""
+        whole = tail if tail is not None and tail.start == 0 else None
+        with self._lock:
+            if whole is not None:
+                entry.tail = weakref.ref(whole)
+                for waiter in entry.waiters:
+                    if not waiter.done.is_set():
+                        waiter.handed = whole
+            entry.waiters, entry.handed = [], None
+            entry.done.set()
 
-    def head(self, other: Restoring, tokens: int) -> Any:
+    def head(
+        self, other: Restoring, tokens: int, *, waiter: Optional[Restoring] = None
+    ) -> Any:
         """Wait for ``other`` and return its tail when it holds at least ``tokens``
-        tokens from the prompt's start (else None)."""
-        if not other.done.wait(self.wait_s) or other.tail is None:
+        tokens from the prompt's start (else None): the one it handed to
+        ``waiter``, else its own while no lookup has taken it."""
+        if not other.done.wait(self.wait_s):
             return None
-        tail = other.tail()
+        tail = None
+        if waiter is not None:
+            tail, waiter.handed = waiter.handed, None
+        if tail is None and other.tail is not None:
+            tail = other.tail()
         return tail if tail is not None and tail.end >= tokens else None
 
     def taken(self, entry: Optional[Restoring]) -> None:
