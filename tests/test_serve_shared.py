@@ -3,6 +3,7 @@ which restore a prefetch waits for, and when an entry stops being shared."""
 
 import gc
 import threading
+import time
 
 from kvstore.engine.tail import Tail
 from kvstore.serve.shared import SharedRestores
@@ -80,3 +81,29 @@ def test_an_abandoned_restore_releases_its_waiters_at_once():
     assert shared.head(other, common, waiter=waiter) is None  # not after 30 s
     shared.end(waiter, None)
     assert len(shared) == 0
+
+
+def test_a_whole_restore_lets_the_joins_handed_a_prefix_finish_first():
+    """Restores take turns on the device: one of a whole prefix waits until the
+    prefetches already handed a prefix have ended (their users need only their own
+    turn read), bounded; with none handed it goes at once."""
+    shared = SharedRestores(min_shared=256)
+    t = time.monotonic()
+    shared.let_joins_finish(timeout=5)
+    assert time.monotonic() - t < 0.5
+    first, _, _ = shared.begin("k", SYSTEM + [1], held=0)
+    waiter, other, common = shared.begin("k", SYSTEM + [2], held=0)
+    shared.end(first, Tail(["kv"], 0, 1001))
+    threading.Timer(0.2, shared.end, (waiter, None)).start()
+    t = time.monotonic()
+    shared.let_joins_finish(timeout=5)
+    assert 0.15 < time.monotonic() - t < 4
+    # A join that never ends holds a restore up no longer than the bound.
+    again, _, _ = shared.begin("k", SYSTEM + [3], held=0)
+    stuck, _, _ = shared.begin("k", SYSTEM + [4], held=0)
+    shared.end(again, Tail(["kv"], 0, 1001))
+    t = time.monotonic()
+    shared.let_joins_finish(timeout=0.3)
+    assert 0.25 < time.monotonic() - t < 2
+    stuck.abandon()
+    shared.let_joins_finish(timeout=5)  # an abandoned one does not hold it up

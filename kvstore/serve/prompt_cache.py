@@ -420,6 +420,7 @@ class PersistentPromptCache:
                 if head is not None:
                     tail = _joined_tail(store, tokens, head, common, salt, weigh)
                 else:
+                    self.shared.let_joins_finish()  # their users come sooner
                     tail = _stored_tail(store, tokens, held, salt, weigh)
         finally:
             if registration is not None:  # those waiting for it go on
