@@ -352,6 +352,28 @@ def test_backlog_prefills_a_returning_user_when_restores_queued_take_longer():
     assert backlog.restore_sooner(0.26, None)
 
 
+def test_backlog_counts_a_whole_prompt_prefilled_beside_others_for_each_of_them():
+    """mlx-lm pads the prompts it prefills together to the longest: a returning
+    user prefilled whole beside three next turns sent on (and not yet done) costs
+    about four times its own prefill, so it is restored (0.3 s) rather than
+    prefilled (0.1 s alone, 0.4 s beside them). Alone it is prefilled; the rest of
+    a prompt held back for its restore is not beside anything; the count stops at
+    the prompt batch."""
+    now = [100.0]
+    backlog = Backlog(clock=lambda: now[0], prompt_batch=3)
+    for _ in range(3):
+        backlog.prefill(0.01)  # next turns sent straight on
+    assert backlog.restore_sooner(0.3, 0.1)  # 0.1 x 3 (the batch) >= 0.3
+    now[0] = 200.0  # those are done
+    backlog.prefill(0.01, straight_on=False)  # held back: not beside it
+    assert not backlog.restore_sooner(0.3, 0.1)
+    now[0] = 300.0
+    backlog = Backlog(clock=lambda: now[0], prompt_batch=8)
+    backlog.prefill(0.01)
+    assert not backlog.restore_sooner(0.3, 0.1)  # 0.1 x 2 < 0.3
+    assert backlog.restore_sooner(0.3, 0.1)  # now beside two: 0.1 x 3 >= 0.3
+
+
 def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
     """A returning user's request (RAM holds little of its prompt) waits on its HTTP
     thread for its restore, so the generation thread meanwhile serves others; a

@@ -417,11 +417,23 @@ class PersistentPromptCache:
             if held < len(tokens) - 1:
                 if other is not None:
                     head = self.shared.head(other, common, waiter=entry)
+                waited = time.perf_counter()
                 if head is not None:
                     tail = _joined_tail(store, tokens, head, common, salt, weigh)
                 else:
                     self.shared.let_joins_finish()  # their users come sooner
+                    waited = time.perf_counter()
                     tail = _stored_tail(store, tokens, held, salt, weigh)
+                log.debug(
+                    "kvstore: prefetch of %d tokens (%d in RAM): waited %.1f ms "
+                    "(%s), restored %s in %.1f ms",
+                    len(tokens),
+                    held,
+                    1e3 * (waited - tic),
+                    "for a shared prefix" if head is not None else "for joins",
+                    f"{tail.start}-{tail.end}" if tail is not None else "nothing",
+                    1e3 * (time.perf_counter() - waited),
+                )
         finally:
             if registration is not None:  # those waiting for it go on
                 self.shared.end(registration.entry, tail)
