@@ -374,6 +374,47 @@ def test_backlog_counts_a_whole_prompt_prefilled_beside_others_for_each_of_them(
     assert backlog.restore_sooner(0.3, 0.1)  # now beside two: 0.1 x 3 >= 0.3
 
 
+def test_a_returning_user_is_weighed_once_the_requests_arriving_with_it_are_counted():
+    """A returning user whose prefill alone would end sooner than its restore waits
+    (0.2 s at most) until a next turn still being looked at is counted as sent on:
+    prefilled beside it, padded, it would end later, so it is restored."""
+    prefilled, prepared = [], []
+
+    class Base:
+        model_provider = SimpleNamespace(model=object(), tokenizer=object())
+        model_provider.model_key = KEY
+
+        def _tokenize(self, tokenizer, request, args):
+            return list(request.tokens), [list(request.tokens)], [0], None, None
+
+        def generate(self, request, args):
+            pass
+
+    def extent(key, tokens, salt):
+        if tokens[0] == 1:  # the next turn: slow to look at
+            time.sleep(0.12)
+            return 80, 90, 0.1, 0.1, 90.0
+        return 0, 90, 0.8, 0.5, 90.0  # returning: read 0.8 s, prefill 0.5 s
+
+    def prepare(key, tokens, salt, weigh=True):
+        prepared.append(tokens[0])
+        return "restored"
+
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Base, prefetcher, prepare, extent, lambda: prefilled.append(1)
+    )()
+    turn, returning = Request(), Request()
+    turn.tokens, returning.tokens = [1] * 100, [2] * 100
+    first = threading.Thread(target=generator.generate, args=(turn, None))
+    first.start()
+    time.sleep(0.05)  # the next turn is being looked at
+    generator.generate(returning, None)
+    first.join(10)
+    assert prefilled == [] and sorted(prepared) == [1, 2]
+    prefetcher.close()
+
+
 def test_request_reaches_the_generation_thread_once_its_restore_is_ready():
     """A returning user's request (RAM holds little of its prompt) waits on its HTTP
     thread for its restore, so the generation thread meanwhile serves others; a

@@ -67,6 +67,9 @@ MAX_HOLD_S = 30.0
 # The longest the generation thread, its queue empty, waits for requests that
 # arrived together and are still being tokenized (a few ms each, one at a time).
 MAX_ARRIVAL_WAIT_S = 0.05
+# The longest a returning user about to be prefilled waits for the requests arriving
+# with it to be looked at (one at a time, a few ms each: 16 at once take tens of ms).
+CLASSIFY_WAIT_S = 0.2
 
 
 @dataclass
@@ -144,12 +147,14 @@ class Backlog:
                 self._reads_free = max(self._clock(), self._reads_free) + seconds
 
     def restore_sooner(
-        self, read_s: Optional[float], prefill_s: Optional[float]
+        self, read_s: Optional[float], prefill_s: Optional[float], *, dry: bool = False
     ) -> bool:
         """Whether restoring (True) or prefilling (False) the stored prefix finishes
-        it sooner, counted on that clock; True while either rate is unknown."""
+        it sooner, counted on that clock; True while either rate is unknown.
+        ``dry``: only tell, the work is not counted."""
         if read_s is None or prefill_s is None:
-            self.read(read_s)
+            if not dry:
+                self.read(read_s)
             return True
         with self._lock:
             now = self._clock()
@@ -161,6 +166,8 @@ class Backlog:
             prefill_done = max(
                 max(now, self._prefill_free) + prefill_s, now + prefill_s * beside
             )
+            if dry:
+                return read_done <= prefill_done
             if read_done <= prefill_done:
                 self._reads_free = read_done
                 return True
@@ -221,6 +228,16 @@ class Prefetcher:
         try:
             with self._arrivals:
                 self._arrivals.wait_for(lambda: self._probing == 0 or queued(), timeout)
+        except Exception:
+            log.exception("kvstore: waiting for arriving requests")
+
+    def await_classified(self, *, timeout: float = CLASSIFY_WAIT_S) -> None:
+        """An arriving request (HTTP thread, inside :meth:`probing`): wait while
+        other requests that arrived with it are still being looked at (and so not
+        yet counted as sent on or held), at most ``timeout``. Never raises."""
+        try:
+            with self._arrivals:
+                self._arrivals.wait_for(lambda: self._probing <= 1, timeout)
         except Exception:
             log.exception("kvstore: waiting for arriving requests")
 
@@ -434,6 +451,12 @@ def prefetch_response_generator_class(
                 )
                 reg = register(*found, ext.held)
                 read_s = _read_past_shared(ext, reg)
+                if returning and not backlog.restore_sooner(
+                    read_s, ext.prefill_s, dry=True
+                ):
+                    # Prefilled, it would be padded beside the prompts sent on with
+                    # it: count those arriving with it first.
+                    prefetcher.await_classified()
                 if returning and not backlog.restore_sooner(read_s, ext.prefill_s):
                     key, tokens, salt = found
                     prefetcher.settle(
