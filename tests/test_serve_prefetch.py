@@ -11,8 +11,8 @@ import pytest
 from conftest import compute_cache, next_logits, random_tokens
 from serving import KEY, provider
 
+from kvstore.serve.pacing import AdmittingBudget, Backlog
 from kvstore.serve.prefetch import (
-    Backlog,
     Prefetched,
     Prefetcher,
     prefetch_response_generator_class,
@@ -412,6 +412,60 @@ def test_a_returning_user_is_weighed_once_the_requests_arriving_with_it_are_coun
     generator.generate(returning, None)
     first.join(10)
     assert prefilled == [] and sorted(prepared) == [1, 2]
+    prefetcher.close()
+
+
+def test_the_time_budget_ends_once_a_restored_request_is_released():
+    """mlx-lm's loop steps a decoding batch for up to its time budget before it
+    takes waiting requests: the budget ends early (after at least one step, so a
+    loop that cannot take the request still steps) once a request held for its
+    restore is released, and runs to its time otherwise."""
+    from mlx_lm.server import TimeBudget
+
+    released = [False]
+    budget = AdmittingBudget(TimeBudget(budget=30.0), lambda: released[0])
+    steps = 0
+    for _ in budget:
+        steps += 1
+        if steps == 3:
+            released[0] = True
+    assert steps == 3
+    steps = sum(1 for _ in budget)  # released from the start: one step
+    assert steps == 1
+    released[0] = False
+    t = time.monotonic()
+    steps = sum(1 for _ in AdmittingBudget(TimeBudget(budget=0.05), lambda: False))
+    assert steps > 1 and time.monotonic() - t >= 0.05
+
+
+def test_a_request_held_for_its_restore_counts_as_released_until_looked_up():
+    class Base:
+        model_provider = SimpleNamespace(model=object(), tokenizer=object())
+        model_provider.model_key = KEY
+
+        def __init__(self):
+            from mlx_lm.server import TimeBudget
+
+            self.requests = object()
+            self._time_budget = TimeBudget()
+
+        def _tokenize(self, tokenizer, request, args):
+            return list(request.tokens), [list(request.tokens)], [0], None, None
+
+        def generate(self, request, args):
+            pass
+
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Base, prefetcher, lambda *a, **k: "restored", lambda k, t, s: (0, 90)
+    )()
+    assert isinstance(generator._time_budget, AdmittingBudget)
+    returning = Request()
+    returning.tokens = [1] * 100
+    generator.generate(returning, None)
+    assert prefetcher.released_waiting()
+    prefetcher.looking_up(returning)  # the generation thread takes it
+    assert not prefetcher.released_waiting()
     prefetcher.close()
 
 

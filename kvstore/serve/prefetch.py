@@ -25,12 +25,11 @@ the prompt is found first, on the HTTP thread, by the index alone:
   request the generation thread is looking up, and the requests still being
   looked at on their HTTP threads: the generation thread, its queue empty, waits
   for them (a few ms each), so that requests arriving together join one batch.
-* :class:`Backlog`: when the store's reads and the model's prefill would be free,
-  given the work already sent to each.
 * :func:`prefetch_response_generator_class`: ``generate`` submits the request and
   waits for its restore; ``_tokenize`` keeps the request's tokens (computed once,
   by whichever thread comes first, under one lock: the tokenizer is not shared
-  between threads).
+  between threads). Whether a returning user is restored or prefilled, and how
+  soon mlx-lm's loop takes it once restored: :mod:`kvstore.serve.pacing`.
 
 What a prefetch found (:class:`Prefetched`) is used only for the very request,
 model, salt and tokens it was made for; anything else (a failed prefetch, one not
@@ -41,12 +40,12 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
+from .pacing import AdmittingBudget, Backlog
 from .shared import Registration
 
 log = logging.getLogger("kvstore.server")
@@ -59,8 +58,6 @@ HOOKED = {"ResponseGenerator": ("generate", "_next_request", "_tokenize")}
 WORKERS = 2
 # Prefetched restores held for requests not looked up yet (each holds its KV).
 MAX_WAITING = 16
-# Prompts mlx-lm's server prefills together (its --prompt-concurrency default).
-PROMPT_BATCH = 8
 # The longest a request waits for its restore before it goes to the generation
 # thread anyway (whose lookup then waits for what is left: a remote tier's read).
 MAX_HOLD_S = 30.0
@@ -102,80 +99,6 @@ class Extent(NamedTuple):
     prefill_rate: Optional[float] = None  # the model's, tokens/s
 
 
-class Backlog:
-    """When the store's reads and the model's prefill would next be free, given
-    the work sent to each: restores one after another at the measured byte rate
-    (their reads share the disk and the host-to-device copy), prompts sent straight
-    on at the measured prefill rate. A returning user takes whichever finishes its
-    stored prefix sooner: behind seven restores, the eighth is prefilled while they
-    read. A clock that was not needed for a while starts again from now.
-
-    mlx-lm prefills the prompts that reach it together in one batch
-    (``--prompt-concurrency``, ``prompt_batch`` here), each step padded to the
-    longest: a whole prompt prefilled beside short ones holds up all of them (16
-    users on an H200: 4 returning users prefilled whole beside 12 next turns of 211
-    tokens kept all 16 waiting 3.7-4.8 s). So a returning user's prefill ends no
-    sooner than its own prefill counted once for every prompt it would be
-    prefilled beside (as long as theirs, when all are alike)."""
-
-    def __init__(
-        self,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        prompt_batch: int = PROMPT_BATCH,
-    ):
-        self._clock = clock
-        self._prompt_batch = prompt_batch
-        self._lock = threading.Lock()
-        self._reads_free = self._prefill_free = 0.0
-        self._straight_on: Deque[float] = deque()  # when each prompt sent on ends
-
-    def prefill(self, seconds: Optional[float], *, straight_on: bool = True) -> None:
-        """Prefill work sent on (None or 0: none, or not estimated);
-        ``straight_on=False``: the rest of a prompt held back for its restore
-        (prefilled later, not beside the prompts sent on now)."""
-        if seconds:
-            with self._lock:
-                self._prefill_free = max(self._clock(), self._prefill_free) + seconds
-                if straight_on:
-                    self._straight_on.append(self._prefill_free)
-
-    def read(self, seconds: Optional[float]) -> None:
-        """A restore started that is not weighed (a next turn's tail)."""
-        if seconds:
-            with self._lock:
-                self._reads_free = max(self._clock(), self._reads_free) + seconds
-
-    def restore_sooner(
-        self, read_s: Optional[float], prefill_s: Optional[float], *, dry: bool = False
-    ) -> bool:
-        """Whether restoring (True) or prefilling (False) the stored prefix finishes
-        it sooner, counted on that clock; True while either rate is unknown.
-        ``dry``: only tell, the work is not counted."""
-        if read_s is None or prefill_s is None:
-            if not dry:
-                self.read(read_s)
-            return True
-        with self._lock:
-            now = self._clock()
-            while self._straight_on and self._straight_on[0] <= now:
-                self._straight_on.popleft()
-            beside = min(self._prompt_batch, 1 + len(self._straight_on))
-            read_done = max(now, self._reads_free) + read_s
-            # Behind the prefills sent on, or padded beside them: the later end.
-            prefill_done = max(
-                max(now, self._prefill_free) + prefill_s, now + prefill_s * beside
-            )
-            if dry:
-                return read_done <= prefill_done
-            if read_done <= prefill_done:
-                self._reads_free = read_done
-                return True
-            self._prefill_free = prefill_done
-            self._straight_on.append(prefill_done)
-            return False
-
-
 class Prefetcher:
     """Runs prefetch jobs of arriving requests and hands their results to the
     generation thread's lookup of the same request.
@@ -197,6 +120,8 @@ class Prefetcher:
         self._waiting = 0
         self._lock = threading.Lock()
         self._local = threading.local()
+        # Requests held for their restore, released and not yet looked up.
+        self._released: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._closed = False
         self.tokenize_lock = threading.Lock()
         self._arrivals = threading.Condition()
@@ -314,9 +239,22 @@ class Prefetcher:
         except Exception:  # CancelledError (closing), TimeoutError
             pass
 
+    def release(self, request) -> None:
+        """``request``, held for its restore, goes on to the generation thread."""
+        with self._lock:
+            self._released.add(request)
+
+    def released_waiting(self) -> bool:
+        """Whether a request released after its restore waits for the generation
+        thread to look it up."""
+        with self._lock:
+            return bool(self._released)
+
     def looking_up(self, request) -> None:
         """The generation thread is about to look up ``request``."""
         self._local.request = weakref.ref(request)
+        with self._lock:
+            self._released.discard(request)
 
     def take(self) -> Optional[Prefetched]:
         """The prefetch of the request being looked up on this thread: waited for
@@ -413,6 +351,19 @@ def prefetch_response_generator_class(
     """
 
     class PrefetchingResponseGenerator(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if getattr(self, "_is_distributed", False):
+                return  # every rank must step alike
+            budget = getattr(self, "_time_budget", None)
+            if callable(getattr(budget, "__next__", None)):
+                self._time_budget = AdmittingBudget(budget, prefetcher.released_waiting)
+            elif hasattr(self, "requests"):  # mlx-lm's, not a stand-in
+                log.warning(
+                    "kvstore: this mlx-lm's generation loop has no time budget to "
+                    "end early: restored requests join at its own pace"
+                )
+
         def generate(self, request, generation_args, *args, **kwargs):
             # Distributed servers pickle requests to other ranks: left alone.
             if not getattr(self, "_is_distributed", False):
@@ -420,6 +371,7 @@ def prefetch_response_generator_class(
                     hold = self._kvstore_prefetch(request, generation_args)
                 if hold:
                     prefetcher.wait(request)
+                    prefetcher.release(request)
             return super().generate(request, generation_args, *args, **kwargs)
 
         def _next_request(self, timeout=None):

@@ -1,0 +1,120 @@
+"""When a request held for its restore goes on, and how mlx-lm takes it.
+
+* :class:`Backlog`: whether a returning user's stored prefix is read sooner than
+  the model would prefill it, given the reads and prefills already sent on;
+* :class:`AdmittingBudget`: mlx-lm's generation loop, once the request goes on,
+  takes it at its next step rather than at the end of its time budget.
+
+Both are used by :mod:`kvstore.serve.prefetch`.
+"""
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Deque, Optional
+
+# Prompts mlx-lm's server prefills together (its --prompt-concurrency default).
+PROMPT_BATCH = 8
+
+
+class Backlog:
+    """When the store's reads and the model's prefill would next be free, given
+    the work sent to each: restores one after another at the measured byte rate
+    (their reads share the disk and the host-to-device copy), prompts sent straight
+    on at the measured prefill rate. A returning user takes whichever finishes its
+    stored prefix sooner: behind seven restores, the eighth is prefilled while they
+    read. A clock that was not needed for a while starts again from now.
+
+    mlx-lm prefills the prompts that reach it together in one batch
+    (``--prompt-concurrency``, ``prompt_batch`` here), each step padded to the
+    longest: a whole prompt prefilled beside short ones holds up all of them (16
+    users on an H200: 4 returning users prefilled whole beside 12 next turns of 211
+    tokens kept all 16 waiting 3.7-4.8 s). So a returning user's prefill ends no
+    sooner than its own prefill counted once for every prompt it would be
+    prefilled beside (as long as theirs, when all are alike)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        prompt_batch: int = PROMPT_BATCH,
+    ):
+        self._clock = clock
+        self._prompt_batch = prompt_batch
+        self._lock = threading.Lock()
+        self._reads_free = self._prefill_free = 0.0
+        self._straight_on: Deque[float] = deque()  # when each prompt sent on ends
+
+    def prefill(self, seconds: Optional[float], *, straight_on: bool = True) -> None:
+        """Prefill work sent on (None or 0: none, or not estimated);
+        ``straight_on=False``: the rest of a prompt held back for its restore
+        (prefilled later, not beside the prompts sent on now)."""
+        if seconds:
+            with self._lock:
+                self._prefill_free = max(self._clock(), self._prefill_free) + seconds
+                if straight_on:
+                    self._straight_on.append(self._prefill_free)
+
+    def read(self, seconds: Optional[float]) -> None:
+        """A restore started that is not weighed (a next turn's tail)."""
+        if seconds:
+            with self._lock:
+                self._reads_free = max(self._clock(), self._reads_free) + seconds
+
+    def restore_sooner(
+        self, read_s: Optional[float], prefill_s: Optional[float], *, dry: bool = False
+    ) -> bool:
+        """Whether restoring (True) or prefilling (False) the stored prefix finishes
+        it sooner, counted on that clock; True while either rate is unknown.
+        ``dry``: only tell, the work is not counted."""
+        if read_s is None or prefill_s is None:
+            if not dry:
+                self.read(read_s)
+            return True
+        with self._lock:
+            now = self._clock()
+            while self._straight_on and self._straight_on[0] <= now:
+                self._straight_on.popleft()
+            beside = min(self._prompt_batch, 1 + len(self._straight_on))
+            read_done = max(now, self._reads_free) + read_s
+            # Behind the prefills sent on, or padded beside them: the later end.
+            prefill_done = max(
+                max(now, self._prefill_free) + prefill_s, now + prefill_s * beside
+            )
+            if dry:
+                return read_done <= prefill_done
+            if read_done <= prefill_done:
+                self._reads_free = read_done
+                return True
+            self._prefill_free = prefill_done
+            self._straight_on.append(prefill_done)
+            return False
+
+
+class AdmittingBudget:
+    """mlx-lm's ``TimeBudget`` that also ends once a request held for its restore
+    has been released (after at least one step of this slice).
+
+    While a batch decodes, mlx-lm's generation loop steps it for up to the budget
+    (0.5 s) before it takes the requests that arrived meanwhile. A returning user
+    held back until its restore is ready arrives so, mid-slice, where plain mlx-lm
+    would have had it from the start: on an H200 such requests reached the loop
+    0.00-0.51 s after their restores ended. Other requests keep mlx-lm's timing.
+    """
+
+    def __init__(self, budget, released: Callable[[], bool]):
+        self._budget = budget
+        self._released = released
+        self._steps = 0
+
+    def __iter__(self):
+        iter(self._budget)  # starts the slice's clock
+        self._steps = 0
+        return self
+
+    def __next__(self):
+        if self._steps and self._released():
+            raise StopIteration
+        value = next(self._budget)
+        self._steps += 1
+        return value
