@@ -23,7 +23,10 @@ pytestmark = pytest.mark.slow
 
 
 class Request:
-    """Stands in for mlx-lm's CompletionRequest (weak references allowed)."""
+    """Stands in for mlx-lm's CompletionRequest: weak references allowed, and, as a
+    dataclass, no hash."""
+
+    __hash__ = None
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from .pacing import AdmittingBudget, Backlog
 from .shared import Registration
@@ -120,8 +120,9 @@ class Prefetcher:
         self._waiting = 0
         self._lock = threading.Lock()
         self._local = threading.local()
-        # Requests held for their restore, released and not yet looked up.
-        self._released: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # Requests held for their restore, released and not yet looked up, by id:
+        # mlx-lm's requests are dataclasses, which do not hash.
+        self._released: Dict[int, weakref.ref] = {}
         self._closed = False
         self.tokenize_lock = threading.Lock()
         self._arrivals = threading.Condition()
@@ -242,19 +243,21 @@ class Prefetcher:
     def release(self, request) -> None:
         """``request``, held for its restore, goes on to the generation thread."""
         with self._lock:
-            self._released.add(request)
+            self._released[id(request)] = weakref.ref(request)
 
     def released_waiting(self) -> bool:
         """Whether a request released after its restore waits for the generation
-        thread to look it up."""
+        thread to look it up (one that went away unseen no longer counts)."""
         with self._lock:
+            for key in [k for k, ref in self._released.items() if ref() is None]:
+                del self._released[key]
             return bool(self._released)
 
     def looking_up(self, request) -> None:
         """The generation thread is about to look up ``request``."""
         self._local.request = weakref.ref(request)
         with self._lock:
-            self._released.discard(request)
+            self._released.pop(id(request), None)
 
     def take(self) -> Optional[Prefetched]:
         """The prefetch of the request being looked up on this thread: waited for
