@@ -64,6 +64,19 @@ def look_up(pc, request, tokens, salt=None):
     return pc.fetch_nearest_cache(KEY, tokens, salt=salt)
 
 
+class Generator:
+    """mlx-lm's ResponseGenerator, as far as the prefetching subclass uses it: a
+    request's tokens are its ``tokens``, and ``generate`` does nothing."""
+
+    model_provider = SimpleNamespace(model=object(), tokenizer=object(), model_key=KEY)
+
+    def _tokenize(self, tokenizer, request, args):
+        return list(request.tokens), [list(request.tokens)], [0], None, None
+
+    def generate(self, request, args):
+        pass
+
+
 def same_as_cold(model, cache, query, rest):
     want = next_logits(model, compute_cache(model, []), query)
     assert mx.allclose(next_logits(model, cache, rest), want, atol=1e-4).item()
@@ -164,16 +177,6 @@ def test_a_prefetch_waiting_for_another_restore_does_not_hold_up_the_restores():
     run (refused past ``max_waiting``) is abandoned at once."""
     gate, started = threading.Event(), []
 
-    class Base:
-        model_provider = SimpleNamespace(model=object(), tokenizer=object())
-        model_provider.model_key = KEY
-
-        def _tokenize(self, tokenizer, request, args):
-            return list(request.tokens), [list(request.tokens)], [0], None, None
-
-        def generate(self, request, args):
-            pass
-
     from kvstore.serve.shared import SharedRestores
 
     shared = SharedRestores(min_shared=4)
@@ -191,7 +194,7 @@ def test_a_prefetch_waiting_for_another_restore_does_not_hold_up_the_restores():
     system = list(range(10, 30))
     prefetcher = Prefetcher(workers=1, max_waiting=2)
     generator = prefetch_response_generator_class(
-        Base,
+        Generator,
         prefetcher,
         prepare,
         lambda k, t, s: (0, len(t) - 1),  # returning users: nothing in RAM
@@ -383,16 +386,6 @@ def test_a_returning_user_is_weighed_once_the_requests_arriving_with_it_are_coun
     prefilled beside it, padded, it would end later, so it is restored."""
     prefilled, prepared = [], []
 
-    class Base:
-        model_provider = SimpleNamespace(model=object(), tokenizer=object())
-        model_provider.model_key = KEY
-
-        def _tokenize(self, tokenizer, request, args):
-            return list(request.tokens), [list(request.tokens)], [0], None, None
-
-        def generate(self, request, args):
-            pass
-
     def extent(key, tokens, salt):
         if tokens[0] == 1:  # the next turn: slow to look at
             time.sleep(0.12)
@@ -405,7 +398,7 @@ def test_a_returning_user_is_weighed_once_the_requests_arriving_with_it_are_coun
 
     prefetcher = Prefetcher()
     generator = prefetch_response_generator_class(
-        Base, prefetcher, prepare, extent, lambda: prefilled.append(1)
+        Generator, prefetcher, prepare, extent, lambda: prefilled.append(1)
     )()
     turn, returning = Request(), Request()
     turn.tokens, returning.tokens = [1] * 100, [2] * 100
@@ -442,21 +435,12 @@ def test_the_time_budget_ends_once_a_restored_request_is_released():
 
 
 def test_a_request_held_for_its_restore_counts_as_released_until_looked_up():
-    class Base:
-        model_provider = SimpleNamespace(model=object(), tokenizer=object())
-        model_provider.model_key = KEY
-
+    class Base(Generator):
         def __init__(self):
             from mlx_lm.server import TimeBudget
 
             self.requests = object()
             self._time_budget = TimeBudget()
-
-        def _tokenize(self, tokenizer, request, args):
-            return list(request.tokens), [list(request.tokens)], [0], None, None
-
-        def generate(self, request, args):
-            pass
 
     prefetcher = Prefetcher()
     generator = prefetch_response_generator_class(
