@@ -16,11 +16,12 @@ restore (:class:`~kvstore.serve.prefetch.Prefetcher`). So users of a few system
 prompts arriving together read each system prompt once, whichever restores start
 first.
 
-Only a restore no lookup has taken yet is shared: until then no generate loop has
-written to its cache, so its first tokens are exactly what the store holds. A
-restore hands its KV to the prefetches already waiting for it as it ends, before
+A restore hands its KV to the prefetches already waiting for it as it ends, before
 its own request can reach a lookup; one arriving later finds it only while no
-lookup has taken it. An entry is dropped when its lookup takes it; one never taken
+lookup has taken it. A waiter copies only the shared first tokens, which a generate
+loop never changes (mlx-lm's batch copies a request's cache without writing to it;
+mlx-lm's one-at-a-time path writes past the prompt, and a waiter that then fails to
+copy, on CUDA, restores by itself at its lookup). An entry is dropped when its lookup takes it; one never taken
 goes with its KV (a weak reference). Entries are keyed by model and salt: tenants
 never share.
 
