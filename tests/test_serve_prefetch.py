@@ -11,7 +11,7 @@ import pytest
 from conftest import compute_cache, next_logits, random_tokens
 from serving import KEY, provider
 
-from kvstore.serve.pacing import AdmittingBudget, Backlog
+from kvstore.serve.pacing import SAME_BATCH_S, AdmittingBudget, Backlog
 from kvstore.serve.prefetch import (
     Prefetched,
     Prefetcher,
@@ -364,7 +364,7 @@ def test_backlog_counts_a_whole_prompt_prefilled_beside_others_for_each_of_them(
     about four times its own prefill, so it is restored (0.3 s) rather than
     prefilled (0.1 s alone, 0.4 s beside them). Alone it is prefilled; the rest of
     a prompt held back for its restore is not beside anything; the count stops at
-    the prompt batch."""
+    the prompt batch; a prompt sent on counts for ``SAME_BATCH_S`` at least."""
     now = [100.0]
     backlog = Backlog(clock=lambda: now[0], prompt_batch=3)
     for _ in range(3):
@@ -378,6 +378,14 @@ def test_backlog_counts_a_whole_prompt_prefilled_beside_others_for_each_of_them(
     backlog.prefill(0.01)
     assert not backlog.restore_sooner(0.3, 0.1)  # 0.1 x 2 < 0.3
     assert backlog.restore_sooner(0.3, 0.1)  # now beside two: 0.1 x 3 >= 0.3
+    # Next turns whose own prefill is a token count while their burst is prefilled.
+    now[0] = 400.0
+    backlog = Backlog(clock=lambda: now[0], prompt_batch=8)
+    for _ in range(3):
+        backlog.prefill(1e-5)
+    assert backlog.restore_sooner(0.3, 0.1)  # 0.1 x 4
+    now[0] += SAME_BATCH_S + 0.01  # that batch has started without it
+    assert not backlog.restore_sooner(0.3, 0.1)
 
 
 def test_a_returning_user_is_weighed_once_the_requests_arriving_with_it_are_counted():

@@ -10,11 +10,13 @@ Both are used by :mod:`kvstore.serve.prefetch`.
 
 import threading
 import time
-from collections import deque
-from typing import Callable, Deque, Optional
+from typing import Callable, List, Optional
 
 # Prompts mlx-lm's server prefills together (its --prompt-concurrency default).
 PROMPT_BATCH = 8
+# Prompts sent on within this long of each other are prefilled in one batch: a burst
+# of requests is looked at in tens of ms, and the generation loop, idle, waits for it.
+SAME_BATCH_S = 0.25
 
 
 class Backlog:
@@ -31,7 +33,8 @@ class Backlog:
     users on an H200: 4 returning users prefilled whole beside 12 next turns of 211
     tokens kept all 16 waiting 3.7-4.8 s). So a returning user's prefill ends no
     sooner than its own prefill counted once for every prompt it would be
-    prefilled beside (as long as theirs, when all are alike)."""
+    prefilled beside (as long as theirs, when all are alike): those sent on within
+    :data:`SAME_BATCH_S` or still being prefilled by the estimates."""
 
     def __init__(
         self,
@@ -43,7 +46,7 @@ class Backlog:
         self._prompt_batch = prompt_batch
         self._lock = threading.Lock()
         self._reads_free = self._prefill_free = 0.0
-        self._straight_on: Deque[float] = deque()  # when each prompt sent on ends
+        self._straight_on: List[float] = []  # until when each prompt sent on counts
 
     def prefill(self, seconds: Optional[float], *, straight_on: bool = True) -> None:
         """Prefill work sent on (None or 0: none, or not estimated);
@@ -51,9 +54,13 @@ class Backlog:
         (prefilled later, not beside the prompts sent on now)."""
         if seconds:
             with self._lock:
-                self._prefill_free = max(self._clock(), self._prefill_free) + seconds
+                now = self._clock()
+                self._prefill_free = max(now, self._prefill_free) + seconds
                 if straight_on:
-                    self._straight_on.append(self._prefill_free)
+                    self._straight_on = [t for t in self._straight_on if t > now]
+                    self._straight_on.append(
+                        max(self._prefill_free, now + SAME_BATCH_S)
+                    )
 
     def read(self, seconds: Optional[float]) -> None:
         """A restore started that is not weighed (a next turn's tail)."""
@@ -73,8 +80,7 @@ class Backlog:
             return True
         with self._lock:
             now = self._clock()
-            while self._straight_on and self._straight_on[0] <= now:
-                self._straight_on.popleft()
+            self._straight_on = [t for t in self._straight_on if t > now]
             beside = min(self._prompt_batch, 1 + len(self._straight_on))
             read_done = max(now, self._reads_free) + read_s
             # Behind the prefills sent on, or padded beside them: the later end.
@@ -87,7 +93,7 @@ class Backlog:
                 self._reads_free = read_done
                 return True
             self._prefill_free = prefill_done
-            self._straight_on.append(prefill_done)
+            self._straight_on.append(max(prefill_done, now + SAME_BATCH_S))
             return False
 
 
