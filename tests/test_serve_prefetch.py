@@ -644,3 +644,60 @@ def test_generation_thread_waits_for_requests_still_arriving():
         assert least <= time.perf_counter() - tic < most
         t.join()
     prefetcher.close()
+
+
+@pytest.mark.stress  # threads racing a real store: the slow tier
+def test_a_burst_of_returning_users_of_few_system_prompts_all_get_their_kv(
+    tmp_path, model, tokenizer
+):
+    """Nine returning users of three 300-token system prompts arrive at once
+    through the prefetching generator (registered on arrival, held for their
+    restores, one restoring thread); their lookups come in another order. Every
+    one gets the logits of computing its prompt from scratch, none waits on an
+    entry that never ends, the system prompts are shared, and nothing is left
+    registered."""
+    systems = [random_tokens(300, seed=40 + i) for i in range(3)]
+    prompts = [systems[i % 3] + random_tokens(40, seed=50 + i) + [7] for i in range(9)]
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    for tokens in prompts:
+        pc.insert_cache(KEY, tokens[:-1], compute_cache(model, tokens[:-1]))
+    pc.close()
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    pc.open_store(KEY)
+    pc.prefetcher = Prefetcher(workers=1)
+    went = []
+
+    class Recording(Generator):
+        def generate(self, request, args):
+            went.append(request)
+
+    generator = prefetch_response_generator_class(
+        Recording,
+        pc.prefetcher,
+        lambda *a, **k: pc.prefetch(*a, **k),
+        pc.extent,
+        register=pc.register,
+    )()
+    requests = []
+    for tokens in prompts:
+        request = Request()
+        request.tokens = tokens
+        requests.append(request)
+    threads = [
+        threading.Thread(target=generator.generate, args=(r, None)) for r in requests
+    ]
+    t = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(went) == 9 and time.monotonic() - t < 30  # none waited out WAIT_S
+    for request in reversed(requests):
+        cache, rest = look_up(pc, request, request.tokens)
+        assert cache is not None and cache[0].offset == len(request.tokens) - 1
+        same_as_cold(model, cache, request.tokens, rest)
+    s = pc.stats()
+    assert (s["restores_prefetched"], s["restores_shared"]) == (9, 6)
+    assert len(pc.shared) == 0 and pc.prefetcher._waiting == 0
+    pc.close()
