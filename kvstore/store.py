@@ -398,6 +398,13 @@ class KVStore:
         """
         return self.parts.tail.join(head, tail, query=query)
 
+    def frozen_tail(self, tail: Tail) -> Tail:
+        """A whole-prefix ``tail`` (``start`` 0) in fresh cache objects holding
+        views of its arrays, which writes into ``tail``'s cache leave as they are
+        (for another thread to copy its first tokens while a generate loop uses
+        ``tail``'s)."""
+        return self.parts.tail.frozen(tail)
+
     def save(
         self,
         tokens,

@@ -170,6 +170,39 @@ def test_users_of_one_system_prompt_read_it_once_whichever_is_looked_up_first(
     pc.close()
 
 
+def test_a_waiter_copies_the_restore_as_handed_not_what_its_owner_wrote_since(
+    tmp_path, model, tokenizer
+):
+    """The owner's request is looked up and its generate loop writes into its cache
+    objects (here: over the shared tokens themselves) before the waiter copies the
+    shared prefix: the waiter copies the restore as it was handed over."""
+    system = random_tokens(300, seed=36)
+    a, b = system + random_tokens(200, seed=37), system + random_tokens(200, seed=38)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    for tokens in (a, b):
+        pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    pc.close()
+    pc = restarted(tmp_path / "s", model, tokenizer)
+    qa, qb = a + [1], b + [2]
+    reg_a, reg_b = pc.register(KEY, qa, None, 0), pc.register(KEY, qb, None, 0)
+    first = Request()
+    pc.prefetcher.submit(first, lambda: pc.prefetch(KEY, qa, None, registration=reg_a))
+    first.kvstore_prefetch.future.exception()
+    cache, rest = look_up(pc, first, qa)
+    for layer in cache:  # in place, as KVCache.update_and_fetch writes
+        layer.keys[..., :10, :] = 0
+        layer.values[..., :10, :] = 0
+    mx.eval([layer.state for layer in cache])
+    second = Request()
+    pc.prefetcher.submit(
+        second, lambda: pc.prefetch(KEY, qb, None, registration=reg_b), joins=True
+    )
+    assert second.kvstore_prefetch.future.result().joined
+    cache, rest = look_up(pc, second, qb)
+    same_as_cold(model, cache, qb, rest)
+    pc.close()
+
+
 def test_a_prefetch_waiting_for_another_restore_does_not_hold_up_the_restores():
     """With one restoring thread busy, a request sharing the prefix of the restore
     in progress starts at once (it only waits for that restore, on a thread of its

@@ -211,20 +211,36 @@ class TailRead:
         n = tail.end - tail.start
         total = _rows(tail.end, query, self.reads.restore_room, self.shapes.token_bytes)
         joined = {}
-        for leaf, (_, h), (_, t) in zip(
-            self.layout.leaves, cache_leaves(head), cache_leaves(tail.cache)
+        for (name, a), (_, b) in zip(
+            self._named_arrays(head), self._named_arrays(tail.cache)
         ):
-            codec = CODECS[leaf.cls]
-            names = [f"{leaf.name}.{suffix}" for suffix, _, _ in leaf.tensors]
-            for name, a, b in zip(names, codec.arrays(h), codec.arrays(t)):
-                parts = [a[:, :, : tail.start], b[:, :, :n]]
-                if total > tail.end:
-                    shape = (*a.shape[:2], total - tail.end, a.shape[3])
-                    parts.append(mx.zeros(shape, a.dtype))
-                joined[name] = mx.concatenate(parts, axis=2)
+            parts = [a[:, :, : tail.start], b[:, :, :n]]
+            if total > tail.end:
+                shape = (*a.shape[:2], total - tail.end, a.shape[3])
+                parts.append(mx.zeros(shape, a.dtype))
+            joined[name] = mx.concatenate(parts, axis=2)
         cache = self.layout.build(joined, {}, tail.end)
         mx.eval(list(joined.values()))
         return cache
+
+    def frozen(self, tail: Tail) -> Tail:
+        """``tail`` (a whole prefix, ``start`` 0) in fresh cache objects holding
+        evaluated views of its arrays' first ``tail.end`` tokens (no copy): writes
+        into ``tail``'s cache objects (a generate loop's, in place) leave them as
+        they were."""
+        views = {
+            name: a[:, :, : tail.end] for name, a in self._named_arrays(tail.cache)
+        }
+        cache = self.layout.build(views, {}, tail.end)
+        mx.eval(list(views.values()))
+        return Tail(cache, 0, tail.end)
+
+    def _named_arrays(self, cache: Sequence[Any]):
+        """``(name, array)`` of every array of ``cache``'s layers, as the layout
+        names them."""
+        for leaf, (_, layer) in zip(self.layout.leaves, cache_leaves(cache)):
+            names = [f"{leaf.name}.{suffix}" for suffix, _, _ in leaf.tensors]
+            yield from zip(names, CODECS[leaf.cls].arrays(layer))
 
 
 def _rows(n: int, query: int, room: int, token_bytes: int) -> int:

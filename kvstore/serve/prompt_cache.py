@@ -134,7 +134,7 @@ class PersistentPromptCache:
         # Restores started when requests arrive (kvstore serve sets one), and
         # those whose prefix one in progress shares.
         self.prefetcher: Optional[Prefetcher] = None
-        self.shared = SharedRestores()
+        self.shared = SharedRestores(freeze=self._frozen_tail)
         # Saves captured off the generation thread (kvstore serve sets one), and
         # those its batch loop holds for a step (set with the loop's hook).
         self.saves: Optional[SaveQueue] = None
@@ -473,6 +473,14 @@ class PersistentPromptCache:
             return Extent(held, len(tokens) - 1, prefill_rate=rate)
         stored, read_s, prefill_s = store.estimate_past(tokens, held, salt=salt)
         return Extent(held, stored, read_s, prefill_s, rate)
+
+    def _frozen_tail(self, key, tail):
+        """A shared restore's ``tail`` as handed to the prefetches waiting for it:
+        views its own request's generate loop does not write to."""
+        store = self._opened(key[0])
+        if store is None:
+            raise RuntimeError("the store closed")
+        return store.frozen_tail(tail)
 
     def _opened(self, model_key):
         """The store open for ``model_key``, or None: the prefetch paths never

@@ -18,10 +18,10 @@ first.
 
 A restore hands its KV to the prefetches already waiting for it as it ends, before
 its own request can reach a lookup; one arriving later finds it only while no
-lookup has taken it. A waiter copies only the shared first tokens, which a generate
-loop never changes (mlx-lm's batch copies a request's cache without writing to it;
-mlx-lm's one-at-a-time path writes past the prompt, and a waiter that then fails to
-copy, on CUDA, restores by itself at its lookup). An entry is dropped when its lookup takes it; one never taken
+lookup has taken it. Waiters are handed views of it in cache objects of their own
+(``freeze``): mlx-lm's one-at-a-time path (a request with a seed) writes into its
+request's cache objects in place, and with CUDA another thread cannot evaluate what
+the generation thread wrote there. An entry is dropped when its lookup takes it; one never taken
 goes with its KV (a weak reference). Entries are keyed by model and salt: tenants
 never share.
 
@@ -31,15 +31,18 @@ the device (``MLX_LOCK``), and a joined one reads only a user's own turn (50-100
 where a system prompt takes 300), so its user is answered first.
 """
 
+import logging
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import numpy as np
 
 from ..disk.chunking import common_prefix
+
+log = logging.getLogger("kvstore.server")
 
 # A shared prefix shorter than this is read again rather than waited for.
 MIN_SHARED_TOKENS = 256
@@ -82,9 +85,16 @@ class Registration(NamedTuple):
 class SharedRestores:
     """The prefetches restoring now, or restored and not yet taken."""
 
-    def __init__(self, *, min_shared: int = MIN_SHARED_TOKENS, wait_s: float = WAIT_S):
+    def __init__(
+        self,
+        *,
+        min_shared: int = MIN_SHARED_TOKENS,
+        wait_s: float = WAIT_S,
+        freeze: Callable[[Any, Any], Any] = lambda key, tail: tail,
+    ):
         self.min_shared = min_shared
         self.wait_s = wait_s
+        self._freeze = freeze  # (key, tail) -> a copy no generate loop writes to
         self._lock = threading.Lock()
         self._entries: List[Restoring] = []
         self._handed: List[Restoring] = []  # waiters given a prefix, not yet done
@@ -114,15 +124,27 @@ class SharedRestores:
 
     def end(self, entry: Restoring, tail: Any) -> None:
         """``entry``'s restore finished with ``tail`` (or None): handed to the
-        entries waiting for it, and shared with later ones until it is taken."""
+        entries waiting for it (a frozen copy: its request may be looked up and
+        generated from before they copy it), and shared with later ones until it
+        is taken."""
         whole = tail if tail is not None and tail.start == 0 else None
+        handed = None
+        with self._lock:
+            waiting = whole is not None and any(
+                not w.done.is_set() for w in entry.waiters
+            )
+        if waiting:
+            try:
+                handed = self._freeze(entry.key, whole)
+            except Exception:  # they read from the store themselves
+                log.exception("kvstore: a shared restore could not be handed over")
         with self._lock:
             if whole is not None:
                 entry.tail = weakref.ref(whole)
-                for waiter in entry.waiters:
-                    if not waiter.done.is_set():
-                        waiter.handed = whole
-                        self._handed.append(waiter)
+            for waiter in entry.waiters if handed is not None else ():
+                if not waiter.done.is_set():
+                    waiter.handed = handed
+                    self._handed.append(waiter)
             entry.waiters, entry.handed = [], None
             entry.done.set()
 
