@@ -131,6 +131,34 @@ def test_requests_sharing_a_prefix_read_it_once(tmp_path, model, tokenizer):
     pc.close()
 
 
+def two_users_registered(tmp_path, model, tokenizer, seed):
+    """A restarted cache over a store holding two users' prompts of one 300-token
+    system prompt; both users' next requests registered as they arrive (in order).
+    Returns the cache, the two requests' tokens and their registrations."""
+    system = random_tokens(300, seed=seed)
+    a = system + random_tokens(200, seed=seed + 1)
+    b = system + random_tokens(200, seed=seed + 2)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    for tokens in (a, b):
+        pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
+    pc.close()
+    pc = restarted(tmp_path / "s", model, tokenizer)
+    qa, qb = a + [1], b + [2]
+    return pc, qa, qb, pc.register(KEY, qa, None, 0), pc.register(KEY, qb, None, 0)
+
+
+def prefetched(pc, tokens, registration, *, joins=False):
+    """A request whose prefetch (given its registration) has run."""
+    request = Request()
+    pc.prefetcher.submit(
+        request,
+        lambda: pc.prefetch(KEY, tokens, None, registration=registration),
+        joins=joins,
+    )
+    request.kvstore_prefetch.future.exception()
+    return request
+
+
 def test_users_of_one_system_prompt_read_it_once_whichever_is_looked_up_first(
     tmp_path, model, tokenizer
 ):
@@ -138,29 +166,14 @@ def test_users_of_one_system_prompt_read_it_once_whichever_is_looked_up_first(
     on arrival; the first's request is looked up (its restore taken) before the
     second's prefetch starts. The second still copies the first's system prompt,
     handed over as that restore ended, and reads only its own 200 tokens."""
-    system = random_tokens(300, seed=33)
-    a, b = system + random_tokens(200, seed=34), system + random_tokens(200, seed=35)
-    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
-    for tokens in (a, b):
-        pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
-    pc.close()
-    pc = restarted(tmp_path / "s", model, tokenizer)
+    pc, qa, qb, reg_a, reg_b = two_users_registered(tmp_path, model, tokenizer, 33)
     store = pc.open_store(KEY)
-    qa, qb = a + [1], b + [2]
-    reg_a, reg_b = pc.register(KEY, qa, None, 0), pc.register(KEY, qb, None, 0)
     assert reg_b.other is reg_a.entry and reg_b.common == 300
-    first = Request()
-    pc.prefetcher.submit(first, lambda: pc.prefetch(KEY, qa, None, registration=reg_a))
-    first.kvstore_prefetch.future.exception()
+    first = prefetched(pc, qa, reg_a)
     cache, rest = look_up(pc, first, qa)
     same_as_cold(model, cache, qa, rest)
     read = store.stats()["tokens_reused"]
-    second = Request()
-    pc.prefetcher.submit(
-        second,
-        lambda: pc.prefetch(KEY, qb, None, registration=reg_b),
-        joins=True,
-    )
+    second = prefetched(pc, qb, reg_b, joins=True)
     assert second.kvstore_prefetch.future.result().joined
     assert store.stats()["tokens_reused"] - read == 200
     cache, rest = look_up(pc, second, qb)
@@ -176,27 +189,14 @@ def test_a_waiter_copies_the_restore_as_handed_not_what_its_owner_wrote_since(
     """The owner's request is looked up and its generate loop writes into its cache
     objects (here: over the shared tokens themselves) before the waiter copies the
     shared prefix: the waiter copies the restore as it was handed over."""
-    system = random_tokens(300, seed=36)
-    a, b = system + random_tokens(200, seed=37), system + random_tokens(200, seed=38)
-    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
-    for tokens in (a, b):
-        pc.insert_cache(KEY, tokens, compute_cache(model, tokens))
-    pc.close()
-    pc = restarted(tmp_path / "s", model, tokenizer)
-    qa, qb = a + [1], b + [2]
-    reg_a, reg_b = pc.register(KEY, qa, None, 0), pc.register(KEY, qb, None, 0)
-    first = Request()
-    pc.prefetcher.submit(first, lambda: pc.prefetch(KEY, qa, None, registration=reg_a))
-    first.kvstore_prefetch.future.exception()
+    pc, qa, qb, reg_a, reg_b = two_users_registered(tmp_path, model, tokenizer, 36)
+    first = prefetched(pc, qa, reg_a)
     cache, rest = look_up(pc, first, qa)
     for layer in cache:  # in place, as KVCache.update_and_fetch writes
         layer.keys[..., :10, :] = 0
         layer.values[..., :10, :] = 0
     mx.eval([layer.state for layer in cache])
-    second = Request()
-    pc.prefetcher.submit(
-        second, lambda: pc.prefetch(KEY, qb, None, registration=reg_b), joins=True
-    )
+    second = prefetched(pc, qb, reg_b, joins=True)
     assert second.kvstore_prefetch.future.result().joined
     cache, rest = look_up(pc, second, qb)
     same_as_cold(model, cache, qb, rest)
