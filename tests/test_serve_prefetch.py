@@ -452,6 +452,47 @@ def test_a_returning_user_is_weighed_once_the_requests_arriving_with_it_are_coun
     prefetcher.close()
 
 
+def test_requests_waiting_for_arrivals_do_not_wait_for_each_other():
+    """Two returning users arriving together, both about to be prefilled, each wait
+    for the requests still being looked at, not for each other (nor out the 0.2 s
+    bound); a third still being looked at keeps them waiting until it is done."""
+    prefetcher = Prefetcher()
+    done, other = [], threading.Event()
+    together = threading.Barrier(2)
+
+    def arriving(name):
+        with prefetcher.probing():
+            if name == "slow":
+                other.wait(10)
+                return
+            together.wait(10)  # both are being looked at
+            t = time.monotonic()
+            prefetcher.await_classified(timeout=5.0)
+            done.append((name, time.monotonic() - t))
+
+    threads = [threading.Thread(target=arriving, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(n for n, _ in done) == ["a", "b"]
+    assert all(waited < 1.0 for _, waited in done)
+    done.clear()
+    slow = threading.Thread(target=arriving, args=("slow",))
+    slow.start()
+    time.sleep(0.05)
+    threads = [threading.Thread(target=arriving, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert done == []  # the third is still being looked at
+    other.set()
+    for t in threads + [slow]:
+        t.join(10)
+    assert sorted(n for n, _ in done) == ["a", "b"]
+    prefetcher.close()
+
+
 def test_the_time_budget_ends_once_a_restored_request_is_released():
     """mlx-lm's loop steps a decoding batch for up to its time budget before it
     takes waiting requests: the budget ends early (after at least one step, so a

@@ -127,6 +127,7 @@ class Prefetcher:
         self.tokenize_lock = threading.Lock()
         self._arrivals = threading.Condition()
         self._probing = 0  # requests tokenized and looked up before they queue
+        self._classifying = 0  # of those, waiting in await_classified
         self.backlog = Backlog()
 
     @contextmanager
@@ -163,7 +164,14 @@ class Prefetcher:
         yet counted as sent on or held), at most ``timeout``. Never raises."""
         try:
             with self._arrivals:
-                self._arrivals.wait_for(lambda: self._probing <= 1, timeout)
+                self._classifying += 1
+                self._arrivals.notify_all()
+                try:  # those waiting here too are looked at already
+                    self._arrivals.wait_for(
+                        lambda: self._probing <= self._classifying, timeout
+                    )
+                finally:
+                    self._classifying -= 1
         except Exception:
             log.exception("kvstore: waiting for arriving requests")
 
