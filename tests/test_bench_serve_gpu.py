@@ -19,6 +19,19 @@ bench_gpu = _load_tool("bench_gpu")
 ROUNDS, MAX_TOKENS, SYSTEM = 2, 3, 48
 
 
+def run_tool(name: str, *args: str) -> dict:
+    """``tools/NAME.py ARGS`` in a process of its own (exit status 0 checked); the
+    JSON it wrote to the path after ``--json``."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", f"{name}.py")
+    run = subprocess.run(
+        [sys.executable, tool, *args], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = args[list(args).index("--json") + 1]
+    with open(out) as f:
+        return json.load(f)
+
+
 @pytest.mark.stress
 def test_chat_load_end_to_end(tmp_path):
     out = tmp_path / "serve.json"
@@ -245,17 +258,11 @@ def test_bench_tail_runs_every_case_on_the_cpu(tmp_path):
     """``tools/bench_tail.py`` (a tail past a RAM copy: restore or prefill) at the
     tiny shape: every case timed every repeat, the restore reading only the nodes
     past the RAM copy."""
-    out = tmp_path / "tail.json"
-    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_tail.py")
-    argv = [sys.executable, tool, "--shape", "tiny", "--head", "300", "--tail", "40"]
-    run = subprocess.run(
-        argv + ["--repeats", "2", "--chunk-tokens", "64", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_tool(
+        "bench_tail",
+        *("--shape", "tiny", "--head", "300", "--tail", "40", "--repeats", "2"),
+        *("--chunk-tokens", "64", "--json", str(tmp_path / "tail.json")),
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(out.read_text())
     assert {k: len(v) for k, v in result["samples"].items()} == {
         "plain": 2,
         "kvstore": 2,
@@ -270,28 +277,11 @@ def test_bench_tail_runs_every_case_on_the_cpu(tmp_path):
 def test_probe_restore_decode_runs_every_case_on_the_cpu(tmp_path):
     """``tools/probe_restore_decode.py`` at the tiny shape: every case in its own
     process every repeat, the restores taking the whole stored prompt."""
-    out = tmp_path / "decode.json"
-    tool = os.path.join(
-        os.path.dirname(__file__), "..", "tools", "probe_restore_decode.py"
-    )
-    argv = [
-        sys.executable,
-        tool,
-        "--shape",
-        "tiny",
-        "--lengths",
-        "300",
-        "--repeats",
-        "2",
-    ]
-    run = subprocess.run(
-        argv + ["--dir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    samples = json.loads(out.read_text())["samples"]["300"]
+    samples = run_tool(
+        "probe_restore_decode",
+        *("--shape", "tiny", "--lengths", "300", "--repeats", "2"),
+        *("--dir", str(tmp_path / "work"), "--json", str(tmp_path / "decode.json")),
+    )["samples"]["300"]
     assert {c: len(rows) for c, rows in samples.items()} == {
         "cold": 2,
         "restore": 2,
@@ -338,19 +328,13 @@ def test_probe_round_step_runs_every_case_on_the_cpu(tmp_path):
     round 1's prompts restored whole (but their last token) where asked."""
     probe = _load_tool("probe_round_step")
     CASES, PLAIN_VARIANTS = probe.CASES, probe.PLAIN_VARIANTS
-    out = tmp_path / "step.json"
-    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "probe_round_step.py")
-    argv = [sys.executable, tool, "--shape", "tiny", "--users", "3", "--system", "40"]
-    argv += ["--question", "8", "--new", "5", "--decode", "3", "--repeats", "1"]
-    argv += ["--gap", "0", "--cases", *CASES, *PLAIN_VARIANTS]
-    run = subprocess.run(
-        argv + ["--dir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    samples = json.loads(out.read_text())["samples"]
+    samples = run_tool(
+        "probe_round_step",
+        *("--shape", "tiny", "--users", "3", "--system", "40", "--question", "8"),
+        *("--new", "5", "--decode", "3", "--repeats", "1", "--gap", "0"),
+        *("--cases", *CASES, *PLAIN_VARIANTS),
+        *("--dir", str(tmp_path / "work"), "--json", str(tmp_path / "step.json")),
+    )["samples"]
     assert set(samples) == set(CASES) | set(PLAIN_VARIANTS)
     assert all(len(rows) == 1 for rows in samples.values())
     for case in ("restored", "restored-clear"):

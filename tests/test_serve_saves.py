@@ -611,24 +611,33 @@ def test_saves_of_a_batch_step_are_held_until_the_loop_decodes_or_rests(
         assert_same_as_cold(model, s2, d + [1, 2], len(d))
 
 
+def a_save_held_for_the_step(tmp_path, model, tokenizer, n, seed):
+    """A threaded cache whose batch loop holds the caches a step stores, with one
+    save of ``n`` random tokens (salt "t") held so. Returns the cache, its open
+    store and the tokens."""
+    from kvstore.serve.saves import StepHeldSaves
+
+    tokens = random_tokens(n, seed=seed)
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    assert pc.use_threads(Prefetcher())
+    pc.step_held = StepHeldSaves()
+    store = pc.open_store(KEY)
+    pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt="t")
+    return pc, store, tokens
+
+
 def test_a_flush_waits_for_the_loop_to_queue_its_held_saves(
     tmp_path, model, tokenizer, monkeypatch
 ):
     """Also while the loop copies them out (slowed here): a save the loop has taken
     but not queued yet is still waited for."""
     from kvstore.serve import prompt_cache
-    from kvstore.serve.saves import StepHeldSaves
 
     real = prompt_cache.evaluate_all
     monkeypatch.setattr(
         prompt_cache, "evaluate_all", lambda *a: time.sleep(0.3) or real(*a)
     )
-    tokens = random_tokens(90, seed=64)
-    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
-    assert pc.use_threads(Prefetcher())
-    pc.step_held = StepHeldSaves()
-    store = pc.open_store(KEY)
-    pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt="t")
+    pc, store, tokens = a_save_held_for_the_step(tmp_path, model, tokenizer, 90, 64)
     loop = threading.Timer(0.3, lambda: pc.loop_top(idle=True))  # never stepped
     loop.start()
     pc.flush()  # returns once the loop (here a timer) queued and saved it
@@ -643,17 +652,11 @@ def test_close_closes_the_stores_when_the_held_saves_cannot_be_queued(
     """The held saves' copy-out failing at close is logged and counted, as at the
     top of the loop: the save thread still ends and the stores still close."""
     from kvstore.serve import prompt_cache
-    from kvstore.serve.saves import StepHeldSaves
 
     def boom(*a):
         raise RuntimeError("copy-out failed")
 
-    tokens = random_tokens(40, seed=66)
-    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
-    assert pc.use_threads(Prefetcher())
-    pc.step_held = StepHeldSaves()
-    store = pc.open_store(KEY)
-    pc.insert_cache(KEY, tokens, compute_cache(model, tokens), salt="t")
+    pc, store, tokens = a_save_held_for_the_step(tmp_path, model, tokenizer, 40, 66)
     assert len(pc.step_held) == 1
     monkeypatch.setattr(prompt_cache, "evaluate_all", boom)
     pc.close()
