@@ -441,7 +441,7 @@ def prefetch_response_generator_class(
                 request,
                 lambda: prepare(*found, weigh=not returning, **extra),
                 joins=reg is not None and reg.other is not None,
-                on_dropped=reg.entry.abandon if reg is not None else lambda: None,
+                on_dropped=lambda: _abandoned(reg),
             )
             return returning
 

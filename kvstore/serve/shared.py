@@ -21,14 +21,15 @@ its own request can reach a lookup; one arriving later finds it only while no
 lookup has taken it. Waiters are handed views of it in cache objects of their own
 (``freeze``): mlx-lm's one-at-a-time path (a request with a seed) writes into its
 request's cache objects in place, and with CUDA another thread cannot evaluate what
-the generation thread wrote there. An entry is dropped when its lookup takes it; one never taken
-goes with its KV (a weak reference). Entries are keyed by model and salt: tenants
-never share.
+the generation thread wrote there. An entry is dropped when its lookup takes it;
+one never taken goes with its KV (a weak reference). Entries are keyed by model and
+salt: tenants never share.
 
 A restore of a whole prefix waits first for the prefetches it would delay that were
 handed a prefix (:meth:`SharedRestores.let_joins_finish`): restores take turns on
-the device (``MLX_LOCK``), and a joined one reads only a user's own turn (50-100 ms
-where a system prompt takes 300), so its user is answered first.
+the device (``MLX_LOCK``), and a joined one reads only a user's own turn (0.1-0.2 s
+on an H200 where a whole 6,500-token prompt took 0.6-0.7 s), so its user is
+answered first.
 """
 
 import logging
