@@ -696,6 +696,43 @@ def test_requests_arriving_while_the_model_loads_wait_for_it_then_prefetch():
     prefetcher.close()
 
 
+def test_a_request_is_tokenized_once_and_its_lookup_waits_for_no_other():
+    """The HTTP thread tokenizes an arriving request; the generation thread's
+    lookup takes a copy of those tokens, also while another arrival holds the
+    tokenizer's lock (a burst is tokenized one request at a time)."""
+    calls = []
+
+    class Base(Generator):
+        def _tokenize(self, tokenizer, request, args):
+            calls.append(args)
+            return super()._tokenize(tokenizer, request, args)
+
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Base, prefetcher, lambda *a, **k: None, lambda k, t, s: (0, 0)
+    )()
+    tokenizer, args = Base.model_provider.tokenizer, object()
+    request = Request()
+    request.tokens = [5, 6, 7]
+    generator.generate(request, args)  # tokenized on arrival
+    assert calls == [args]
+    got = []
+    with prefetcher.tokenize_lock:  # another arrival being tokenized
+        looking = threading.Thread(
+            target=lambda: got.append(generator._tokenize(tokenizer, request, args))
+        )
+        looking.start()
+        looking.join(5)
+        assert got, "the lookup waited for another request's tokenization"
+    assert calls == [args] and got[0][0] == [5, 6, 7]
+    got[0][0].append(8)  # the caller's copy: what is kept stays as it was
+    assert generator._tokenize(tokenizer, request, args)[0] == [5, 6, 7]
+    other = object()  # other arguments: tokenized again
+    assert generator._tokenize(tokenizer, request, other)[0] == [5, 6, 7]
+    assert calls == [args, other]
+    prefetcher.close()
+
+
 def test_generation_thread_waits_for_requests_still_arriving():
     """With its queue empty, the generation thread waits while arriving requests
     are looked at (so that a burst joins one batch), never longer than a request

@@ -328,6 +328,15 @@ def _copied(out):
     return list(prompt), [list(s) for s in segments], list(types), state, vision
 
 
+def _kept_tokens(request, tokenizer, args):
+    """A copy of ``request``'s tokens kept by an earlier ``_tokenize`` with the
+    same tokenizer and arguments, or None."""
+    kept = getattr(request, "kvstore_tokens", None)
+    if kept is not None and kept[0] is tokenizer and kept[1] is args:
+        return _copied(kept[2])
+    return None
+
+
 def prefetch_response_generator_class(
     base,
     prefetcher: Prefetcher,
@@ -468,10 +477,15 @@ def prefetch_response_generator_class(
         def _tokenize(self, tokenizer, request, args):
             if threading.current_thread() is getattr(self, "_generation_thread", None):
                 prefetcher.looking_up(request)
+            # Tokens kept once are set whole: taken without the lock, which the
+            # HTTP threads of a burst of arrivals hold in turn for a tokenization each.
+            kept = _kept_tokens(request, tokenizer, args)
+            if kept is not None:
+                return kept
             with prefetcher.tokenize_lock:
-                kept = getattr(request, "kvstore_tokens", None)
-                if kept is not None and kept[0] is tokenizer and kept[1] is args:
-                    return _copied(kept[2])
+                kept = _kept_tokens(request, tokenizer, args)
+                if kept is not None:
+                    return kept
                 out = super()._tokenize(tokenizer, request, args)
                 if not getattr(self, "_is_distributed", False):
                     request.kvstore_tokens = (tokenizer, args, _copied(out))
