@@ -389,6 +389,35 @@ def test_the_store_writer_steps_aside_while_the_loop_works(tmp_path, model, toke
     pc.close()
 
 
+def test_saves_and_the_writer_wait_for_requests_on_their_way_to_the_loop(
+    tmp_path, model, tokenizer
+):
+    """Between two rounds of a chat the loop rests while the next round's requests
+    are looked at, restored and queued: saves and the store's writer wait for
+    them as for a step, and go on once the last is looked up."""
+
+    class Request:  # mlx-lm's are dataclasses, which do not hash
+        __hash__ = None
+
+    pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
+    assert pc.use_threads(Prefetcher())
+    busy = pc.open_store(KEY).writer.yield_to
+    assert not busy()
+    with pc.prefetcher.probing():  # an arrival on its HTTP thread
+        assert busy()
+    assert not busy()
+    request, gate = Request(), threading.Event()
+    pc.prefetcher.submit(request, lambda: gate.wait(10))
+    assert busy()  # its restore runs
+    gate.set()
+    request.kvstore_prefetch.future.result(10)
+    assert busy()  # restored, not looked up yet
+    pc.prefetcher.looking_up(request)
+    assert pc.prefetcher.take() is True
+    assert not busy()
+    pc.close()
+
+
 def test_the_loop_is_busy_until_it_rested_rest_s():
     from kvstore.serve.timing import REST_S, Activity
 

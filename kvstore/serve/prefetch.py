@@ -143,6 +143,14 @@ class Prefetcher:
                 self._probing -= 1
                 self._arrivals.notify_all()
 
+    def expecting(self) -> bool:
+        """Whether requests have arrived that the generation thread has not looked
+        up yet: being looked at on their HTTP threads, or with a prefetch not yet
+        taken (restoring, held for its restore, or queued). Between two rounds of
+        a chat the loop idles while they come; work let in then (a save's copy to
+        the host) delays them."""
+        return self._probing > 0 or self._waiting > 0
+
     def await_arrivals(
         self, queued: Callable[[], bool], *, timeout: float = MAX_ARRIVAL_WAIT_S
     ) -> None:

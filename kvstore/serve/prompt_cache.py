@@ -528,10 +528,14 @@ class PersistentPromptCache:
         return True
 
     def _loop_busy(self) -> bool:
-        """Whether the generation loop works now (:meth:`Activity.busy`): saves and
-        the store's writer wait while it does. (``kvstore serve`` replaces
-        ``activity`` after construction: looked up at each call.)"""
-        return self.activity.busy()
+        """Whether the generation loop works now (:meth:`Activity.busy`) or requests
+        are on their way to it (:meth:`Prefetcher.expecting`): saves and the
+        store's writer wait meanwhile. (``kvstore serve`` replaces ``activity``
+        after construction: looked up at each call.)"""
+        prefetcher = self.prefetcher
+        return self.activity.busy() or (
+            prefetcher is not None and prefetcher.expecting()
+        )
 
     def _kept_by_a_save(
         self, model: Any, salt, tokens: List[int], ram_n: int
