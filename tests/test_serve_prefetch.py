@@ -282,6 +282,28 @@ def test_prefetch_restores_only_past_the_ram_copy(stored, model, tokenizer):
     pc.close()
 
 
+def test_only_a_whole_restore_lets_the_joins_in_progress_finish_first(
+    stored, model, tokenizer
+):
+    """A returning user's restore (RAM holds under half its prompt) waits for the
+    joins already handed a prefix; a next turn's read past RAM, or finding that
+    prefilling it is cheaper, does not wait for them."""
+    path, tokens, _ = stored
+    pc = restarted(path, model, tokenizer)
+    waits = []
+    let_joins_finish = pc.shared.let_joins_finish
+    pc.shared.let_joins_finish = lambda **kw: (waits.append(1), let_joins_finish())
+    pc.insert_cache(KEY, tokens[:400], compute_cache(model, tokens[:400]))
+    request = arrive(pc, tokens + [3])  # kept: its prefetch goes with it
+    pre = request.kvstore_prefetch.future.result()
+    assert pre.held == 400 and pre.tail is not None and waits == []
+    pc.trim_to(n_sequences=0)
+    request = arrive(pc, tokens + [3])
+    pre = request.kvstore_prefetch.future.result()
+    assert pre.held == 0 and pre.tail.end == 600 and waits == [1]
+    pc.close()
+
+
 def test_prefetch_never_crosses_salts(stored, model, tokenizer):
     path, tokens, salted = stored
     pc = restarted(path, model, tokenizer)

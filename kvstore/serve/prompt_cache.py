@@ -421,7 +421,8 @@ class PersistentPromptCache:
                 if head is not None:
                     tail = _joined_tail(store, tokens, head, common, salt, weigh)
                 else:
-                    self.shared.let_joins_finish()  # their users come sooner
+                    if 2 * held < len(tokens):  # a whole prefix: joins go first
+                        self.shared.let_joins_finish()  # their users come sooner
                     waited = time.perf_counter()
                     tail = _stored_tail(store, tokens, held, salt, weigh)
                 log.debug(
