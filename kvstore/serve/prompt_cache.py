@@ -524,19 +524,23 @@ class PersistentPromptCache:
         self.saves = SaveQueue(
             in_ram=self._save_in_ram,
             count=self.count,
-            busy=self._loop_busy,
+            busy=self._saves_wait,
         )
         return True
 
     def _loop_busy(self) -> bool:
-        """Whether the generation loop works now (:meth:`Activity.busy`) or requests
-        are on their way to it (:meth:`Prefetcher.expecting`): saves and the
-        store's writer wait meanwhile. (``kvstore serve`` replaces ``activity``
-        after construction: looked up at each call.)"""
+        """Whether the generation loop works now (:meth:`Activity.busy`): the store's
+        writer waits meanwhile. (``kvstore serve`` replaces ``activity`` after
+        construction: looked up at each call.)"""
+        return self.activity.busy()
+
+    def _saves_wait(self) -> bool:
+        """Whether queued saves wait: the loop works, or requests are on their way
+        to it (:meth:`Prefetcher.expecting`), whose restores a save's copies to the
+        host would slow. (The writer does not wait for those: an arriving request's
+        restore may need it, to keep what a remote tier sent.)"""
         prefetcher = self.prefetcher
-        return self.activity.busy() or (
-            prefetcher is not None and prefetcher.expecting()
-        )
+        return self._loop_busy() or (prefetcher is not None and prefetcher.expecting())
 
     def _kept_by_a_save(
         self, model: Any, salt, tokens: List[int], ram_n: int
