@@ -203,6 +203,30 @@ def test_a_waiter_copies_the_restore_as_handed_not_what_its_owner_wrote_since(
     pc.close()
 
 
+def test_nothing_keeps_a_restore_once_its_requests_dropped_their_caches(
+    tmp_path, model, tokenizer
+):
+    """Two users sharing a system prompt, restored (one handed the other's KV) and
+    looked up: once their caches are dropped (a request ended), no memory of the
+    restores is left: no registration, hand-off or prefetch result keeps it."""
+    import gc
+
+    pc, qa, qb, reg_a, reg_b = two_users_registered(tmp_path, model, tokenizer, 40)
+    pc.open_store(KEY)
+    gc.collect()
+    before = mx.get_active_memory()
+    first = prefetched(pc, qa, reg_a)
+    second = prefetched(pc, qb, reg_b, joins=True)
+    assert second.kvstore_prefetch.future.result().joined
+    caches = [look_up(pc, first, qa)[0], look_up(pc, second, qb)[0]]
+    mx.eval([layer.state for cache in caches for layer in cache])
+    assert mx.get_active_memory() > before
+    del caches, first, second
+    gc.collect()
+    assert mx.get_active_memory() == before
+    pc.close()
+
+
 def test_a_prefetch_waiting_for_another_restore_does_not_hold_up_the_restores():
     """With one restoring thread busy, a request sharing the prefix of the restore
     in progress starts at once (it only waits for that restore, on a thread of its
