@@ -28,6 +28,7 @@ from .request_salts import (
 )
 from .saves import SaveJob, SaveQueue, Settled, StepHeldSaves, evaluate_all
 from .shared import Registration, SharedRestores
+from .tails import extended, joined_tail, prefetched_tail, stored_tail
 from .timing import REST_S, Activity, PrefillClock
 
 log = logging.getLogger("kvstore.server")
@@ -219,12 +220,12 @@ class PersistentPromptCache:
             remote_hits = _remote_hits(store)
             tic = time.perf_counter()
             try:
-                tail, prefetched = _prefetched_tail(pre, model, tokens, ram_n, salt)
+                tail, prefetched = prefetched_tail(pre, model, tokens, ram_n, salt)
                 if not prefetched:
-                    tail = _stored_tail(store, tokens, ram_n, salt)
+                    tail = stored_tail(store, tokens, ram_n, salt)
                 got = None
                 if tail is not None:
-                    got = _extended(store, tokens, cache, ram_n, tail, salt)
+                    got = extended(store, tokens, cache, ram_n, tail, salt)
             except Exception:
                 log.exception("kvstore: store fetch failed; continuing without it")
                 self.count(store_errors=1)
@@ -419,12 +420,12 @@ class PersistentPromptCache:
                     head = self.shared.head(other, common, waiter=entry)
                 waited = time.perf_counter()
                 if head is not None:
-                    tail = _joined_tail(store, tokens, head, common, salt, weigh)
+                    tail = joined_tail(store, tokens, head, common, salt, weigh)
                 else:
                     if 2 * held < len(tokens):  # a whole prefix: joins go first
                         self.shared.let_joins_finish()  # their users come sooner
                     waited = time.perf_counter()
-                    tail = _stored_tail(store, tokens, held, salt, weigh)
+                    tail = stored_tail(store, tokens, held, salt, weigh)
                 log.debug(
                     "kvstore: prefetch of %d tokens (%d in RAM): waited %.1f ms "
                     "(%s), restored %s in %.1f ms",
@@ -734,62 +735,6 @@ def _remote_hits(store) -> int:
         return store.remote.stats().get("remote_hits", 0)
     except Exception:
         return 0
-
-
-def _prefetched_tail(pre: Optional[Prefetched], model, tokens, ram_n: int, salt):
-    """``(tail or None, True)`` when the prefetch ``pre`` of this very request
-    (model, salt, tokens) tells what the store adds to ``ram_n`` RAM tokens;
-    ``(None, False)`` when it cannot (none, or RAM lost tokens since)."""
-    if pre is None or pre.model_key != model or pre.salt != salt:
-        return None, False
-    if pre.tokens != list(tokens):
-        return None, False
-    tail = pre.tail
-    if tail is None:
-        return None, ram_n >= pre.held  # nothing past what RAM held, or not worth it
-    if tail.start > ram_n:
-        return None, False  # RAM lost the tokens the tail goes after
-    return (tail if tail.end > ram_n else None), True
-
-
-def _stored_tail(store, tokens: List[int], ram_n: int, salt, weigh: bool = True):
-    """What the store holds of ``tokens`` past a RAM copy of ``ram_n`` of them (a
-    :class:`kvstore.engine.tail.Tail`: only the nodes past the copy are read), or None
-    when it holds no more or (``weigh``) prefilling the difference is cheaper (by
-    the measured rates)."""
-    # The index alone tells whether the store holds more (a remote tier may).
-    if store.remote is None and store.lookup(tokens, salt=salt) <= ram_n:
-        return None
-    tail = store.fetch_beyond(tokens, ram_n, salt=salt, weigh=weigh)
-    return tail if tail is not None and tail.end > ram_n else None
-
-
-def _joined_tail(store, tokens: List[int], head, common: int, salt, weigh: bool):
-    """A whole-prefix restore of ``tokens`` from ``head`` (another request's restore,
-    not yet used, sharing their first ``common`` tokens) and the stored nodes past
-    those: fresh cache objects (the requests' generate loops write to their own)."""
-    from ..engine.tail import Tail
-
-    rest = store.fetch_beyond(tokens, common, salt=salt, weigh=weigh)
-    if rest is None or rest.end <= common:
-        rest = Tail(head.cache, common, common)  # nothing more: the shared part only
-    cache = store.join_tail(head.cache, rest, query=len(tokens))
-    return Tail(cache, 0, rest.end)
-
-
-def _extended(
-    store, tokens: List[int], cache, ram_n: int, tail, salt
-) -> Optional[Tuple[List[Any], int, int]]:
-    """The RAM copy ``cache`` (``ram_n`` tokens) with ``tail`` appended:
-    ``(cache, tokens held, tokens of them taken from the RAM copy)``."""
-    if tail.start == 0:
-        return tail.cache, tail.end, 0
-    try:
-        return store.join_tail(cache, tail, query=len(tokens)), tail.end, tail.start
-    except (TypeError, ValueError) as e:  # LayoutMismatch: a RAM copy of other layers
-        log.info("kvstore: RAM copy not extended (%s); restoring the prefix", e)
-    whole, n = store.fetch(tokens, salt=salt)
-    return (whole, n, 0) if n > ram_n else None
 
 
 def _held_tokens(store, cache: Sequence[Any]) -> int:
