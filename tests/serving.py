@@ -1,5 +1,5 @@
 """Helpers of the ``kvstore serve`` tests: a stand-in model provider for
-``PersistentPromptCache``, and real server processes driven over HTTP."""
+``PersistentPromptCache`` and request, and real server processes driven over HTTP."""
 
 import json
 import os
@@ -25,6 +25,13 @@ def provider(model, tokenizer):
         draft_model=None,
         processor=None,
     )
+
+
+class Request:
+    """Stands in for mlx-lm's CompletionRequest: weak references allowed, and, as a
+    dataclass, no hash."""
+
+    __hash__ = None
 
 
 def free_port() -> int:

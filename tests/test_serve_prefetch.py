@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 from conftest import compute_cache, next_logits, random_tokens
-from serving import KEY, provider
+from serving import KEY, Request, provider
 
 from kvstore.serve.pacing import SAME_BATCH_S, AdmittingBudget, Backlog
 from kvstore.serve.prefetch import (
@@ -20,13 +20,6 @@ from kvstore.serve.prefetch import (
 from kvstore.server import PersistentPromptCache
 
 pytestmark = pytest.mark.slow
-
-
-class Request:
-    """Stands in for mlx-lm's CompletionRequest: weak references allowed, and, as a
-    dataclass, no hash."""
-
-    __hash__ = None
 
 
 @pytest.fixture

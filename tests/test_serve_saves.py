@@ -7,7 +7,7 @@ import time
 
 import pytest
 from conftest import assert_same_as_cold, compute_cache, next_logits, random_tokens
-from serving import KEY, provider
+from serving import KEY, Request, provider
 
 from kvstore import KVStore
 from kvstore.serve.prefetch import Prefetcher
@@ -394,9 +394,6 @@ def test_saves_wait_for_requests_on_their_way_to_the_loop(tmp_path, model, token
     are looked at, restored and queued: saves wait for them as for a step, and go
     on once the last is looked up. The store's writer does not wait for them (a
     request's restore may need it: what a remote tier sends is written locally)."""
-
-    class Request:  # mlx-lm's are dataclasses, which do not hash
-        __hash__ = None
 
     pc = PersistentPromptCache(tmp_path / "s", provider(model, tokenizer))
     assert pc.use_threads(Prefetcher())
