@@ -57,10 +57,7 @@ class Backlog:
                 now = self._clock()
                 self._prefill_free = max(now, self._prefill_free) + seconds
                 if straight_on:
-                    self._straight_on = [t for t in self._straight_on if t > now]
-                    self._straight_on.append(
-                        max(self._prefill_free, now + SAME_BATCH_S)
-                    )
+                    self._sent_on(now, self._prefill_free)
 
     def read(self, seconds: Optional[float]) -> None:
         """A restore started that is not weighed (a next turn's tail)."""
@@ -80,8 +77,7 @@ class Backlog:
             return True
         with self._lock:
             now = self._clock()
-            self._straight_on = [t for t in self._straight_on if t > now]
-            beside = min(self._prompt_batch, 1 + len(self._straight_on))
+            beside = min(self._prompt_batch, 1 + len(self._beside(now)))
             read_done = max(now, self._reads_free) + read_s
             # Behind the prefills sent on, or padded beside them: the later end.
             prefill_done = max(
@@ -93,8 +89,19 @@ class Backlog:
                 self._reads_free = read_done
                 return True
             self._prefill_free = prefill_done
-            self._straight_on.append(max(prefill_done, now + SAME_BATCH_S))
+            self._sent_on(now, prefill_done)
             return False
+
+    def _beside(self, now: float) -> List[float]:
+        """The prompts sent on that a prompt sent on ``now`` would be prefilled
+        beside (under the lock)."""
+        self._straight_on = [t for t in self._straight_on if t > now]
+        return self._straight_on
+
+    def _sent_on(self, now: float, prefill_done: float) -> None:
+        """A prompt sent on ``now``, its prefill estimated to end ``prefill_done``:
+        counted as beside later ones until then, and for SAME_BATCH_S at least."""
+        self._beside(now).append(max(prefill_done, now + SAME_BATCH_S))
 
 
 class AdmittingBudget:
