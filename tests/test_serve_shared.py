@@ -107,3 +107,16 @@ def test_a_whole_restore_lets_the_joins_handed_a_prefix_finish_first():
     assert 0.25 < time.monotonic() - t < 2
     stuck.abandon()
     shared.let_joins_finish(timeout=5)  # an abandoned one does not hold it up
+
+
+def test_joins_that_ended_are_not_kept():
+    """Waiters handed a prefix are remembered only until they end, also where no
+    whole restore comes to ask for them (next turns do not)."""
+    shared = SharedRestores(min_shared=256)
+    for i in range(10):
+        owner, _, _ = shared.begin("k", SYSTEM + [2 * i], held=0)
+        waiter, other, common = shared.begin("k", SYSTEM + [2 * i + 1], held=0)
+        shared.end(owner, Tail(["kv"], 0, 1001))
+        assert shared.head(other, common, waiter=waiter) is not None
+        shared.end(waiter, None)
+    assert len(shared._handed) <= 1

@@ -142,6 +142,7 @@ class SharedRestores:
         with self._lock:
             if whole is not None:
                 entry.tail = weakref.ref(whole)
+            self._handed = _not_done(self._handed)  # those ended are no joins now
             for waiter in entry.waiters if handed is not None else ():
                 if not waiter.done.is_set():
                     waiter.handed = handed
@@ -170,7 +171,7 @@ class SharedRestores:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                self._handed = [w for w in self._handed if not w.done.is_set()]
+                self._handed = _not_done(self._handed)
                 waiter = self._handed[0] if self._handed else None
             left = deadline - time.monotonic()
             if waiter is None or left <= 0 or not waiter.done.wait(left):
@@ -187,6 +188,10 @@ class SharedRestores:
     def __len__(self) -> int:
         with self._lock:
             return sum(1 for e in self._entries if _alive(e))
+
+
+def _not_done(entries: List[Restoring]) -> List[Restoring]:
+    return [e for e in entries if not e.done.is_set()]
 
 
 def _alive(entry: Restoring) -> bool:
