@@ -432,11 +432,12 @@ def test_backlog_prefills_a_returning_user_when_restores_queued_take_longer():
 
 def test_backlog_counts_a_whole_prompt_prefilled_beside_others_for_each_of_them():
     """mlx-lm pads the prompts it prefills together to the longest: a returning
-    user prefilled whole beside three next turns sent on (and not yet done) costs
-    about four times its own prefill, so it is restored (0.3 s) rather than
-    prefilled (0.1 s alone, 0.4 s beside them). Alone it is prefilled; the rest of
-    a prompt held back for its restore is not beside anything; the count stops at
-    the prompt batch; a prompt sent on counts for ``SAME_BATCH_S`` at least."""
+    user prefilled whole beside three next turns sent on (and not yet done) ends
+    after about four times its own prefill, and each of them waits for its length
+    too, so it is restored (0.3 s) rather than prefilled (0.1 s alone). Alone, or
+    beside prompts as long as its own, it is prefilled; the rest of a prompt held
+    back for its restore is not beside anything; the count stops at the prompt
+    batch; a prompt sent on counts for ``SAME_BATCH_S`` at least."""
     now = [100.0]
     backlog = Backlog(clock=lambda: now[0], prompt_batch=3)
     for _ in range(3):
@@ -448,16 +449,75 @@ def test_backlog_counts_a_whole_prompt_prefilled_beside_others_for_each_of_them(
     now[0] = 300.0
     backlog = Backlog(clock=lambda: now[0], prompt_batch=8)
     backlog.prefill(0.01)
-    assert not backlog.restore_sooner(0.3, 0.1)  # 0.1 x 2 < 0.3
-    assert backlog.restore_sooner(0.3, 0.1)  # now beside two: 0.1 x 3 >= 0.3
-    # Next turns whose own prefill is a token count while their burst is prefilled.
+    # 0.1 x 2 < 0.3, but the other waits 2 x 0.09 longer: 0.38 >= 0.3
+    assert backlog.restore_sooner(0.3, 0.1)
     now[0] = 400.0
+    backlog = Backlog(clock=lambda: now[0], prompt_batch=8)
+    backlog.prefill(0.1)  # another whole prompt: no padding of it
+    assert not backlog.restore_sooner(0.25, 0.1)  # 0.1 x 2 < 0.25
+    assert backlog.restore_sooner(0.25, 0.1)  # beside two: 0.1 x 3 >= 0.25
+    # Next turns whose own prefill is a token count while their burst is prefilled.
+    now[0] = 500.0
     backlog = Backlog(clock=lambda: now[0], prompt_batch=8)
     for _ in range(3):
         backlog.prefill(1e-5)
     assert backlog.restore_sooner(0.3, 0.1)  # 0.1 x 4
     now[0] += SAME_BATCH_S + 0.01  # that batch has started without it
     assert not backlog.restore_sooner(0.3, 0.1)
+
+
+def test_backlog_restores_a_next_turn_whose_prefill_would_pad_the_others():
+    """16 users on an H200, the turns after a restart: seven next turns of 211
+    tokens past RAM sent on (15.6 ms each), then one that RAM holds only the system
+    prompt of (779 tokens, 58 ms; its read 0.19 s). Prefilled, it pads seven
+    prompts to its length (2.4 s of their time): restored. One like the others is
+    left to the store's own weighing, and so is the long one once the reads sent
+    on end later than its padding would."""
+    now = [100.0]
+    backlog = Backlog(clock=lambda: now[0])
+    for _ in range(7):
+        backlog.prefill(0.0156)
+    assert not backlog.restore_tail(0.06, 0.0156)
+    assert backlog.restore_tail(0.19, 0.058)
+    assert backlog._reads_free == pytest.approx(100.19)
+    backlog.read(3.0)
+    assert not backlog.restore_tail(0.19, 0.058)
+    assert not backlog.restore_tail(None, 0.058)  # no read rate yet
+    now[0] = 200.0  # alone: nothing to pad
+    assert not backlog.restore_tail(0.19, 0.058)
+
+
+def test_a_next_turn_that_would_pad_the_prompts_beside_it_is_restored_unweighed():
+    """Through the prefetching generator: next turns alike go to the store's own
+    weighing (``weigh=True``) and go on; the one that would pad them is restored as
+    decided (``weigh=False``), held until then like a returning user."""
+    prepared = []
+
+    def extent(key, tokens, salt):
+        if tokens[0] == 1:  # like the others: 211 tokens past RAM
+            return 2578, 2788, 0.06, 0.0156, 13500.0
+        return 2009, 2788, 0.19, 0.058, 13500.0  # 779 tokens past RAM
+
+    def prepare(key, tokens, salt, weigh=True):
+        prepared.append((tokens[0], weigh))
+        return None
+
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Generator, prefetcher, prepare, extent
+    )()
+    requests = []  # kept: a request that goes away takes its prefetch with it
+    for first in [1] * 7 + [2]:
+        requests.append(Request())
+        requests[-1].tokens = [first] * 2790
+        generator.generate(requests[-1], None)
+        # Held until its restore ran (the lookup would wait for it), then released.
+        assert prefetcher.released_waiting() == (first == 2)
+    deadline = time.monotonic() + 10
+    while len(prepared) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    prefetcher.close()
+    assert sorted(prepared) == [(1, True)] * 7 + [(2, False)]
 
 
 def test_a_returning_user_is_weighed_once_the_requests_arriving_with_it_are_counted():

@@ -10,7 +10,7 @@ Both are used by :mod:`kvstore.serve.prefetch`.
 
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 # Prompts mlx-lm's server prefills together (its --prompt-concurrency default).
 PROMPT_BATCH = 8
@@ -31,10 +31,11 @@ class Backlog:
     (``--prompt-concurrency``, ``prompt_batch`` here), each step padded to the
     longest: a whole prompt prefilled beside short ones holds up all of them (16
     users on an H200: 4 returning users prefilled whole beside 12 next turns of 211
-    tokens kept all 16 waiting 3.7-4.8 s). So a returning user's prefill ends no
-    sooner than its own prefill counted once for every prompt it would be
-    prefilled beside (as long as theirs, when all are alike): those sent on within
-    :data:`SAME_BATCH_S` or still being prefilled by the estimates."""
+    tokens kept all 16 waiting 3.7-4.8 s). So a prompt prefilled beside others
+    (those sent on within :data:`SAME_BATCH_S` or still being prefilled by the
+    estimates) ends no sooner than the longest of them counted once for each, and
+    what it is longer than the longest of theirs counts again for each of them:
+    the wait its padding adds to theirs."""
 
     def __init__(
         self,
@@ -46,7 +47,8 @@ class Backlog:
         self._prompt_batch = prompt_batch
         self._lock = threading.Lock()
         self._reads_free = self._prefill_free = 0.0
-        self._straight_on: List[float] = []  # until when each prompt sent on counts
+        # Per prompt sent on: until when it counts, and its own prefill's seconds.
+        self._straight_on: List[Tuple[float, float]] = []
 
     def prefill(self, seconds: Optional[float], *, straight_on: bool = True) -> None:
         """Prefill work sent on (None or 0: none, or not estimated);
@@ -57,7 +59,7 @@ class Backlog:
                 now = self._clock()
                 self._prefill_free = max(now, self._prefill_free) + seconds
                 if straight_on:
-                    self._sent_on(now, self._prefill_free)
+                    self._sent_on(now, self._prefill_free, seconds)
 
     def read(self, seconds: Optional[float]) -> None:
         """A restore started that is not weighed (a next turn's tail)."""
@@ -68,40 +70,70 @@ class Backlog:
     def restore_sooner(
         self, read_s: Optional[float], prefill_s: Optional[float], *, dry: bool = False
     ) -> bool:
-        """Whether restoring (True) or prefilling (False) the stored prefix finishes
-        it sooner, counted on that clock; True while either rate is unknown.
-        ``dry``: only tell, the work is not counted."""
+        """Whether restoring (True) or prefilling (False) a returning user's stored
+        prefix finishes it sooner, its padding of the prompts beside it counted,
+        on that clock; True while either rate is unknown. ``dry``: only tell, the
+        work is not counted."""
         if read_s is None or prefill_s is None:
             if not dry:
                 self.read(read_s)
             return True
         with self._lock:
             now = self._clock()
-            beside = min(self._prompt_batch, 1 + len(self._beside(now)))
+            batch, longest, padding = self._padded(now, prefill_s)
             read_done = max(now, self._reads_free) + read_s
             # Behind the prefills sent on, or padded beside them: the later end.
             prefill_done = max(
-                max(now, self._prefill_free) + prefill_s, now + prefill_s * beside
+                max(now, self._prefill_free) + prefill_s,
+                now + batch * max(prefill_s, longest),
             )
+            sooner = read_done <= prefill_done + padding
             if dry:
-                return read_done <= prefill_done
-            if read_done <= prefill_done:
+                return sooner
+            if sooner:
                 self._reads_free = read_done
                 return True
             self._prefill_free = prefill_done
-            self._sent_on(now, prefill_done)
+            self._sent_on(now, prefill_done, prefill_s)
             return False
 
-    def _beside(self, now: float) -> List[float]:
+    def restore_tail(self, read_s: Optional[float], prefill_s: Optional[float]) -> bool:
+        """Whether the stored rest of a prompt that RAM mostly holds (a next turn)
+        is restored because, prefilled, it would pad the prompts beside it for
+        longer than its read takes behind the reads sent on; counted as a read if
+        so. False: the store weighs it as if alone."""
+        if not read_s or not prefill_s:
+            return False
+        with self._lock:
+            now = self._clock()
+            _, _, padding = self._padded(now, prefill_s)
+            read_done = max(now, self._reads_free) + read_s
+            if read_done - now > padding:
+                return False
+            self._reads_free = read_done
+            return True
+
+    def _padded(self, now: float, prefill_s: float) -> Tuple[int, float, float]:
+        """For a prompt of ``prefill_s`` sent on ``now`` (under the lock): the
+        prompts of its batch, the longest prefill of the others, and the wait its
+        padding adds to theirs, all together."""
+        beside = self._beside(now)
+        batch = min(self._prompt_batch, 1 + len(beside))
+        longest = max((seconds for _, seconds in beside), default=0.0)
+        return batch, longest, (batch - 1) * batch * max(0.0, prefill_s - longest)
+
+    def _beside(self, now: float) -> List[Tuple[float, float]]:
         """The prompts sent on that a prompt sent on ``now`` would be prefilled
         beside (under the lock)."""
-        self._straight_on = [t for t in self._straight_on if t > now]
+        self._straight_on = [p for p in self._straight_on if p[0] > now]
         return self._straight_on
 
-    def _sent_on(self, now: float, prefill_done: float) -> None:
-        """A prompt sent on ``now``, its prefill estimated to end ``prefill_done``:
-        counted as beside later ones until then, and for SAME_BATCH_S at least."""
-        self._beside(now).append(max(prefill_done, now + SAME_BATCH_S))
+    def _sent_on(self, now: float, prefill_done: float, seconds: float) -> None:
+        """A prompt of ``seconds`` of prefill sent on ``now``, estimated to end
+        ``prefill_done``: counted as beside later ones until then, and for
+        SAME_BATCH_S at least."""
+        until = max(prefill_done, now + SAME_BATCH_S)
+        self._beside(now).append((until, seconds))
 
 
 class AdmittingBudget:

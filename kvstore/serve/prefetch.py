@@ -38,7 +38,6 @@ started yet, RAM changed meanwhile) leaves the lookup to restore as before.
 
 import logging
 import threading
-import time
 import weakref
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -320,6 +319,24 @@ def _abandoned(reg: Optional[Registration]) -> None:
         reg.entry.abandon()
 
 
+def _next_turn(backlog: Backlog, ext: Extent, read_s: Optional[float], n: int) -> bool:
+    """Count a next turn (RAM holds most of its ``n`` tokens) in ``backlog``:
+    restored where its stored rest, prefilled, would pad the prompts beside it
+    for longer than its read takes, else as the store weighs it alone (by the
+    same estimates). Returns whether its prefetch weighs it so."""
+    rate = ext.prefill_rate
+    if backlog.restore_tail(read_s, ext.prefill_s):
+        backlog.prefill((n - ext.stored) / rate if rate else None)
+        return False
+    prefilled = read_s is not None and ext.prefill_s is not None
+    prefilled = prefilled and ext.prefill_s < read_s
+    if not prefilled:
+        backlog.read(read_s)
+    past = ext.held if prefilled else ext.stored
+    backlog.prefill((n - past) / rate if rate else None)
+    return True
+
+
 def _read_past_shared(ext: Extent, reg: Optional[Registration]) -> Optional[float]:
     """The estimated read of a request's stored prefix, less the part it takes
     from an earlier request's restore (``reg``), in proportion to the tokens."""
@@ -412,7 +429,8 @@ def prefetch_response_generator_class(
 
         def _kvstore_prefetch(self, request, args) -> bool:
             """Start the request's restore; whether to hold the request back until
-            it is ready (RAM holds little of the prompt). Never raises."""
+            it is ready (RAM holds little of the prompt, or the restore was chosen
+            over padding the prompts beside it). Never raises."""
             reg = None
             try:
                 found = self._kvstore_prompt(request, args)
@@ -425,42 +443,43 @@ def prefetch_response_generator_class(
                     backlog.prefill((n - ext.held) / rate if rate else None)
                     return False
                 returning = ext.stored - ext.held > ext.held
-                # A returning user's rest waits for its restore, unless prefilled.
-                backlog.prefill(
-                    (n - ext.stored) / rate if rate else None, straight_on=not returning
-                )
                 reg = register(*found, ext.held)
                 read_s = _read_past_shared(ext, reg)
-                if returning and not backlog.restore_sooner(
-                    read_s, ext.prefill_s, dry=True
-                ):
-                    # Prefilled, it would be padded beside the prompts sent on with
-                    # it: count those arriving with it first.
-                    prefetcher.await_classified()
-                if returning and not backlog.restore_sooner(read_s, ext.prefill_s):
-                    key, tokens, salt = found
-                    prefetcher.settle(
-                        request,
-                        Prefetched(key, salt, list(tokens), ext.held, None, 0.0),
-                    )
-                    on_prefill_instead()
-                    _abandoned(reg)
-                    return False
                 if not returning:
-                    backlog.read(read_s)
+                    # Restored as decided (not weighed), it is held like a returning
+                    # user: the lookup would otherwise wait for the read.
+                    weigh = _next_turn(backlog, ext, read_s, n)
+                else:
+                    # Its rest waits for its restore, unless prefilled.
+                    backlog.prefill(
+                        (n - ext.stored) / rate if rate else None, straight_on=False
+                    )
+                    if not backlog.restore_sooner(read_s, ext.prefill_s, dry=True):
+                        # Prefilled, it would be padded beside the prompts sent on
+                        # with it: count those arriving with it first.
+                        prefetcher.await_classified()
+                    if not backlog.restore_sooner(read_s, ext.prefill_s):
+                        key, tokens, salt = found
+                        prefetcher.settle(
+                            request,
+                            Prefetched(key, salt, list(tokens), ext.held, None, 0.0),
+                        )
+                        on_prefill_instead()
+                        _abandoned(reg)
+                        return False
+                    weigh = False  # weighed against the queue: restored as decided
             except Exception:
                 log.exception("kvstore: no prefetch")
                 _abandoned(reg)
                 return False
-            # A returning user was weighed against the queue: restored as decided.
             extra = {} if reg is None else {"registration": reg}
             prefetcher.submit(
                 request,
-                lambda: prepare(*found, weigh=not returning, **extra),
+                lambda: prepare(*found, weigh=weigh, **extra),
                 joins=reg is not None and reg.other is not None,
                 on_dropped=lambda: _abandoned(reg),
             )
-            return returning
+            return not weigh
 
         def _kvstore_prompt(self, request, args):
             """``(model_key, tokens, salt)`` of a request to prefetch, or None."""
