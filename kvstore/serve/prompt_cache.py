@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..disk.salts import parse_salt
 from . import listener as serve_metrics
+from . import ramtrie
 from .metrics import ServeMetrics
 from .prefetch import Extent, Prefetched, Prefetcher
 from .request_salts import (
@@ -205,8 +206,7 @@ class PersistentPromptCache:
             return None, tokens
         pre = self.prefetcher.take() if self.prefetcher is not None else None
         self.shared.taken(pre.shared if pre is not None else None)
-        with self._lru_lock:
-            cache, rest = self._lru.fetch_nearest_cache(_ram_key(model, salt), tokens)
+        cache, rest = self._ram_fetch(_ram_key(model, salt), tokens)
         ram_n = len(tokens) - len(rest) if cache is not None else 0
         kept = self._kept_by_a_save(model, salt, tokens, ram_n)
         if kept is not None:
@@ -500,12 +500,16 @@ class PersistentPromptCache:
     def _ram_held(self, model_key, tokens: List[int], salt) -> int:
         """Tokens of ``tokens`` that the RAM LRU's ``fetch_nearest_cache`` would
         give now, found without copying its cache (mlx-lm's trie, read under the
-        LRU's lock)."""
+        LRU's lock; walked in linear time where it has the expected shape,
+        :mod:`kvstore.serve.ramtrie`)."""
         from mlx_lm.models.cache import can_trim_prompt_cache
 
+        key = _ram_key(model_key, salt)
         with self._lru_lock:
             trie = self._lru._trie
-            found = trie.search(_ram_key(model_key, salt), tokens)
+            if ramtrie.walkable(trie):
+                return ramtrie.held(trie, key, tokens, can_trim_prompt_cache)
+            found = trie.search(key, tokens)
             if found.exact is not None:
                 return len(tokens)
             short = len(found.shorter) if found.shorter is not None else 0
@@ -514,6 +518,19 @@ class PersistentPromptCache:
                 if can_trim_prompt_cache(entry.prompt_cache):
                     return min(len(tokens) - 1, found.common_prefix)
             return short
+
+    def _ram_fetch(self, key, tokens: List[int]):
+        """The RAM LRU's ``fetch_nearest_cache`` (under its lock), by the linear
+        walk where the trie has the expected shape."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        with self._lru_lock:
+            trie = getattr(self._lru, "_trie", None)
+            if ramtrie.walkable(trie) and callable(getattr(trie, "get", None)):
+                return ramtrie.fetch_nearest(
+                    trie, key, tokens, can_trim_prompt_cache, trim_prompt_cache
+                )
+            return self._lru.fetch_nearest_cache(key, tokens)
 
     def use_threads(self, prefetcher: Prefetcher) -> bool:
         """Restore on ``prefetcher``'s threads and save on a thread of this cache's
