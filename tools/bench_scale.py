@@ -42,7 +42,9 @@ scans once on stores of 200,000 nodes or more, gc once); and the index bytes per
 
 ``--reuse`` measures a store a previous run built (its ``build.json`` says so)
 instead of building it again; ``--build-only`` builds and stops; ``--cases`` measures
-some cases only, and ``--append`` merges them into what ``--json`` already holds. Every sample goes
+some cases only, and ``--append`` merges them into what ``--json`` already holds;
+``--cold`` drops the page cache before each scan (as root), so that every size reads
+its store from the disk rather than the smaller ones from memory. Every sample goes
 into the JSON; the table is printed. A tool, not a test: pytest never collects tools/.
 Nothing here asserts a time.
 """
@@ -96,6 +98,13 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--durable-build", action="store_true", help="fsync every file while building"
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before each scan (stats --full, verify, gc: "
+        "recorded as stats_full_cold, verify_cold, gc_cold), so that every size "
+        "reads its store from the disk (Linux, as root)",
     )
     args = p.parse_args(argv)
     if args.repeats < 1 or min(args.sizes) < 1000:
@@ -503,12 +512,24 @@ def _rotated(items: list, r: int) -> list:
 CASES = ("cheap", "stats_full", "verify", "gc")
 
 
-def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (Linux, as root): the next command reads
+    the store from the disk, as one that ran after the store's pages were evicted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root")
+
+
+def measure(stores: dict, *, repeats: int, cases=CASES, cold: bool = False) -> dict:
     """The ``cases`` at every size (``stores``: size -> (path, build record)).
 
     The cheap cases alternate between the sizes, one sample of each size per round
     in a rotated order, so the machine's load falls on every size alike; the scans
-    (``stats --full``, ``verify``, ``gc``) follow, size after size.
+    (``stats --full``, ``verify``, ``gc``) follow, size after size (``cold``: each
+    after the page cache is dropped, recorded under ``<scan>_cold``).
     """
     out, queries = {}, {}
     for size, (path, record) in stores.items():
@@ -613,14 +634,17 @@ def measure(stores: dict, *, repeats: int, cases=CASES) -> dict:
             for _ in range(times):
                 # gc shrinks the store: it runs on a copy, the store stays as built.
                 at = scratch_copy(path, path + "-gc") if name == "gc" else path
+                if cold:
+                    drop_page_cache()  # after the copy, which read the index
                 runs.append(timed_command([*argv, "--store", at]))
                 if at != path:
                     shutil.rmtree(at)
-            out[size][name] = _runs(runs)
-            out[size][name]["store_nodes"] = held["nodes"]  # when it ran
+            key = f"{name}_cold" if cold else name
+            out[size][key] = _runs(runs)
+            out[size][key]["store_nodes"] = held["nodes"]  # when it ran
             print(
-                f"    {name}: {out[size][name]['seconds']:.2f} s, "
-                f"{out[size][name]['max_rss_mb']:.0f} MB",
+                f"    {key}: {out[size][key]['seconds']:.2f} s, "
+                f"{out[size][key]['max_rss_mb']:.0f} MB",
                 flush=True,
             )
     return out
@@ -764,6 +788,25 @@ ROWS = [
     ),
     ("`verify` CPU (s) / major faults", lambda m: _cpu_faults(m["verify"])),
     ("`gc` CPU (s) / major faults", lambda m: _cpu_faults(m["gc"])),
+    (
+        "`stats --full`, page cache dropped first (s / MB)",
+        lambda m: (m["stats_full_cold"]["seconds"], m["stats_full_cold"]["max_rss_mb"]),
+    ),
+    (
+        "`verify`, page cache dropped first (s / MB)",
+        lambda m: (m["verify_cold"]["seconds"], m["verify_cold"]["max_rss_mb"]),
+    ),
+    (
+        "`gc --max-bytes` half, page cache dropped first (s / MB)",
+        lambda m: (m["gc_cold"]["seconds"], m["gc_cold"]["max_rss_mb"]),
+    ),
+    (
+        "`verify` / `gc` CPU (s), page cache dropped first",
+        lambda m: "{} / {}".format(
+            _cpu_faults(m["verify_cold"]).split(" / ")[0],
+            _cpu_faults(m["gc_cold"]).split(" / ")[0],
+        ),
+    ),
     ("index bytes per node", lambda m: m["index_bytes_per_node"]),
     ("build (s)", lambda m: m["build_seconds"]),
 ]
@@ -888,7 +931,7 @@ def main(argv=None):
         stores[size] = (path, record)
     if args.build_only:
         return 0
-    measured = measure(stores, repeats=args.repeats, cases=args.cases)
+    measured = measure(stores, repeats=args.repeats, cases=args.cases, cold=args.cold)
     results = []
     for size, (path, record) in stores.items():
         m = measured[size]
