@@ -4,6 +4,7 @@ stats, the prefix tree, verify and fix, gc, budgets, pins."""
 import dataclasses
 import os
 import shutil
+import threading
 import time
 from types import SimpleNamespace
 
@@ -337,6 +338,49 @@ def test_verify_finds_and_fixes_a_broken_file(store, model, damage):
     assert mine["bytes"] == mine["file_bytes"]
     assert_restores(model, store.path, A, 128)
     assert_restores(model, store.path, B, len(B))
+
+
+def test_verify_opens_a_batch_on_several_threads_and_finds_each_broken_file(
+    tmp_path, model, monkeypatch
+):
+    """A batch of files opened on the verify's opener threads, each a part of it:
+    damaged files in different parts are each reported, every other file checked,
+    and no descriptor is left open."""
+    from kvstore.maintenance import readahead
+
+    path = tmp_path / "store"
+    prompts = [random_tokens(16 * 8, seed=100 + i) for i in range(6)]
+    with KVStore(path, model, chunk_tokens=16) as s:
+        for p in prompts:
+            s.save(p, compute_cache(model, p))
+        s.flush()
+        ns = s.namespace
+    hashes = sorted(h for p in prompts for h in node_hashes_c(ns, p, 16))
+    assert len(hashes) == 48 >= 2 * readahead.OPENERS  # opened by the threads
+    victims = {hashes[1]: "missing", hashes[20]: "checksum", hashes[45]: "size"}
+    for h, kind in victims.items():
+        how = {"missing": "delete", "checksum": "flip-data", "size": "truncate"}
+        _damage(blob_path(path, ns, h), how[kind], source="")
+    openers, opener = set(), readahead.ReadAhead._open
+
+    def recorded(self, items):
+        openers.add(threading.current_thread().name)
+        return opener(self, items)
+
+    monkeypatch.setattr(readahead.ReadAhead, "_open", recorded)
+    fds = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else None
+    report = m.verify(path)
+    assert len(openers) > 1 and all(n.startswith("kvstore-open") for n in openers)
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == len(fds)
+    found = {bytes.fromhex(p["node"]): p["kind"] for p in report["problems"]}
+    assert found == victims
+    assert report["files_checked"] == 48
+
+
+def node_hashes_c(ns: bytes, tokens, chunk: int) -> list:
+    arr = np.asarray(tokens, dtype=np.int32)
+    return chain_hashes(root_hash(ns), arr, split_spans(0, len(arr), chunk))
 
 
 def test_verify_checks_each_distinct_header_once_and_never_trusts_a_stale_one(store):

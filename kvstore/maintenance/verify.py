@@ -11,6 +11,7 @@ piling up in the process).
 import os
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import (
     Any,
@@ -51,7 +52,7 @@ from .common import (
     release_namespace_files,
     writer_alive,
 )
-from .readahead import ReadAhead
+from .readahead import OPENERS, ReadAhead
 from .salvage import salvage_if_damaged, with_salvage
 from .walk import PageShedder
 
@@ -470,6 +471,14 @@ def _check_files(
     Returns the findings still true after a re-read of the index (a node evicted while
     its file was checked is not a problem), the files checked and their bytes.
     """
+    with ThreadPoolExecutor(OPENERS, thread_name_prefix="kvstore-open") as pool:
+        return _check_files_with(
+            index, blobs, layouts, check_data=check_data, pool=pool
+        )
+
+
+def _check_files_with(index, blobs, layouts, *, check_data: bool, pool):
+    """:func:`_check_files`, the files of each batch opened on ``pool``."""
     findings, checked, nbytes = [], 0, 0
     headers: Dict[tuple, dict] = {}
     for batch in _record_batches(index, size=_FILE_BATCH):
@@ -483,7 +492,7 @@ def _check_files(
             except CorruptRecord:
                 continue
         for i in range(0, len(items), _READ_AHEAD):
-            ahead = ReadAhead(blobs) if check_data else None
+            ahead = ReadAhead(blobs, pool=pool) if check_data else None
             try:
                 if ahead is not None:
                     ahead.ask([x[:3] for x in items[i : i + _READ_AHEAD]])
