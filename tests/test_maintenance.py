@@ -378,6 +378,36 @@ def test_verify_opens_a_batch_on_several_threads_and_finds_each_broken_file(
     assert report["files_checked"] == 48
 
 
+def test_openers_use_threads_only_while_opens_are_slow():
+    """A batch goes to the opener threads first, and again while its opens are
+    slow (inodes read from the disk); once they are fast (cached) the next batch is
+    opened on the calling thread, where threads would only add their switching."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.maintenance import readahead
+
+    delay = [0.002]
+    threads = []
+
+    def open_part(items):
+        threads.append(threading.current_thread().name)
+        time.sleep(delay[0] * len(items))
+        return {i: i for i in items}
+
+    with ThreadPoolExecutor(readahead.OPENERS, thread_name_prefix="opener") as pool:
+        openers = readahead.Openers(pool)
+        batch = list(range(4 * readahead.OPENERS))
+        for slow, want_threads in [(True, True), (True, True), (False, True)]:
+            delay[0] = 0.002 if slow else 0.0
+            threads.clear()
+            assert openers.run(open_part, batch) == {i: i for i in batch}
+            assert all(t.startswith("opener") for t in threads) == want_threads
+        threads.clear()  # the last batch's opens were fast: this one is not split
+        assert openers.run(open_part, batch) == {i: i for i in batch}
+        assert threads == [threading.current_thread().name]
+        assert openers.run(open_part, [1]) == {1: 1}  # too few to split
+
+
 def node_hashes_c(ns: bytes, tokens, chunk: int) -> list:
     arr = np.asarray(tokens, dtype=np.int32)
     return chain_hashes(root_hash(ns), arr, split_spans(0, len(arr), chunk))

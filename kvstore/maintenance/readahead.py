@@ -1,17 +1,54 @@
 """Reading a batch of chunk files with many reads in flight (:class:`ReadAhead`)."""
 
 import os
+import time
 from concurrent.futures import Executor
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..disk.blobs import DELTA_PART, STATE_PART, Blobs
 from ..disk.index import NodeRecord
 from ..platform import fsutil
 
-# Threads opening a batch's files. Opening a file whose inode is not cached reads
-# it, one read at a time per thread: on this Linux VM a store of a million nodes,
-# not in the page cache, took ~0.7 ms a file to verify with one.
+# Threads opening a batch's files while opens are slow. Opening a file whose inode is
+# not cached reads it, one read at a time per thread: on this Linux VM a store of a
+# million nodes not in the page cache took 713 s to verify opening on one thread,
+# 407 s on 8. Cached opens take ~10 us, and threads only add their switching (100,000
+# nodes in the page cache: 6.1-6.6 s on one thread, 7.9-8.7 s on 8).
 OPENERS = 8
+SLOW_OPEN_S = 100e-6
+
+
+class Openers:
+    """Runs ``open_part(items)`` for a batch of files: split among ``OPENERS`` of
+    ``pool``'s threads while the opens of the last batch were slow (or none was
+    timed yet), on the calling thread while they were fast.
+
+    Args:
+        pool: Threads (at least ``OPENERS``).
+    """
+
+    def __init__(self, pool: Executor):
+        self.pool = pool
+        self.per_open: Optional[float] = None  # seconds, one thread's, last batch
+
+    def run(self, open_part: Callable[[list], dict], items: list) -> dict:
+        threaded = len(items) >= 2 * OPENERS and (
+            self.per_open is None or self.per_open > SLOW_OPEN_S
+        )
+        tic = time.perf_counter()
+        if not threaded:
+            out = open_part(items)
+        else:
+            step = -(-len(items) // OPENERS)
+            out = {}
+            for opened in self.pool.map(
+                open_part, [items[i : i + step] for i in range(0, len(items), step)]
+            ):
+                out.update(opened)
+        if items:
+            spent = time.perf_counter() - tic
+            self.per_open = spent * (OPENERS if threaded else 1) / len(items)
+        return out
 
 
 class ReadAhead:
@@ -19,28 +56,25 @@ class ReadAhead:
     (:func:`kvstore.platform.fsutil.prefetch`), so that a store whose files are not in
     the page cache is read with many reads in flight; each descriptor is taken once,
     the rest closed. A file that cannot be opened here is opened again by its check,
-    which reports why. With a ``pool``, the batch is opened by ``OPENERS`` of its
-    threads, each a contiguous part of it (asked for in key order, hence path
-    order) with its own kept directories; without one, on this thread.
+    which reports why. Opened on this thread in key order (hence path order, its
+    directories kept from file to file), or by ``openers`` (:class:`Openers`), each
+    thread a contiguous part of the batch with its own kept directories.
 
     Args:
         blobs: The store's chunk files.
-        pool: Threads to open files on (at least ``OPENERS``), or None.
+        openers: Threads to open files on, or None.
     """
 
-    def __init__(self, blobs: Blobs, *, pool: Optional[Executor] = None):
+    def __init__(self, blobs: Blobs, *, openers: Optional[Openers] = None):
         self.blobs = blobs
-        self.pool = pool
+        self.openers = openers
         self.fds: Dict[Tuple[bytes, bytes, str], int] = {}
 
     def ask(self, items: List[Tuple[bytes, bytes, NodeRecord]]) -> None:
-        if self.pool is None or len(items) < 2 * OPENERS:
+        if self.openers is None:
             self.fds.update(self._open(items))
-            return
-        step = -(-len(items) // OPENERS)
-        parts = [items[i : i + step] for i in range(0, len(items), step)]
-        for opened in self.pool.map(self._open, parts):
-            self.fds.update(opened)
+        else:
+            self.fds.update(self.openers.run(self._open, items))
 
     def _open(self, items) -> Dict[Tuple[bytes, bytes, str], int]:
         out = {}

@@ -52,7 +52,7 @@ from .common import (
     release_namespace_files,
     writer_alive,
 )
-from .readahead import OPENERS, ReadAhead
+from .readahead import OPENERS, Openers, ReadAhead
 from .salvage import salvage_if_damaged, with_salvage
 from .walk import PageShedder
 
@@ -473,12 +473,12 @@ def _check_files(
     """
     with ThreadPoolExecutor(OPENERS, thread_name_prefix="kvstore-open") as pool:
         return _check_files_with(
-            index, blobs, layouts, check_data=check_data, pool=pool
+            index, blobs, layouts, check_data=check_data, openers=Openers(pool)
         )
 
 
-def _check_files_with(index, blobs, layouts, *, check_data: bool, pool):
-    """:func:`_check_files`, the files of each batch opened on ``pool``."""
+def _check_files_with(index, blobs, layouts, *, check_data: bool, openers):
+    """:func:`_check_files`, the files of each batch opened by ``openers``."""
     findings, checked, nbytes = [], 0, 0
     headers: Dict[tuple, dict] = {}
     for batch in _record_batches(index, size=_FILE_BATCH):
@@ -492,7 +492,7 @@ def _check_files_with(index, blobs, layouts, *, check_data: bool, pool):
             except CorruptRecord:
                 continue
         for i in range(0, len(items), _READ_AHEAD):
-            ahead = ReadAhead(blobs, pool=pool) if check_data else None
+            ahead = ReadAhead(blobs, openers=openers) if check_data else None
             try:
                 if ahead is not None:
                     ahead.ask([x[:3] for x in items[i : i + _READ_AHEAD]])
