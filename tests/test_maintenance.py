@@ -368,9 +368,11 @@ def test_verify_opens_a_batch_on_several_threads_and_finds_each_broken_file(
         return opener(self, items)
 
     monkeypatch.setattr(readahead.ReadAhead, "_open", recorded)
+    monkeypatch.setattr(readahead, "SLOW_OPEN_S", -1.0)  # as if read from the disk
     fds = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else None
     report = m.verify(path)
-    assert len(openers) > 1 and all(n.startswith("kvstore-open") for n in openers)
+    threads = openers - {threading.current_thread().name}  # which opened the first
+    assert len(threads) > 1 and all(n.startswith("kvstore-open") for n in threads)
     if fds is not None:
         assert len(os.listdir("/proc/self/fd")) == len(fds)
     found = {bytes.fromhex(p["node"]): p["kind"] for p in report["problems"]}
@@ -379,33 +381,40 @@ def test_verify_opens_a_batch_on_several_threads_and_finds_each_broken_file(
 
 
 def test_openers_use_threads_only_while_opens_are_slow():
-    """A batch goes to the opener threads first, and again while its opens are
-    slow (inodes read from the disk); once they are fast (cached) the next batch is
-    opened on the calling thread, where threads would only add their switching."""
+    """A batch's first files are opened on the calling thread, each timed alone: the
+    first slow one (an inode read from the disk) sends the rest to the opener
+    threads; while they are fast (cached) the whole batch stays on the calling
+    thread, where threads would only add their switching. (A clock of its own: the
+    opens take the time they are charged.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvstore.maintenance import readahead
 
-    delay = [0.002]
-    threads = []
+    now, charge, threads = [0.0], [0.0], []
+    lock = threading.Lock()
 
     def open_part(items):
-        threads.append(threading.current_thread().name)
-        time.sleep(delay[0] * len(items))
+        with lock:
+            threads.append(threading.current_thread().name)
+            now[0] += charge[0] * len(items)
         return {i: i for i in items}
 
+    main = threading.current_thread().name
+    batch = list(range(4 * readahead.OPENERS))
     with ThreadPoolExecutor(readahead.OPENERS, thread_name_prefix="opener") as pool:
-        openers = readahead.Openers(pool)
-        batch = list(range(4 * readahead.OPENERS))
-        for slow, want_threads in [(True, True), (True, True), (False, True)]:
-            delay[0] = 0.002 if slow else 0.0
-            threads.clear()
-            assert openers.run(open_part, batch) == {i: i for i in batch}
-            assert all(t.startswith("opener") for t in threads) == want_threads
-        threads.clear()  # the last batch's opens were fast: this one is not split
+        openers = readahead.Openers(pool, clock=lambda: now[0])
+        charge[0] = 2 * readahead.SLOW_OPEN_S  # cold: the first open is slow
         assert openers.run(open_part, batch) == {i: i for i in batch}
-        assert threads == [threading.current_thread().name]
-        assert openers.run(open_part, [1]) == {1: 1}  # too few to split
+        assert threads[0] == main and len(set(threads[1:]) - {main}) > 1
+        assert all(t.startswith("opener") for t in threads[1:])
+        threads.clear()
+        charge[0] = readahead.SLOW_OPEN_S / 10  # cached: all on this thread
+        assert openers.run(open_part, batch) == {i: i for i in batch}
+        assert set(threads) == {main} and len(threads) == readahead.PROBE + 1
+        threads.clear()
+        charge[0] = 2 * readahead.SLOW_OPEN_S
+        assert openers.run(open_part, [1, 2]) == {1: 1, 2: 2}  # too few to split
+        assert set(threads) == {main}
 
 
 def node_hashes_c(ns: bytes, tokens, chunk: int) -> list:

@@ -16,38 +16,44 @@ from ..platform import fsutil
 # nodes in the page cache: 6.1-6.6 s on one thread, 7.9-8.7 s on 8).
 OPENERS = 8
 SLOW_OPEN_S = 100e-6
+# Files of a batch first opened one at a time on the calling thread, each timed
+# alone: the first slow one sends the rest to the threads.
+PROBE = 4
 
 
 class Openers:
-    """Runs ``open_part(items)`` for a batch of files: split among ``OPENERS`` of
-    ``pool``'s threads while the opens of the last batch were slow (or none was
-    timed yet), on the calling thread while they were fast.
+    """Runs ``open_part(items)`` for a batch of files: its first files one at a time
+    on the calling thread, each timed alone (threads' timings would include their
+    switching), until one is slow (over ``SLOW_OPEN_S``: an inode read from the
+    disk); then the rest split among ``OPENERS`` of ``pool``'s threads. While they
+    are fast, the whole batch stays on the calling thread.
 
     Args:
         pool: Threads (at least ``OPENERS``).
+        clock: Seconds, for the timing (tests pass their own).
     """
 
-    def __init__(self, pool: Executor):
+    def __init__(
+        self, pool: Executor, *, clock: Callable[[], float] = time.perf_counter
+    ):
         self.pool = pool
-        self.per_open: Optional[float] = None  # seconds, one thread's, last batch
+        self.clock = clock
 
     def run(self, open_part: Callable[[list], dict], items: list) -> dict:
-        threaded = len(items) >= 2 * OPENERS and (
-            self.per_open is None or self.per_open > SLOW_OPEN_S
-        )
-        tic = time.perf_counter()
-        if not threaded:
-            out = open_part(items)
-        else:
-            step = -(-len(items) // OPENERS)
-            out = {}
-            for opened in self.pool.map(
-                open_part, [items[i : i + step] for i in range(0, len(items), step)]
-            ):
-                out.update(opened)
-        if items:
-            spent = time.perf_counter() - tic
-            self.per_open = spent * (OPENERS if threaded else 1) / len(items)
+        out, start, slow = {}, 0, False
+        while start < min(PROBE, len(items)) and not slow:
+            tic = self.clock()
+            out.update(open_part(items[start : start + 1]))
+            slow = self.clock() - tic > SLOW_OPEN_S
+            start += 1
+        rest = items[start:]
+        if not slow or len(rest) < 2 * OPENERS:
+            out.update(open_part(rest))
+            return out
+        step = -(-len(rest) // OPENERS)
+        parts = [rest[i : i + step] for i in range(0, len(rest), step)]
+        for opened in self.pool.map(open_part, parts):
+            out.update(opened)
         return out
 
 
