@@ -2,6 +2,7 @@
 ``LRUPromptCache.fetch_nearest_cache`` gives, without its quadratic search."""
 
 import random
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -49,6 +50,8 @@ def test_the_walk_gives_what_mlx_lms_lookup_gives(seed):
     for p in cached:
         lru.insert_cache("m", p, _cache(len(p), rotating=rotating))
     assert ramtrie.walkable(lru._trie)
+    searched = SimpleNamespace(search=lru._trie.search, get=lru._trie.get)
+    assert not ramtrie.walkable(searched)
     queries = _prompts(rng, 60) + [[], [999], [999, 1], [7], [7, 8], [7, 5]]
     # Cached prompts cut short, and cut short then going elsewhere.
     queries += [p[: rng.randrange(1, len(p) + 1)] for p in cached]
@@ -60,7 +63,9 @@ def test_the_walk_gives_what_mlx_lms_lookup_gives(seed):
         )
         assert got_rest == want_rest, q
         held = len(q) - len(want_rest) if want_cache is not None else 0
-        assert ramtrie.held(lru._trie, "m", q, can_trim_prompt_cache) == held
+        assert ramtrie.nearest(lru._trie, "m", q, can_trim_prompt_cache).held == held
+        # A trie of another shape is asked through its own search: the same answer.
+        assert ramtrie.nearest(searched, "m", q, can_trim_prompt_cache).held == held
         if want_cache is None:
             assert got_cache is None
             continue
@@ -68,7 +73,11 @@ def test_the_walk_gives_what_mlx_lms_lookup_gives(seed):
         k, w = got_cache[0].state[0], want_cache[0].state[0]
         n = min(got_cache[0].offset, k.shape[2])
         assert mx.array_equal(k[..., :n, :], w[..., :n, :]).item()
-    assert ramtrie.match(lru._trie, "other model", [1, 2]).common == 0
+    assert ramtrie.nearest(lru._trie, "other model", [1, 2], can_trim_prompt_cache) == (
+        None,
+        0,
+        0,
+    )
 
 
 def test_the_walk_never_runs_mlx_lms_search(monkeypatch):
@@ -89,4 +98,4 @@ def test_the_walk_never_runs_mlx_lms_search(monkeypatch):
         lru._trie, "m", q, can_trim_prompt_cache, trim_prompt_cache
     )
     assert len(rest) == len(q) - 5 and cache[0].offset == 5
-    assert ramtrie.held(lru._trie, "m", q, can_trim_prompt_cache) == 5
+    assert ramtrie.nearest(lru._trie, "m", q, can_trim_prompt_cache).held == 5

@@ -500,24 +500,14 @@ class PersistentPromptCache:
     def _ram_held(self, model_key, tokens: List[int], salt) -> int:
         """Tokens of ``tokens`` that the RAM LRU's ``fetch_nearest_cache`` would
         give now, found without copying its cache (mlx-lm's trie, read under the
-        LRU's lock; walked in linear time where it has the expected shape,
-        :mod:`kvstore.serve.ramtrie`)."""
+        LRU's lock, :func:`kvstore.serve.ramtrie.nearest`)."""
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         key = _ram_key(model_key, salt)
         with self._lru_lock:
-            trie = self._lru._trie
-            if ramtrie.walkable(trie):
-                return ramtrie.held(trie, key, tokens, can_trim_prompt_cache)
-            found = trie.search(key, tokens)
-            if found.exact is not None:
-                return len(tokens)
-            short = len(found.shorter) if found.shorter is not None else 0
-            if found.longer is not None and found.common_prefix > short:
-                entry = trie.get(found.model, found.longer)
-                if can_trim_prompt_cache(entry.prompt_cache):
-                    return min(len(tokens) - 1, found.common_prefix)
-            return short
+            return ramtrie.nearest(
+                self._lru._trie, key, tokens, can_trim_prompt_cache
+            ).held
 
     def _ram_fetch(self, key, tokens: List[int]):
         """The RAM LRU's ``fetch_nearest_cache`` (under its lock), by the linear
@@ -526,7 +516,7 @@ class PersistentPromptCache:
 
         with self._lru_lock:
             trie = getattr(self._lru, "_trie", None)
-            if ramtrie.walkable(trie) and callable(getattr(trie, "get", None)):
+            if ramtrie.walkable(trie):
                 return ramtrie.fetch_nearest(
                     trie, key, tokens, can_trim_prompt_cache, trim_prompt_cache
                 )
