@@ -324,17 +324,15 @@ def _next_turn(backlog: Backlog, ext: Extent, read_s: Optional[float], n: int) -
     restored where its stored rest, prefilled, would pad the prompts beside it
     for longer than its read takes, else as the store weighs it alone (by the
     same estimates). Returns whether its prefetch weighs it so."""
-    rate = ext.prefill_rate
-    if backlog.restore_tail(read_s, ext.prefill_s):
-        backlog.prefill((n - ext.stored) / rate if rate else None)
-        return False
-    prefilled = read_s is not None and ext.prefill_s is not None
+    restored = backlog.restore_tail(read_s, ext.prefill_s)  # counted as read
+    # Weighed alone, by the estimates: prefilled where reading is slower.
+    prefilled = not restored and None not in (read_s, ext.prefill_s)
     prefilled = prefilled and ext.prefill_s < read_s
-    if not prefilled:
+    if not restored and not prefilled:
         backlog.read(read_s)
     past = ext.held if prefilled else ext.stored
-    backlog.prefill((n - past) / rate if rate else None)
-    return True
+    backlog.prefill((n - past) / ext.prefill_rate if ext.prefill_rate else None)
+    return not restored
 
 
 def _read_past_shared(ext: Extent, reg: Optional[Registration]) -> Optional[float]:
