@@ -717,6 +717,12 @@ def writer_rates(record: dict) -> dict:
 
 # -- report -------------------------------------------------------------------------
 
+
+def _seconds_mb(key: str):
+    """A table row's getter: the command ``key``'s median seconds and peak MB."""
+    return lambda m: (m[key]["seconds"], m[key]["max_rss_mb"])
+
+
 ROWS = [
     ("open, fresh process (ms)", lambda m: m["open_s"]["median"] * 1e3),
     (
@@ -757,54 +763,35 @@ ROWS = [
         "writer saves/s, first 10% once warm",
         lambda m: m["writer"]["warm_first_10pct"],
     ),
-    (
-        "start-up floor: import only (s / MB)",
-        lambda m: (m["startup_floor"]["seconds"], m["startup_floor"]["max_rss_mb"]),
-    ),
-    ("`stats` (s / MB)", lambda m: (m["stats"]["seconds"], m["stats"]["max_rss_mb"])),
+    ("start-up floor: import only (s / MB)", _seconds_mb("startup_floor")),
+    ("`stats` (s / MB)", _seconds_mb("stats")),
     (
         "`stats`' own work, in process (ms)",
         lambda m: m["stats_in_process_ms"]["median"],
     ),
-    (
-        "`stats --full` (s / MB)",
-        lambda m: (m["stats_full"]["seconds"], m["stats_full"]["max_rss_mb"]),
-    ),
-    (
-        "`ls --no-decode` (s / MB)",
-        lambda m: (m["ls"]["seconds"], m["ls"]["max_rss_mb"]),
-    ),
-    (
-        "`verify` (s / MB)",
-        lambda m: (m["verify"]["seconds"], m["verify"]["max_rss_mb"]),
-    ),
+    ("`stats --full` (s / MB)", _seconds_mb("stats_full")),
+    ("`ls --no-decode` (s / MB)", _seconds_mb("ls")),
+    ("`verify` (s / MB)", _seconds_mb("verify")),
     (
         "nodes when gc ran",
         lambda m: m["gc"]["store_nodes"],
     ),
-    (
-        "`gc --max-bytes` half (s / MB)",
-        lambda m: (m["gc"]["seconds"], m["gc"]["max_rss_mb"]) if "gc" in m else None,
-    ),
+    ("`gc --max-bytes` half (s / MB)", _seconds_mb("gc")),
     ("`verify` CPU (s) / major faults", lambda m: _cpu_faults(m["verify"])),
     ("`gc` CPU (s) / major faults", lambda m: _cpu_faults(m["gc"])),
     (
         "`stats --full`, page cache dropped first (s / MB)",
-        lambda m: (m["stats_full_cold"]["seconds"], m["stats_full_cold"]["max_rss_mb"]),
+        _seconds_mb("stats_full_cold"),
     ),
-    (
-        "`verify`, page cache dropped first (s / MB)",
-        lambda m: (m["verify_cold"]["seconds"], m["verify_cold"]["max_rss_mb"]),
-    ),
+    ("`verify`, page cache dropped first (s / MB)", _seconds_mb("verify_cold")),
     (
         "`gc --max-bytes` half, page cache dropped first (s / MB)",
-        lambda m: (m["gc_cold"]["seconds"], m["gc_cold"]["max_rss_mb"]),
+        _seconds_mb("gc_cold"),
     ),
     (
         "`verify` / `gc` CPU (s), page cache dropped first",
-        lambda m: "{} / {}".format(
-            _cpu_faults(m["verify_cold"]).split(" / ")[0],
-            _cpu_faults(m["gc_cold"]).split(" / ")[0],
+        lambda m: "{:.1f} / {:.1f}".format(
+            _cpu_s(_median_run(m["verify_cold"])), _cpu_s(_median_run(m["gc_cold"]))
         ),
     ),
     ("index bytes per node", lambda m: m["index_bytes_per_node"]),
@@ -828,12 +815,22 @@ def _lookup_faults(m: dict) -> str:
     )
 
 
+def _median_run(runs: dict) -> dict:
+    """The sample of a command's runs nearest their median time."""
+    return min(runs["samples"], key=lambda r: abs(r["seconds"] - runs["seconds"]))
+
+
+def _cpu_s(run: dict) -> float:
+    """A run's CPU seconds (KeyError for older runs, which did not record them)."""
+    return run["user_s"] + run["system_s"]
+
+
 def _cpu_faults(runs: dict) -> str:
     """CPU seconds and major faults of a command's median run (older runs: none)."""
-    run = min(runs["samples"], key=lambda r: abs(r["seconds"] - runs["seconds"]))
+    run = _median_run(runs)
     if "user_s" not in run:
         return None
-    return f"{run['user_s'] + run['system_s']:.1f} / {run['major_faults']:,}"
+    return f"{_cpu_s(run):.1f} / {run['major_faults']:,}"
 
 
 def _value(get, m):
