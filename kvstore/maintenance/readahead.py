@@ -62,25 +62,22 @@ class ReadAhead:
     (:func:`kvstore.platform.fsutil.prefetch`), so that a store whose files are not in
     the page cache is read with many reads in flight; each descriptor is taken once,
     the rest closed. A file that cannot be opened here is opened again by its check,
-    which reports why. Opened on this thread in key order (hence path order, its
-    directories kept from file to file), or by ``openers`` (:class:`Openers`), each
-    thread a contiguous part of the batch with its own kept directories.
+    which reports why. Opened by ``openers`` (:class:`Openers`), on this thread or
+    its threads, each a contiguous part of the batch in key order (hence path order,
+    its directories kept from file to file).
 
     Args:
         blobs: The store's chunk files.
-        openers: Threads to open files on, or None.
+        openers: Where the files are opened.
     """
 
-    def __init__(self, blobs: Blobs, *, openers: Optional[Openers] = None):
+    def __init__(self, blobs: Blobs, openers: Openers):
         self.blobs = blobs
         self.openers = openers
         self.fds: Dict[Tuple[bytes, bytes, str], int] = {}
 
     def ask(self, items: List[Tuple[bytes, bytes, NodeRecord]]) -> None:
-        if self.openers is None:
-            self.fds.update(self._open(items))
-        else:
-            self.fds.update(self.openers.run(self._open, items))
+        self.fds.update(self.openers.run(self._open, items))
 
     def _open(self, items) -> Dict[Tuple[bytes, bytes, str], int]:
         out = {}

@@ -492,7 +492,7 @@ def _check_files_with(index, blobs, layouts, *, check_data: bool, openers):
             except CorruptRecord:
                 continue
         for i in range(0, len(items), _READ_AHEAD):
-            ahead = ReadAhead(blobs, openers=openers) if check_data else None
+            ahead = ReadAhead(blobs, openers) if check_data else None
             try:
                 if ahead is not None:
                     ahead.ask([x[:3] for x in items[i : i + _READ_AHEAD]])
