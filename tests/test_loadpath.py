@@ -7,6 +7,7 @@ joined on the device, reads that arrive out of order, and the choice of path.
 
 import io
 import os
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -147,6 +148,55 @@ def test_a_failed_node_stops_the_reads_after_it(tmp_path, model):
         assert len(data) == file.seek(0, io.SEEK_END)
         for src in sources:
             src.close()
+
+
+def test_restores_on_two_threads_read_at_the_same_time(tmp_path, model, monkeypatch):
+    """Two threads' restores overlap (no lock held across a load): each waits in its
+    first read for the other to reach its own, and both restore the right KV."""
+    prompts = [random_tokens(3 * C, 40 + i) for i in range(2)]
+    for p in prompts:
+        _stored(tmp_path / "s", model, p)
+    both_reading = threading.Barrier(2, timeout=10)
+    real_init, real_fill = RestoreFile.__init__, RestoreFile.fill
+    met = []
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.restore = threading.current_thread().name  # MLX may read elsewhere
+
+    def fill(self, out, start):
+        if self.restore not in met:
+            met.append(self.restore)
+            both_reading.wait()  # BrokenBarrierError if the restores take turns
+        return real_fill(self, out, start)
+
+    monkeypatch.setattr(RestoreFile, "__init__", init)
+    monkeypatch.setattr(RestoreFile, "fill", fill)
+    monkeypatch.setenv("KVSTORE_RESTORE_IO", "load")
+    got, errors = {}, []
+    with kvstore.KVStore(tmp_path / "s", model, chunk_tokens=C, ram_bytes=0) as s:
+
+        def restore(i):
+            try:
+                cache, n = s.fetch(prompts[i] + [1])
+                got[i] = (n, _kv(cache, n))
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=restore, args=(i,), name=f"restore-{i}")
+            for i in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors and sorted(met) == ["restore-0", "restore-1"]
+    for i, p in enumerate(prompts):
+        n, kv = got[i]
+        assert n == len(p)
+        for a, b in zip(kv, _kv(compute_cache(model, p), n)):
+            assert np.array_equal(a, b)
 
 
 def test_memory_sources_copy_only_the_rows_taken():

@@ -416,17 +416,18 @@ class ReadPath:
                     n, query, self.restore_room, self.shapes.token_bytes
                 )
                 offsets = list(itertools.accumulate((s.take for s in path), initial=0))
-                with MLX_LOCK:
-                    delta = load_arrays(
-                        self.layout.rows,
-                        capacity,
-                        offsets=offsets[:-1],
-                        takes=[step.take for step in path],
-                        open_source=lambda i: self._node_source(path[i]),
-                        failures=failures,
-                        pool=self._readers,
-                        threads=min(self.read_threads, len(path)),
-                    )
+                # Not under MLX_LOCK: the load's graph is this thread's own (MLX gives
+                # each thread its own stream), so restores overlap with each other.
+                delta = load_arrays(
+                    self.layout.rows,
+                    capacity,
+                    offsets=offsets[:-1],
+                    takes=[step.take for step in path],
+                    open_source=lambda i: self._node_source(path[i]),
+                    failures=failures,
+                    pool=self._readers,
+                    threads=min(self.read_threads, len(path)),
+                )
         finally:
             if state_job is not None and state_job.exception() is not None:
                 failures.add(len(path) - 1, state_job.exception())
