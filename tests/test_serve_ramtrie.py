@@ -99,3 +99,31 @@ def test_the_walk_never_runs_mlx_lms_search(monkeypatch):
     )
     assert len(rest) == len(q) - 5 and cache[0].offset == 5
     assert ramtrie.nearest(lru._trie, "m", q, can_trim_prompt_cache).held == 5
+    found = ramtrie.match(lru._trie, "m", q)
+    assert not found.exact and found.common == 5 and found.longer is not None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_match_reports_what_mlx_lms_search_reports(seed):
+    """What a deferred save reads of the trie (the prompt itself cached, else how
+    far it follows the trie and whether a cached prompt lies below there) is the
+    same walked as searched."""
+    rng = random.Random(100 + seed)
+    lru = LRUPromptCache(max_size=1000)
+    cached = _prompts(rng, 25)
+    for p in cached:
+        lru.insert_cache("m", p, _cache(len(p)))
+    trie = lru._trie
+    queries = _prompts(rng, 40) + [p[: rng.randrange(1, len(p) + 1)] for p in cached]
+    queries += cached
+    for q in queries:
+        got = ramtrie.match(trie, "m", q)
+        want = trie.search("m", q)
+        assert got.exact == (want.exact is not None), q
+        if got.exact:
+            assert got.value is trie.get("m", want.exact)
+            continue
+        assert got.common == want.common_prefix, q
+        assert (got.longer is None) == (want.longer is None), q
+        if got.longer is not None:
+            assert got.longer_len == len(want.longer), q

@@ -591,14 +591,15 @@ class PersistentPromptCache:
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         with self._lru_lock:
-            trie = self._lru._trie
-            found = trie.search(_ram_key(job.model_key, job.salt), job.tokens)
-            if found.exact is not None:
-                cache = trie.get(found.model, found.exact).prompt_cache
-            elif found.longer is None or found.common_prefix < job.held:
+            found = ramtrie.match(
+                self._lru._trie, _ram_key(job.model_key, job.salt), job.tokens
+            )
+            if found.exact:
+                cache = found.value.prompt_cache
+            elif found.longer is None or found.common < job.held:
                 return None
             else:
-                cache = trie.get(found.model, found.longer).prompt_cache
+                cache = found.longer.prompt_cache
                 if not can_trim_prompt_cache(cache):
                     return None  # state layers: the longer cache cannot give a prefix
         return cache if cache in self._settled else job.cache

@@ -7,9 +7,9 @@ early (a returning user whose turns RAM no longer holds, beside others' prompts 
 thousands of tokens) took 0.1-0.2 s of Python under the GIL per search on an H200
 host, while the generation thread waited for the GIL. kvstore serve asks what RAM
 holds of each request twice besides the lookup itself (on its arrival and in its
-prefetch), so here the same answer (:func:`nearest`) comes from one walk down the
-prompt and a breadth-first look for the nearest cached prompt below where it leaves
-the trie.
+prefetch), and once more for each save it defers, so here the same answers
+(:func:`nearest`, :func:`match`) come from one walk down the prompt and a
+breadth-first look for the nearest cached prompt below where it leaves the trie.
 
 The walk reads mlx-lm's trie (nested dicts, a cached prompt's value under
 ``"__value__"``); :func:`walkable` checks that shape, and where it does not hold
@@ -47,15 +47,19 @@ def walkable(trie: Any) -> bool:
     return isinstance(getattr(trie, "_trie", None), dict)
 
 
+def match(trie: Any, model: Any, tokens: List[int]) -> Match:
+    """``tokens`` against ``trie`` as ``PromptTrie.search`` reports it: walked where
+    ``trie`` is :func:`walkable`, else by its own ``search``."""
+    if walkable(trie):
+        return _walked(trie, model, tokens)
+    return _searched(trie, model, tokens)
+
+
 def nearest(trie: Any, model: Any, tokens: List[int], can_trim) -> Nearest:
     """What ``LRUPromptCache.fetch_nearest_cache`` (mlx-lm 0.31-0.32) would copy
-    for ``tokens``: walked where ``trie`` is :func:`walkable`, else by its own
-    ``search``. ``can_trim``: mlx-lm's ``can_trim_prompt_cache``."""
-    m = (
-        _walked(trie, model, tokens)
-        if walkable(trie)
-        else _searched(trie, model, tokens)
-    )
+    for ``tokens`` (:func:`match`). ``can_trim``: mlx-lm's
+    ``can_trim_prompt_cache``."""
+    m = match(trie, model, tokens)
     if m.exact:
         return Nearest(m.value, len(tokens), len(tokens))
     if m.longer is not None and m.common > m.shorter:
