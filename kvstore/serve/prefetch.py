@@ -345,6 +345,10 @@ def _read_past_shared(ext: Extent, reg: Optional[Registration]) -> Optional[floa
     return ext.read_s * max(0, own) / past if past > 0 else ext.read_s
 
 
+def _seconds(s: Optional[float]) -> str:
+    return "unknown" if s is None else f"{s:.3f}"
+
+
 def _copied(out):
     """A copy of ``_tokenize``'s result that its caller may change."""
     prompt, segments, types, state, vision = out
@@ -456,7 +460,18 @@ def prefetch_response_generator_class(
                         # Prefilled, it would be padded beside the prompts sent on
                         # with it: count those arriving with it first.
                         prefetcher.await_classified()
-                    if not backlog.restore_sooner(read_s, ext.prefill_s):
+                    restore = backlog.restore_sooner(read_s, ext.prefill_s)
+                    log.debug(
+                        "kvstore: returning user of %d tokens (%d in RAM, %d stored):"
+                        " read %s s, prefill %s s: %s",
+                        n,
+                        ext.held,
+                        ext.stored,
+                        _seconds(read_s),
+                        _seconds(ext.prefill_s),
+                        "restored" if restore else "prefilled",
+                    )
+                    if not restore:
                         key, tokens, salt = found
                         prefetcher.settle(
                             request,
