@@ -242,6 +242,39 @@ def test_file_source_is_hashed_in_order_through_a_real_load(tmp_path, model):
     assert seen == [(True, True)] * 6
 
 
+def test_groups_stack_consecutive_tensors_of_one_shape_up_to_the_bytes(monkeypatch):
+    monkeypatch.setattr(loadpath, "SEGMENT_TENSOR_BYTES", 4096)
+    kv = ("bfloat16", 2, 8)  # 32 bytes a row
+    rows = {"a": kv, "b": kv, "c": kv, "d": ("float16", 2, 8), "e": kv, "f": kv}
+    assert loadpath._groups(rows, 64) == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+    assert loadpath._groups(rows, 1) == [["a", "b", "c"], ["d"], ["e", "f"]]
+    assert loadpath._groups(rows, 1000) == [[n] for n in rows]  # one at least
+
+
+def test_a_restore_loads_its_tensors_stacked(tmp_path, model, monkeypatch):
+    """One load per segment where every tensor fits (each load waits for its copy
+    to the device), the tensors then in buffers of their own, the KV right."""
+    tokens = random_tokens(4 * C + 5, 9)
+    _stored(tmp_path, model, tokens)
+    loads = []
+    real = mx.load
+
+    def load(file, *args, **kwargs):
+        loads.append(len(file.names))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(loadpath.mx, "load", load)
+    monkeypatch.setenv("KVSTORE_RESTORE_IO", "load")
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        cache, n = s.fetch(tokens + [1])
+    tensors = 2 * len(cache)
+    assert n == len(tokens) and loads == [tensors]
+    for got, want in zip(_kv(cache, n), _kv(compute_cache(model, tokens), n)):
+        assert np.array_equal(got, want)
+    for layer in cache:
+        assert layer.keys.shape[0] == 1 and layer.values.shape[0] == 1
+
+
 def test_segments_bound_nodes_and_bytes(monkeypatch):
     rows = {"k": ("bfloat16", 8, 128), "v": ("bfloat16", 8, 128)}  # 2 KiB a token
     monkeypatch.setattr(loadpath, "SEGMENT_TENSOR_BYTES", 16 << 20)

@@ -7,8 +7,9 @@ system prompt of ``--system`` tokens, with random KV in a model's layout (saved
 without running the model). Each case is a fresh child process (cases alternated
 over ``--repeats``) that opens the store and fetches every prompt
 (``restore="always"``, no RAM tier) on ``threads`` threads at once (``serial``: the
-same threads taking turns); the floor beside it reads the same files into fresh
-buffers on as many threads.
+same threads taking turns; ``per-tensor``: one load per tensor instead of
+tensors stacked); the floor beside it reads the same files into fresh buffers on as
+many threads.
 
 Usage (on the GPU machine; ``--shape tiny`` checks the script on the CPU)::
 
@@ -88,6 +89,10 @@ def child(spec: dict) -> dict:
     threads = spec["threads"]
     if spec["case"] == "floor":
         return _floor(model, prompts, spec)
+    if spec["case"] == "per-tensor":  # one load per tensor, as before stacking
+        from kvstore.engine import loadpath
+
+        loadpath._groups = lambda rows, nrows: [[name] for name in rows]
     store = kvstore.KVStore(
         spec["dir"] + "/store",
         model,
@@ -191,6 +196,7 @@ def main() -> None:
         ("restore", t, r) for t in args.threads for r in args.read_threads
     ]
     cases += [("serial", t, args.read_threads[0]) for t in args.threads if t > 1]
+    cases += [("per-tensor", t, args.read_threads[0]) for t in args.threads]
     samples = []
     for rep in range(args.repeats):
         order = cases if rep % 2 == 0 else cases[::-1]

@@ -37,8 +37,8 @@ from .assemble import VirtualFile
 # longer restores are loaded in segments of at most this many nodes, joined on the
 # device (at memory speed there).
 SEGMENT_NODES = 64
-# And at most this many bytes per tensor and segment: MLX's host buffer for a
-# tensor comes from malloc, which maps anything over 32 MiB afresh (page faults on
+# And at most this many bytes per tensor (or tensors loaded as one) and segment:
+# MLX's host buffer for a tensor comes from malloc, which maps anything over 32 MiB afresh (page faults on
 # every byte) but recycles smaller blocks. Measured on an H100 host, 32K tokens of
 # an 8B model's KV: 67 MB tensors restored at 2.4 GB/s.
 SEGMENT_TENSOR_BYTES = 16 << 20
@@ -182,6 +182,8 @@ class RestoreFile(VirtualFile):
         failures: Where a node's read error goes; nodes after the first failed
             one are not read.
         pool: Runs the reads of all but one group of nodes; ``threads`` groups.
+        stacked: List the tensors as one ``(len(rows), heads, rows, width)`` tensor
+            (every entry of ``rows`` the same): the same bytes, one load.
     """
 
     def __init__(
@@ -196,21 +198,28 @@ class RestoreFile(VirtualFile):
         failures: Failures,
         pool: Optional[Executor],
         threads: int,
+        stacked: bool = False,
     ):
-        super().__init__(
-            [
-                (DTYPES[dtype][0], (1, heads, nrows, width))
-                for dtype, heads, width in rows.values()
-            ]
-        )
+        specs = [
+            (DTYPES[dtype][0], (1, heads, nrows, width))
+            for dtype, heads, width in rows.values()
+        ]
+        if stacked:  # tensors laid out one after another are one stacked tensor
+            if len(set(rows.values())) != 1:
+                raise ValueError("only tensors of one dtype and shape stack")
+            code, (_, heads, _, width) = specs[0]
+            specs = [(code, (len(specs), heads, nrows, width))]
+        super().__init__(specs)
         self.names = list(rows)
         self.sources, self.offsets, self.takes = sources, offsets, takes
         self.first, self.failures = first, failures
         self.pool, self.threads = pool, max(1, min(threads, len(sources)))
         self.spans = []  # per tensor: (data offset, bytes, heads, head stride, row)
-        for base, (dtype, heads, width) in zip(self.tensor_offsets, rows.values()):
+        base = 0
+        for dtype, heads, width in rows.values():
             row = width * DTYPES[dtype][1]
             self.spans.append((base, heads * nrows * row, heads, nrows * row, row))
+            base += heads * nrows * row
 
     def fill(self, out: memoryview, start: int) -> None:
         """Read data bytes ``[start, start + len(out))`` from the nodes into ``out``."""
@@ -302,16 +311,17 @@ def load_arrays(
                 rows = {name: rows[name] for name in names}
             end = nrows if hi == total else offsets[hi]
             seg_offsets = [offsets[i] - offsets[lo] for i in range(lo, hi)]
-            arrays = []
-            # A file per tensor, loaded in the node files' order: MLX reads a file's
-            # tensors in an order of its own, and each node's hash needs its file
-            # in order. (On CUDA each tensor's reads, then its copy to the device,
-            # take turns: docs/gpu.md.)
+            seg_rows = end - offsets[lo]
+            loads = []
+            # A file per group of tensors, loaded in the node files' order: MLX reads
+            # a file's tensors in an order of its own, and each node's hash needs
+            # its file in order. A group is one stacked tensor: each load waits for
+            # its reads and its copy to the device, ms apiece under a busy server.
             with mlxsync.python_file_load():
-                for name in names:
+                for group in _groups(rows, seg_rows):
                     file = RestoreFile(
-                        {name: rows[name]},
-                        end - offsets[lo],
+                        {name: rows[name] for name in group},
+                        seg_rows,
                         sources=segment,
                         offsets=seg_offsets,
                         takes=takes[lo:hi],
@@ -319,10 +329,13 @@ def load_arrays(
                         failures=failures,
                         pool=pool,
                         threads=threads,
+                        stacked=len(group) > 1,
                     )
-                    arrays.append(mx.load(file, format="safetensors")["0"])
-                    mx.async_eval(arrays[-1])
-                mx.eval(arrays)
+                    loads.append(mx.load(file, format="safetensors")["0"])
+                    mx.async_eval(loads[-1])
+                mx.eval(loads)
+            arrays = [a for stack in loads for a in _unstacked(stack)]
+            loads = None
             for j, src in enumerate(segment):
                 if lo + j > failures.first:
                     break
@@ -345,6 +358,34 @@ def load_arrays(
         for part in parts:
             part[k] = None
     return dict(zip(rows, joined))
+
+
+def _unstacked(stack: mx.array) -> List[mx.array]:
+    """A loaded ``(tensors, heads, rows, width)`` stack as its tensors, each in a
+    buffer of its own (copied on the device), as a cache's arrays are."""
+    if stack.shape[0] == 1:
+        return [stack]
+    own = [devices.device_copy(stack[i : i + 1]) for i in range(stack.shape[0])]
+    mx.eval(own)
+    return own
+
+
+def _groups(rows: Mapping[str, Tuple[str, int, int]], nrows: int) -> List[List[str]]:
+    """The tensors of ``rows`` (in order) in runs loaded as one: consecutive
+    tensors of one dtype and shape, :data:`SEGMENT_TENSOR_BYTES` of ``nrows`` rows
+    together at most (one tensor at least)."""
+    out: List[List[str]] = []
+    size = 0
+    for name, spec in rows.items():
+        dtype, heads, width = spec
+        nbytes = heads * width * DTYPES[dtype][1] * nrows
+        if out and rows[out[-1][-1]] == spec and size + nbytes <= SEGMENT_TENSOR_BYTES:
+            out[-1].append(name)
+            size += nbytes
+        else:
+            out.append([name])
+            size = nbytes
+    return out
 
 
 def _segments(
