@@ -26,10 +26,10 @@ one never taken goes with its KV (a weak reference). Entries are keyed by model 
 salt: tenants never share.
 
 A restore of a whole prefix waits first for the prefetches it would delay that were
-handed a prefix (:meth:`SharedRestores.let_joins_finish`): restores take turns on
-the device (``MLX_LOCK``), and a joined one reads only a user's own turn (0.1-0.2 s
-on an H200 where a whole 6,500-token prompt took 0.6-0.7 s), so its user is
-answered first.
+handed a prefix (:meth:`SharedRestores.let_joins_finish`): restores share the
+reader threads, the host's memory bandwidth and the copies to the device, and a
+joined one reads only a user's own turn (0.1-0.2 s on an H200 where a whole
+6,500-token prompt took 0.6-0.7 s), so its user is answered first.
 """
 
 import logging
