@@ -342,3 +342,31 @@ def test_probe_round_step_runs_every_case_on_the_cpu(tmp_path):
     for rows in samples.values():
         steps = rows[0]["round2"]["steps"]
         assert steps[0]["prompts"] == 3 and rows[0]["round2"]["ttft"] > 0
+
+
+@pytest.mark.stress
+def test_probe_concurrent_restores_runs_every_case_on_the_cpu(tmp_path):
+    """``tools/probe_concurrent_restores.py`` at the tiny shape: every case in its
+    own process every repeat, each restore taking its whole stored prompt."""
+    samples = run_tool(
+        "probe_concurrent_restores",
+        *("--shape", "tiny", "--prompts", "4", "--length", "300", "--system", "200"),
+        *("--threads", "1", "2", "--read-threads", "2", "--repeats", "2"),
+        *("--dir", str(tmp_path / "work"), "--json", str(tmp_path / "pcr.json")),
+    )["samples"]
+    cases = {}
+    for s in samples:
+        cases.setdefault((s["case"], s["threads"]), []).append(s)
+    assert {k: len(v) for k, v in cases.items()} == {
+        ("floor", 1): 2,
+        ("floor", 2): 2,
+        ("restore", 1): 2,
+        ("restore", 2): 2,
+        ("serial", 2): 2,
+        ("per-tensor", 1): 2,
+        ("per-tensor", 2): 2,
+    }
+    for s in samples:
+        assert s["bytes"] > 0 and s["wall_s"] > 0
+        if s["case"] != "floor":
+            assert s["tokens"] == 4 * 300 and len(s["each_s"]) == 4
