@@ -13,9 +13,13 @@ So on CUDA a restore loads a safetensors file that exists only in memory
 host buffer, on the reader threads. On the CPU backend the same file reads straight
 into the arrays (one copy, as :mod:`kvstore.engine.assemble` does).
 
+Consecutive tensors of one dtype and shape are loaded as one stacked tensor (a few
+loads instead of one per tensor: each waits for the GIL and for its copy to the
+device) and copied apart on the device.
+
 Checksums: a node's checksum covers its file front to back. The restore's tensors
-are listed in the node files' order and evaluated one at a time in that order, so
-each node file is read, and hashed, in order. A read that comes out of that order
+are listed in the node files' order and loaded one group at a time in that order,
+so each node file is read, and hashed, in order. A read that comes out of that order
 (an MLX that reads differently) is still placed right; its nodes are then verified
 by reading them once more before anything is returned.
 """
