@@ -345,16 +345,18 @@ class RestorePolicy:
     ) -> None:
         """Count a decision carried out; a restore's bytes and time feed the rate, its
         time over ``sharing`` (the mean number of restores that read meanwhile:
-        :class:`Overlaps`)."""
+        :class:`Overlaps`). The seconds saved count it so too: restores side by side
+        take their wall time once, not once each."""
         if not decision.restore:
             with self._lock:
                 self.recomputed += 1
             return
-        self.rates.note_restore(nbytes, seconds / max(1.0, sharing))
+        alone = seconds / max(1.0, sharing)
+        self.rates.note_restore(nbytes, alone)
         with self._lock:
             self.restored += 1
             if decision.recompute_s is not None:
-                self.seconds_saved += decision.recompute_s - seconds
+                self.seconds_saved += decision.recompute_s - alone
 
     def stats(self) -> Dict[str, Any]:
         with self._lock:
