@@ -832,6 +832,34 @@ def test_a_request_is_tokenized_once_and_its_lookup_waits_for_no_other():
     prefetcher.close()
 
 
+@pytest.mark.parametrize("fields", [4, 5])
+def test_tokenize_results_of_every_supported_mlx_lm_are_kept_and_prefetched(fields):
+    """mlx-lm 0.32.0-0.32.1's ``_tokenize`` gives ``(prompt, segments, types,
+    state)``, 0.32.2's adds the vision inputs: both are kept as they came, and the
+    arriving request's prompt is prefetched (it was a 404 on 0.32.0)."""
+    seen = []
+
+    class Base(Generator):
+        def _tokenize(self, tokenizer, request, args):
+            return super()._tokenize(tokenizer, request, args)[:fields]
+
+    prefetcher = Prefetcher()
+    generator = prefetch_response_generator_class(
+        Base,
+        prefetcher,
+        lambda *a, **k: None,
+        lambda k, t, s: seen.append(list(t)) or (0, 0),
+    )()
+    tokenizer, args = Base.model_provider.tokenizer, object()
+    request = Request()
+    request.tokens = [5, 6, 7]
+    generator.generate(request, args)
+    assert seen == [[5, 6, 7]]
+    out = generator._tokenize(tokenizer, request, args)
+    assert len(out) == fields and out[0] == [5, 6, 7] and out[3] is None
+    prefetcher.close()
+
+
 def test_generation_thread_waits_for_requests_still_arriving():
     """With its queue empty, the generation thread waits while arriving requests
     are looked at (so that a burst joins one batch), never longer than a request

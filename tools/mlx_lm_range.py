@@ -34,6 +34,11 @@ DEFAULT_TESTS = [
     "tests/test_cache_types.py",
     "tests/test_server.py",
     "tests/test_serve_processes.py",
+    "tests/test_serve_prefetch.py",
+    "tests/test_serve_saves.py",
+    "tests/test_serve_shared.py",
+    "tests/test_serve_ramtrie.py",
+    "tests/test_serve_salts.py",
     "tests/test_compat.py",
 ]
 

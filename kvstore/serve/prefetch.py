@@ -350,9 +350,16 @@ def _seconds(s: Optional[float]) -> str:
 
 
 def _copied(out):
-    """A copy of ``_tokenize``'s result that its caller may change."""
-    prompt, segments, types, state, vision = out
-    return list(prompt), [list(s) for s in segments], list(types), state, vision
+    """A copy of ``_tokenize``'s result that its caller may change: ``(prompt,
+    segments, types, state)``, and the vision inputs from mlx-lm 0.32.2 on."""
+    prompt, segments, types, *rest = out
+    return (list(prompt), [list(s) for s in segments], list(types), *rest)
+
+
+def _vision(out) -> Any:
+    """The vision inputs of ``_tokenize``'s result (None: none, or an mlx-lm before
+    0.32.2, whose result has no such field)."""
+    return out[4] if len(out) > 4 else None
 
 
 def _kept_tokens(request, tokenizer, args):
@@ -504,13 +511,14 @@ def prefetch_response_generator_class(
             if provider.model is None or tokenizer is None:
                 return None  # this request will load the model: nothing to read yet
             try:
-                prompt, _, _, _, vision = PrefetchingResponseGenerator._tokenize(
+                out = PrefetchingResponseGenerator._tokenize(
                     self, tokenizer, request, args
                 )
             except Exception as e:  # the generation thread answers it with the error
                 log.debug("kvstore: no prefetch: %s", e)
                 return None
-            if vision is not None or not prompt:
+            prompt = out[0]
+            if _vision(out) is not None or not prompt:
                 return None  # images are keyed otherwise
             return key, prompt, getattr(request, "kvstore_salt", None)
 
