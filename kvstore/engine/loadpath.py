@@ -42,9 +42,9 @@ from .assemble import VirtualFile
 # device (at memory speed there).
 SEGMENT_NODES = 64
 # And at most this many bytes per tensor (or tensors loaded as one) and segment:
-# MLX's host buffer for a tensor comes from malloc, which maps anything over 32 MiB afresh (page faults on
-# every byte) but recycles smaller blocks. Measured on an H100 host, 32K tokens of
-# an 8B model's KV: 67 MB tensors restored at 2.4 GB/s.
+# MLX's host buffer for a tensor comes from malloc, which maps anything over 32 MiB
+# afresh (page faults on every byte) but recycles smaller blocks. Measured on an
+# H100 host, 32K tokens of an 8B model's KV: 67 MB tensors restored at 2.4 GB/s.
 SEGMENT_TENSOR_BYTES = 16 << 20
 # Seconds spent in RestoreFile reads, summed (what tools/bench_gpu.py reports).
 READ_SECONDS = [0.0]
