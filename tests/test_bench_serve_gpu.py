@@ -8,6 +8,7 @@ checked."""
 import json
 import os
 import subprocess
+import time
 import sys
 
 import pytest
@@ -210,6 +211,39 @@ def test_verdicts_are_ratios_of_medians():
     assert "| kvstore-fresh | 4.10 (1.02x) | 2.20 (1.10x) |" in text
     assert "0 / 3 / 2.00 |" in text  # restores / saves lost / GB written
     assert "page cache dropped" not in text  # no such phase ran
+
+
+def test_prefetch_lines_of_the_log_are_read(tmp_path):
+    """The DEBUG line kvstore serve logs for each prefetch (its format, as the
+    prompt cache writes it) read back; other lines skipped."""
+    import logging
+
+    from kvstore.serve import prompt_cache
+
+    log_path = tmp_path / "kvstore.log"
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
+    logger = prompt_cache.log
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.DEBUG
+    try:
+        fmt = prompt_cache.PREFETCH_LOG
+        logger.debug(fmt, 2514, 3, 0.1, "for joins", "0-2513", 228.6)
+        logger.info("kvstore: prompt 2514 tokens: reused 2513 (disk), computing 1")
+        logger.debug(fmt, 2789, 2578, 0.5, "for a shared prefix", "nothing", 5.6)
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+        handler.close()
+    got = tool.kvstore_prefetches(str(log_path))
+    assert [
+        (p["tokens"], p["held"], p["joined"], p["restored"], p["ms"]) for p in got
+    ] == [
+        (2514, 3, False, [0, 2513], 228.6),
+        (2789, 2578, True, None, 5.6),
+    ]
+    assert abs(got[0]["t"] - time.time()) < 60 and got[1]["waited_ms"] == 0.5
+    assert tool.kvstore_prefetches(str(tmp_path / "missing.log")) == []
 
 
 def test_bench_gpu_order_is_a_latin_square():

@@ -73,6 +73,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -438,6 +439,7 @@ class Phase:
             out.update(memory.stop())
             out["phase_s"] = time.perf_counter() - tic
         out["log_lines"] = kvstore_log(os.path.join(log_dir, f"{name}.log"))
+        out["prefetches"] = kvstore_prefetches(os.path.join(log_dir, f"{name}.log"))
         if self.args.sample_stacks:
             round_steps(out, os.environ["BENCH_STACKS"])
         return out
@@ -566,6 +568,50 @@ def kvstore_log(path: str) -> Dict[str, int]:
     except (OSError, IndexError):
         pass
     return counts
+
+
+# kvstore serve's DEBUG line for each prefetch (kvstore/serve/prompt_cache.py).
+_PREFETCH = re.compile(
+    r"^(\S+ \S+) - DEBUG - kvstore: prefetch of (\d+) tokens \((\d+) in RAM\): "
+    r"waited ([\d.]+) ms \(for (joins|a shared prefix)\), "
+    r"restored (nothing|\d+-\d+) in ([\d.]+) ms"
+)
+
+
+def kvstore_prefetches(path: str) -> List[dict]:
+    """Each prefetch the server logged at DEBUG (``--kvstore-args
+    "--kvstore-log-level DEBUG"``): when it ended (the log's local time, as Unix
+    seconds), its prompt, what RAM held, how long it waited and for what, what it
+    restored (``[start, end]`` tokens, None: nothing) and in how long."""
+    out = []
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = _PREFETCH.match(line)
+                if m is None:
+                    continue
+                stamp, tokens, held, waited, why, restored, ms = m.groups()
+                day, clock = stamp.split(" ")
+                whole, frac = clock.split(",")
+                t = time.mktime(time.strptime(f"{day} {whole}", "%Y-%m-%d %H:%M:%S"))
+                out.append(
+                    {
+                        "t": t + int(frac) / 1000,
+                        "tokens": int(tokens),
+                        "held": int(held),
+                        "waited_ms": float(waited),
+                        "joined": why == "a shared prefix",
+                        "restored": (
+                            None
+                            if restored == "nothing"
+                            else [int(x) for x in restored.split("-")]
+                        ),
+                        "ms": float(ms),
+                    }
+                )
+    except OSError:
+        pass
+    return out
 
 
 # -- the run ---------------------------------------------------------------------------

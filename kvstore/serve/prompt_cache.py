@@ -33,6 +33,11 @@ from .tails import extended, joined_tail, prefetched_tail, stored_tail
 from .timing import REST_S, Activity, PrefillClock
 
 log = logging.getLogger("kvstore.server")
+# Each prefetch at DEBUG (tools/bench_serve_gpu.py reads it back).
+PREFETCH_LOG = (
+    "kvstore: prefetch of %d tokens (%d in RAM): waited %.1f ms (%s), "
+    "restored %s in %.1f ms"
+)
 
 _COUNTER_NAMES = (
     "requests",
@@ -427,8 +432,7 @@ class PersistentPromptCache:
                     waited = time.perf_counter()
                     tail = stored_tail(store, tokens, held, salt, weigh)
                 log.debug(
-                    "kvstore: prefetch of %d tokens (%d in RAM): waited %.1f ms "
-                    "(%s), restored %s in %.1f ms",
+                    PREFETCH_LOG,
                     len(tokens),
                     held,
                     1e3 * (waited - tic),
