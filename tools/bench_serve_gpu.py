@@ -50,7 +50,8 @@ after the first over the time between the first and the last), and the round's
 aggregate output tokens/s. Each ``--users`` value gets a fresh store per repeat; the
 phases' order alternates between repeats (a store's fresh phase always comes first).
 Every sample goes into ``--json``, rewritten after each phase, so a run stopped
-early keeps what it measured; ``--budget`` stops starting phases that would not end
+early keeps what it measured (with ``--kvstore-args "--kvstore-log-level DEBUG"``, a
+kvstore phase's sample also lists each prefetch its server logged: ``prefetches``); ``--budget`` stops starting phases that would not end
 in time. ``--report JSON`` prints the tables of a (partial) run.
 
 On the GPU machine (see docs/gpu.md)::
