@@ -55,13 +55,15 @@ def make_store(args) -> dict:
     prompts = _prompts(
         args.shape, prompts=args.prompts, length=args.length, system=args.system
     )
+    heads = model.args.num_key_value_heads
+    width = getattr(model.args, "head_dim", None) or (
+        model.args.hidden_size // model.args.num_attention_heads
+    )
     with kvstore.KVStore(args.dir + "/store", model, ram_bytes=0) as store:
         for tokens in prompts:
             cache = make_prompt_cache(model)
+            shape = (1, heads, len(tokens), width)
             for layer in cache:
-                heads = model.args.num_key_value_heads
-                width = model.args.hidden_size // model.args.num_attention_heads
-                shape = (1, heads, len(tokens), width)
                 k = mx.random.normal(shape).astype(mx.bfloat16)
                 v = mx.random.normal(shape).astype(mx.bfloat16)
                 layer.update_and_fetch(k, v)
