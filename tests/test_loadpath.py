@@ -76,6 +76,15 @@ def _node_sources(store, tokens):
     return path, [store.parts.reads._node_source(step) for step in path]
 
 
+def _flip_a_byte(path):
+    """Invert a byte near the end of a node file (in its KV)."""
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def _restore_file(store, path, sources, failures, *, threads=2):
     offsets = np.cumsum([0] + [s.take for s in path])[:-1].tolist()
     name = next(iter(store.layout.rows))
@@ -119,12 +128,7 @@ def test_reads_out_of_order_are_placed_right_and_verified_again(tmp_path, model)
         for src in sources:
             src.verify()  # hashed again from disk: passes
 
-        victim = s.blobs.path(s.namespace, path[2].h)
-        with open(victim, "r+b") as f:
-            f.seek(-3, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-3, os.SEEK_END)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        _flip_a_byte(s.blobs.path(s.namespace, path[2].h))
         with pytest.raises(kvstore.disk.blobs.CorruptBlob, match="checksum"):
             sources[2].verify()
         for src in sources:
@@ -289,3 +293,26 @@ def test_segments_bound_nodes_and_bytes(monkeypatch):
     monkeypatch.setattr(loadpath, "SEGMENT_TENSOR_BYTES", 1)  # one node at least
     assert loadpath._segments(rows, [5, 5]) == [(0, 1), (1, 2)]
     assert loadpath._segments(rows, []) == []
+
+
+@pytest.mark.parametrize("victim", [1, 2, 5])
+def test_a_broken_node_ends_the_restore_at_it_whichever_segment_holds_it(
+    tmp_path, model, monkeypatch, victim
+):
+    """A flipped byte in node ``victim`` (segments of two nodes): the restore returns
+    exactly the nodes before it, with their right KV, counts one corrupt node, and
+    the next fetch restores as far again."""
+    tokens = random_tokens(7 * C, 12)
+    _stored(tmp_path, model, tokens)
+    monkeypatch.setattr(loadpath, "SEGMENT_NODES", 2)
+    monkeypatch.setenv("KVSTORE_RESTORE_IO", "load")
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        path, sources = _node_sources(s, tokens)
+        for src in sources:
+            src.close()
+        _flip_a_byte(s.blobs.path(s.namespace, path[victim].h))
+        cache, n = s.fetch(tokens + [1])
+        assert n == victim * C and s.stats()["corrupt"] == 1
+        for got, want in zip(_kv(cache, n), _kv(compute_cache(model, tokens), n)):
+            assert np.array_equal(got, want)
+        assert s.fetch(tokens + [1])[1] == victim * C
