@@ -70,10 +70,20 @@ def test_chat_load_end_to_end(tmp_path):
         "--json",
         str(out),
     ]
+    # An earlier run's log in a phase's folder (the same --dir on the same machine)
+    # is not read into this run's sample.
+    stale = tmp_path / "work" / "logs" / "r0-u3-kvstore-dropped" / "kvstore.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(
+        "2026-01-01 00:00:00,000 - DEBUG - kvstore: prefetch of 99999 tokens (0 in "
+        "RAM): waited 0.1 ms (for joins), restored 0-99998 in 1.0 ms\n"
+    )
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(out.read_text())
     phases = {s["phase"]: s for s in data["samples"]}
+    prefetched = [p["tokens"] for p in phases["kvstore-dropped"]["prefetches"]]
+    assert 99999 not in prefetched
     assert list(phases) == ["kvstore-fresh", "kvstore-dropped"]
     assert len(data["priming"]["rounds"]) == 2  # two discarded rounds
     wave = data["priming"]["wave_round"]  # and other users arriving in two waves

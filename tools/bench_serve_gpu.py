@@ -420,9 +420,12 @@ class Phase:
         if phase == "kvstore-dropped":
             out.update(drop_page_cache(self.args.drop_caches))
         os.makedirs(log_dir, exist_ok=True)
+        name = "kvstore" if phase.startswith("kvstore") else "plain"
+        for old in (f"{name}.log", f"{name}-stacks.jsonl"):  # an earlier run's
+            if os.path.exists(os.path.join(log_dir, old)):
+                os.remove(os.path.join(log_dir, old))
         memory = GpuMemory()
         tic = time.perf_counter()
-        name = "kvstore" if phase.startswith("kvstore") else "plain"
         server = None
         if self.args.sample_stacks:
             os.environ["BENCH_STACKS"] = os.path.join(log_dir, f"{name}-stacks.jsonl")
