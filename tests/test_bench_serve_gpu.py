@@ -414,3 +414,23 @@ def test_probe_concurrent_restores_runs_every_case_on_the_cpu(tmp_path):
         assert s["bytes"] > 0 and s["wall_s"] > 0
         if s["case"] != "floor":
             assert s["tokens"] == 4 * 300 and len(s["each_s"]) == 4
+
+
+@pytest.mark.stress
+def test_bench_gpu_runs_its_restore_cases_on_the_cpu(tmp_path):
+    """``tools/bench_gpu.py`` at the tiny shape: every case restores the stored prompt
+    and agrees on the first token; a case's ``open_s`` times the open, not the first
+    import of kvstore's modules (imported lazily, compiled from source where no
+    bytecode is written)."""
+    data = run_tool(
+        "bench_gpu",
+        *("--shape", "tiny", "--lengths", "300", "--repeats", "1"),
+        *("--cases", "cold", "kvstore", "kvstore-room0", "load_prompt_cache"),
+        *("--dir", str(tmp_path / "work"), "--json", str(tmp_path / "gpu.json")),
+    )
+    cases = {s["case"]: s for s in data["samples"]}
+    assert set(cases) == {"cold", "kvstore", "kvstore-room0", "load_prompt_cache"}
+    assert len({s["first_token"] for s in cases.values()}) == 1
+    for name in ("kvstore", "kvstore-room0"):
+        assert cases[name]["restored"] == 299 and cases[name]["corrupt"] == 0
+        assert cases[name]["store_module_imported"] is True
