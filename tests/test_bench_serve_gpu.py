@@ -16,6 +16,7 @@ from conftest import _load_tool
 
 tool = _load_tool("bench_serve_gpu")
 bench_gpu = _load_tool("bench_gpu")
+probe_restore_decode = _load_tool("probe_restore_decode")
 
 ROUNDS, MAX_TOKENS, SYSTEM = 2, 3, 48
 
@@ -320,19 +321,23 @@ def test_bench_tail_runs_every_case_on_the_cpu(tmp_path):
 @pytest.mark.stress
 def test_probe_restore_decode_runs_every_case_on_the_cpu(tmp_path):
     """``tools/probe_restore_decode.py`` at the tiny shape: every case in its own
-    process every repeat, the restores taking the whole stored prompt."""
+    process every repeat, the restores taking the whole stored prompt, and the
+    cache's rows recorded after each part (``--more`` decodes past the room)."""
     samples = run_tool(
         "probe_restore_decode",
-        *("--shape", "tiny", "--lengths", "300", "--repeats", "2"),
+        *("--shape", "tiny", "--lengths", "300", "--repeats", "2", "--more", "40"),
         *("--dir", str(tmp_path / "work"), "--json", str(tmp_path / "decode.json")),
     )["samples"]["300"]
     assert {c: len(rows) for c, rows in samples.items()} == {
-        "cold": 2,
-        "restore": 2,
-        "restore-copy": 2,
+        c: 2 for c in probe_restore_decode.CASES
     }
     assert [s["restored"] for s in samples["restore"]] == [299, 299]
-    assert all(s["a"]["tok_s"] > 0 and s["b"]["tok_s"] > 0 for s in samples["cold"])
+    assert [s["rows_before"] for s in samples["restore-room0"]] == [299, 299]
+    assert all(
+        s[part]["tok_s"] > 0 for s in samples["cold"] for part in ("a", "b", "c")
+    )
+    # 299 + 1 + 64 + 32 + 40 tokens: past the first cache step, whatever the start.
+    assert all(s["rows_c"] >= 436 for rows in samples.values() for s in rows)
 
 
 def test_sample_stacks_records_a_launched_server_and_lets_sigterm_end_it(tmp_path):

@@ -4,19 +4,27 @@
 Usage::
 
     python tools/probe_restore_decode.py [--shape llama-8b] [--lengths 8192 32768]
-                                         [--repeats 3] [--json OUT]
+                                         [--repeats 3] [--cases ...] [--more 512]
+                                         [--json OUT]
 
-One store holds each prompt (saved once, from a cold prefill). Then each case runs in
-a fresh process, the cases rotated over the repeats so none always goes first:
+One store holds each prompt (saved once, from a cold prefill), and one
+``save_prompt_cache`` file too. Then each case runs in a fresh process, the cases
+rotated over the repeats so none always goes first:
 
 - ``cold``: prefill the prompt, then decode;
 - ``restore``: ``KVStore.fetch`` the prompt, prefill the one token past it, decode;
 - ``restore-copy``: the same, with every restored array copied into a fresh device
-  array before decoding (tells apart the restored arrays' own layout from the rest).
+  array before decoding (tells apart the restored arrays' own layout from the rest);
+- ``restore-room0`` / ``restore-room0-copy``: both with ``restore_room=0`` (arrays
+  exactly as long as the prompt, which mlx-lm's cache grows at the first new token);
+- ``load_prompt_cache``: mlx-lm's file of the same prompt (as full as room0's).
 
 Each decodes 64 tokens (``a``), then 32 more through a second ``generate_step``
-(``b``). The model has random weights of a real model's shape (``tools/bench_gpu.py``'s
-shapes); run it on the GPU, or at ``--shape tiny`` on any machine.
+(``b``), then ``--more`` tokens (``c``, 0 by default): past the room a restore leaves
+(at most a cache step here), so that mlx-lm's cache grows its arrays as it does in a
+long answer. Each part records the cache's rows after it. The model has random
+weights of a real model's shape (``tools/bench_gpu.py``'s shapes); run it on the GPU,
+or at ``--shape tiny`` on any machine.
 
 A tool, not a test: pytest never collects tools/. Nothing here asserts a time.
 """
@@ -30,7 +38,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu  # noqa: E402  (the shapes, model builder and generate loop)
 
-CASES = ("cold", "restore", "restore-copy")
+CASES = (
+    "cold",
+    "restore",
+    "restore-copy",
+    "restore-room0",
+    "restore-room0-copy",
+    "load_prompt_cache",
+)
 DECODE_A, DECODE_B = 64, 32
 
 
@@ -42,34 +57,49 @@ def _rates(times):
 def child(spec: dict) -> dict:
     """One case in this (fresh) process."""
     mx = bench_gpu._imports()
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
     import kvstore
 
     model = bench_gpu.build(spec["shape"])
     bench_gpu.warm_up(model)
     tokens = bench_gpu.prompt(spec["shape"], spec["length"])
-    store, n = None, 0
-    if spec["case"] == "cold":
+    case, store, n = spec["case"], None, 0
+    if case == "cold":
         cache = make_prompt_cache(model)
+    elif case == "load_prompt_cache":
+        cache, n = load_prompt_cache(spec["lpc"]), len(tokens) - 1
     else:
-        store = kvstore.KVStore(spec["store"], model, ram_bytes=0)
+        room = {"restore_room": 0} if "room0" in case else {}
+        store = kvstore.KVStore(spec["store"], model, ram_bytes=0, **room)
         cache, n = store.fetch(tokens)
-        if spec["case"] == "restore-copy":
+        if case.endswith("-copy"):
             for c in cache:
                 c.keys, c.values = c.keys * 1, c.values * 1
             mx.eval([c.state for c in cache])
+    out = {"restored": n, "rows_before": _rows(cache)}
     times, first = bench_gpu.generate(model, tokens[n:], cache, decode=DECODE_A)
-    later, _ = bench_gpu.generate(model, [first], cache, decode=DECODE_B)
+    out.update(a=_rates(times), rows_a=_rows(cache))
+    later, last = bench_gpu.generate(model, [first], cache, decode=DECODE_B)
+    out.update(b=_rates(later), rows_b=_rows(cache))
+    if spec.get("more"):
+        more, _ = bench_gpu.generate(model, [last], cache, decode=spec["more"])
+        out.update(c=_rates(more), rows_c=_rows(cache))
     if store is not None:
         store.close()
-    return {"restored": n, "a": _rates(times), "b": _rates(later)}
+    return out
 
 
-def setup(shape: str, lengths, store: str) -> None:
-    """Store each prompt's KV from a cold prefill."""
+def _rows(cache) -> int:
+    """The rows the first layer's arrays hold (room included)."""
+    keys = getattr(cache[0], "keys", None)
+    return int(keys.shape[2]) if keys is not None else 0
+
+
+def setup(shape: str, lengths, store: str, lpc: str) -> None:
+    """Store each prompt's KV from a cold prefill, and write it as mlx-lm's file."""
     bench_gpu._imports()
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
     import kvstore
 
@@ -81,30 +111,43 @@ def setup(shape: str, lengths, store: str) -> None:
             bench_gpu.prefill(model, tokens[:-1], cache)
             s.save(tokens[:-1], cache)
             s.flush()
+            save_prompt_cache(lpc.format(length), cache)
 
 
 def run(args) -> dict:
     os.makedirs(args.dir, exist_ok=True)
     store = os.path.join(args.dir, "store")
-    setup(args.shape, args.lengths, store)
-    samples = {str(n): {c: [] for c in CASES} for n in args.lengths}
+    lpc = os.path.join(args.dir, "lpc-{}.safetensors")
+    setup(args.shape, args.lengths, store, lpc)
+    cases = args.cases
+    samples = {str(n): {c: [] for c in cases} for n in args.lengths}
     for r in range(args.repeats):
         for length in args.lengths:
-            for i in range(len(CASES)):
-                case = CASES[(i + r) % len(CASES)]
-                spec = dict(shape=args.shape, length=length, case=case, store=store)
+            for i in range(len(cases)):
+                case = cases[(i + r) % len(cases)]
+                spec = dict(
+                    shape=args.shape,
+                    length=length,
+                    case=case,
+                    store=store,
+                    lpc=lpc.format(length),
+                    more=args.more,
+                )
                 out = bench_gpu.spawn(spec, script=os.path.abspath(__file__))
                 samples[str(length)][case].append(out)
+                parts = [out[p]["tok_s"] for p in ("a", "b", "c") if p in out]
                 print(
-                    f"r{r} {length:>6} {case:13s} decode "
-                    f"{out['a']['tok_s']:6.1f} / {out['b']['tok_s']:6.1f} tok/s",
+                    f"r{r} {length:>6} {case:18s} decode "
+                    + " / ".join(f"{x:6.1f}" for x in parts)
+                    + " tok/s",
                     flush=True,
                 )
     medians = {
         n: {
             c: {
                 part: statistics.median(s[part]["tok_s"] for s in rows)
-                for part in ("a", "b")
+                for part in ("a", "b", "c")
+                if part in rows[0]
             }
             for c, rows in cases.items()
         }
@@ -126,16 +169,22 @@ def main(argv=None):
     p.add_argument("--shape", choices=sorted(bench_gpu.SHAPES), default="llama-8b")
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    p.add_argument(
+        "--more", type=int, default=0, help="tokens decoded past the first 96 (c)"
+    )
     p.add_argument("--dir", default="bench-out/restore-decode")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
     data = run(args)
-    print("\ndecode tok/s, medians (first 64 tokens / 32 more); (x) = of cold")
+    print(
+        "\ndecode tok/s, medians (first 64 tokens / 32 more / --more past them);"
+        " (x) = of the first case"
+    )
     for n, cases in data["medians"].items():
-        cold = cases["cold"]
+        base = next(iter(cases.values()))
         row = [
-            f"{c} {m['a']:.1f} ({m['a'] / cold['a']:.2f}x) / "
-            f"{m['b']:.1f} ({m['b'] / cold['b']:.2f}x)"
+            f"{c} " + " / ".join(f"{m[p]:.1f} ({m[p] / base[p]:.2f}x)" for p in m)
             for c, m in cases.items()
         ]
         print(f"{n:>6} tokens: " + "; ".join(row))
