@@ -125,6 +125,39 @@ def test_room_after_a_restore_is_bounded(tmp_path, model, room, monkeypatch):
         assert_same_as_cold(model, store, STORED[:100] + FRESH[:30], 100, steps=5)
 
 
+@pytest.mark.parametrize("io_path", ["assemble", "load"])
+@pytest.mark.parametrize("room", [0, 2048])
+def test_whole_cache_steps_where_the_backend_decodes_faster_over_them(
+    tmp_path, model, monkeypatch, io_path, room
+):
+    """Where restores hold whole cache steps (MLX's CUDA backend: its fast decode
+    needs a KV buffer of whole 256-row steps), every restore and join does, with no
+    room or too little KV for room; mlx-lm's cache then grows in whole steps, and
+    the results stay exact. Elsewhere a restore without room is exactly full."""
+    monkeypatch.setenv("KVSTORE_RESTORE_IO", io_path)
+    monkeypatch.setattr(kvstore.engine.restore, "whole_steps", lambda: True)
+    step = KVCache.step
+    prompt = STORED + FRESH[:30]
+    with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
+        assert store.parts.reads.whole_steps
+        store.save(STORED, compute_cache(model, STORED))
+        store.flush()
+        cache, n = store.fetch(prompt)
+        assert n == len(STORED)  # less KV than ROOM_MIN_BYTES: no room, whole steps
+        assert {c.keys.shape[2] for c in cache} == {-(-n // step) * step}
+        next_logits(model, cache, prompt[n:] + FRESH[30 : 30 + step])  # grows
+        assert all(c.keys.shape[2] % step == 0 for c in cache)
+        head, _ = store.fetch(STORED[:100] + [1])
+        tail = store.fetch_beyond(prompt, 100)
+        joined = store.join_tail(head, tail, query=len(prompt))
+        assert {c.keys.shape[2] for c in joined} == {-(-tail.end // step) * step}
+        assert_same_as_cold(model, store, prompt, n, steps=5)
+    monkeypatch.setattr(kvstore.engine.restore, "whole_steps", lambda: False)
+    with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
+        cache, n = store.fetch(prompt)
+        assert {c.keys.shape[2] for c in cache} == {n}
+
+
 def test_prompt_shorter_than_one_chunk(tmp_path, model):
     short = STORED[:40]
     with KVStore(tmp_path / "s", model, chunk_tokens=C) as store:

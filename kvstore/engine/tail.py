@@ -19,13 +19,12 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
 from ..disk.adapters import CODECS, Layout, cache_leaves
 from .accesses import Accesses
 from .counters import Counters
 from .payoff import READS, Decision, RestorePolicy
-from .restore import MLX_LOCK, ROOM_MIN_BYTES, ReadPath
+from .restore import MLX_LOCK, ReadPath
 from .shapes import NodeShapes
 from .walk import Step
 
@@ -209,7 +208,7 @@ class TailRead:
             raise ValueError("a layout with state layers cannot be joined")
         self.layout.check_cache(list(head), tail.start, exact=False)
         n = tail.end - tail.start
-        total = _rows(tail.end, query, self.reads.restore_room, self.shapes.token_bytes)
+        total = self.reads.capacity(tail.end, query)
         joined = {}
         for (name, a), (_, b) in zip(
             self._named_arrays(head), self._named_arrays(tail.cache)
@@ -241,16 +240,6 @@ class TailRead:
         for leaf, (_, layer) in zip(self.layout.leaves, cache_leaves(cache)):
             names = [f"{leaf.name}.{suffix}" for suffix, _, _ in leaf.tensors]
             yield from zip(names, CODECS[leaf.cls].arrays(layer))
-
-
-def _rows(n: int, query: int, room: int, token_bytes: int) -> int:
-    """Rows of a joined cache of ``n`` tokens: as a restore's (``restore_room``
-    more of a ``query``-token prompt and the first generated token, in mlx-lm's
-    cache steps), so the next forward pass writes in place."""
-    if room == 0 or n * token_bytes < ROOM_MIN_BYTES:
-        return n
-    want = min(query, n + room) + 1
-    return -(-want // KVCache.step) * KVCache.step
 
 
 def _evaluate(cache: List[Any]) -> None:
