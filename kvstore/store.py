@@ -258,7 +258,8 @@ class KVStore:
             token are then written in place, where an exactly full cache would copy
             every layer to grow on the first forward pass. 0: no room. Restores
             of less than 32 MiB of KV get none: that copy is then about what the
-            room's allocation costs.
+            room's allocation costs. With MLX's CUDA backend the rows are always
+            whole cache steps (its fast decode needs them).
         kv_bits: Store and return ``QuantizedKVCache`` layers of this many bits in
             place of the model's ``KVCache`` layers (as mlx-lm's ``--kv-bits``).
         kv_group_size: Quantization group size with ``kv_bits``.
