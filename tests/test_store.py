@@ -135,7 +135,7 @@ def test_whole_cache_steps_where_the_backend_decodes_faster_over_them(
     room or too little KV for room; mlx-lm's cache then grows in whole steps, and
     the results stay exact. Elsewhere a restore without room is exactly full."""
     monkeypatch.setenv("KVSTORE_RESTORE_IO", io_path)
-    monkeypatch.setattr(kvstore.engine.restore, "whole_steps", lambda: True)
+    monkeypatch.setenv("KVSTORE_WHOLE_STEPS", "1")
     step = KVCache.step
     prompt = STORED + FRESH[:30]
     with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
@@ -152,7 +152,7 @@ def test_whole_cache_steps_where_the_backend_decodes_faster_over_them(
         joined = store.join_tail(head, tail, query=len(prompt))
         assert {c.keys.shape[2] for c in joined} == {-(-tail.end // step) * step}
         assert_same_as_cold(model, store, prompt, n, steps=5)
-    monkeypatch.setattr(kvstore.engine.restore, "whole_steps", lambda: False)
+    monkeypatch.setenv("KVSTORE_WHOLE_STEPS", "0")
     with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
         cache, n = store.fetch(prompt)
         assert {c.keys.shape[2] for c in cache} == {n}

@@ -15,9 +15,13 @@ rotated over the repeats so none always goes first:
 - ``restore``: ``KVStore.fetch`` the prompt, prefill the one token past it, decode;
 - ``restore-copy``: the same, with every restored array copied into a fresh device
   array before decoding (tells apart the restored arrays' own layout from the rest);
-- ``restore-room0`` / ``restore-room0-copy``: both with ``restore_room=0`` (arrays
-  exactly as long as the prompt, which mlx-lm's cache grows at the first new token);
-- ``load_prompt_cache``: mlx-lm's file of the same prompt (as full as room0's).
+- ``restore-room0`` / ``restore-room0-copy``: both with ``restore_room=0`` (no room:
+  whole cache steps of rows on CUDA, exactly the prompt's elsewhere);
+- ``restore-room0-exact``: ``restore_room=0`` with ``KVSTORE_WHOLE_STEPS=0``: arrays
+  exactly as long as the prompt on any backend, which mlx-lm's cache grows at the
+  first new token to an odd row count;
+- ``load_prompt_cache``: mlx-lm's file of the same prompt (its arrays keep the room
+  the prefill left them, whole cache steps).
 
 Each decodes 64 tokens (``a``), then 32 more through a second ``generate_step``
 (``b``), then ``--more`` tokens (``c``, 0 by default): past the room a restore leaves
@@ -44,6 +48,7 @@ CASES = (
     "restore-copy",
     "restore-room0",
     "restore-room0-copy",
+    "restore-room0-exact",
     "load_prompt_cache",
 )
 DECODE_A, DECODE_B = 64, 32
@@ -70,6 +75,8 @@ def child(spec: dict) -> dict:
     elif case == "load_prompt_cache":
         cache, n = load_prompt_cache(spec["lpc"]), len(tokens) - 1
     else:
+        if case == "restore-room0-exact":
+            os.environ["KVSTORE_WHOLE_STEPS"] = "0"
         room = {"restore_room": 0} if "room0" in case else {}
         store = kvstore.KVStore(spec["store"], model, ram_bytes=0, **room)
         cache, n = store.fetch(tokens)
@@ -80,10 +87,10 @@ def child(spec: dict) -> dict:
     out = {"restored": n, "rows_before": _rows(cache)}
     times, first = bench_gpu.generate(model, tokens[n:], cache, decode=DECODE_A)
     out.update(a=_rates(times), rows_a=_rows(cache))
-    later, last = bench_gpu.generate(model, [first], cache, decode=DECODE_B)
+    later, _ = bench_gpu.generate(model, [first], cache, decode=DECODE_B)
     out.update(b=_rates(later), rows_b=_rows(cache))
     if spec.get("more"):
-        more, _ = bench_gpu.generate(model, [last], cache, decode=spec["more"])
+        more, _ = bench_gpu.generate(model, [first], cache, decode=spec["more"])
         out.update(c=_rates(more), rows_c=_rows(cache))
     if store is not None:
         store.close()

@@ -9,6 +9,7 @@ shares with the write path and removal.
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -103,7 +104,11 @@ def whole_steps() -> bool:
     CUDA backend, which decodes with cuDNN only over a KV buffer of whole 256-row
     steps (mlx-lm's), else with a slower kernel. mlx-lm's cache keeps an odd row
     count as it grows, so an exactly full restore decoded at 0.54x for good (32,768
-    tokens of an 8B model on an H200). The CPU and Metal take any rows."""
+    tokens of an 8B model on an H200). The CPU and Metal take any rows.
+    ``KVSTORE_WHOLE_STEPS=1|0`` forces either (to measure both on one machine)."""
+    forced = os.environ.get("KVSTORE_WHOLE_STEPS", "")
+    if forced in ("0", "1"):
+        return forced == "1"
     return devices.cuda_backend()
 
 
