@@ -79,6 +79,11 @@ def test_restored_cache_has_room_for_the_rest_of_the_prompt(
         assert (data_address(c.keys), data_address(c.values)) == (keys, values)
 
 
+def _whole_steps(n: int) -> int:
+    """``n`` rows rounded up to whole cache steps (restores on CUDA)."""
+    return -(-n // KVCache.step) * KVCache.step
+
+
 def data_address(a: mx.array) -> int:
     """Where an evaluated array's data is (a copy moves it)."""
     return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
@@ -102,7 +107,8 @@ def test_small_restores_are_exactly_full(model, store):
     n_bytes = len(STORED) * store.parts.shapes.token_bytes
     assert n_bytes < kvstore.engine.restore.ROOM_MIN_BYTES
     cache, n = store.fetch(STORED + FRESH[:50])
-    assert [c.keys.shape[2] for c in cache] == [n] * len(cache)
+    rows = _whole_steps(n) if store.parts.reads.whole_steps else n  # CUDA: steps
+    assert [c.keys.shape[2] for c in cache] == [rows] * len(cache)
     assert_same_as_cold(model, store, STORED + FRESH[:30], len(STORED), steps=5)
 
 
@@ -121,7 +127,7 @@ def test_room_after_a_restore_is_bounded(tmp_path, model, room, monkeypatch):
         if room:
             assert n + room < rows <= n + room + KVCache.step
         else:
-            assert rows == n
+            assert rows == (_whole_steps(n) if store.parts.reads.whole_steps else n)
         assert_same_as_cold(model, store, STORED[:100] + FRESH[:30], 100, steps=5)
 
 
@@ -144,13 +150,13 @@ def test_whole_cache_steps_where_the_backend_decodes_faster_over_them(
         store.flush()
         cache, n = store.fetch(prompt)
         assert n == len(STORED)  # less KV than ROOM_MIN_BYTES: no room, whole steps
-        assert {c.keys.shape[2] for c in cache} == {-(-n // step) * step}
+        assert {c.keys.shape[2] for c in cache} == {_whole_steps(n)}
         next_logits(model, cache, prompt[n:] + FRESH[30 : 30 + step])  # grows
         assert all(c.keys.shape[2] % step == 0 for c in cache)
         head, _ = store.fetch(STORED[:100] + [1])
         tail = store.fetch_beyond(prompt, 100)
         joined = store.join_tail(head, tail, query=len(prompt))
-        assert {c.keys.shape[2] for c in joined} == {-(-tail.end // step) * step}
+        assert {c.keys.shape[2] for c in joined} == {_whole_steps(tail.end)}
         assert_same_as_cold(model, store, prompt, n, steps=5)
     monkeypatch.setenv("KVSTORE_WHOLE_STEPS", "0")
     with KVStore(tmp_path / "s", model, chunk_tokens=C, restore_room=room) as store:
