@@ -51,8 +51,9 @@ aggregate output tokens/s. Each ``--users`` value gets a fresh store per repeat;
 phases' order alternates between repeats (a store's fresh phase always comes first).
 Every sample goes into ``--json``, rewritten after each phase, so a run stopped
 early keeps what it measured (with ``--kvstore-args "--kvstore-log-level DEBUG"``, a
-kvstore phase's sample also lists each prefetch its server logged: ``prefetches``); ``--budget`` stops starting phases that would not end
-in time. ``--report JSON`` prints the tables of a (partial) run.
+kvstore phase's sample also lists each prefetch its server logged: ``prefetches``);
+``--budget`` stops starting phases that would not end in time. ``--report JSON``
+prints the tables of a (partial) run.
 
 On the GPU machine (see docs/gpu.md)::
 
@@ -421,14 +422,16 @@ class Phase:
             out.update(drop_page_cache(self.args.drop_caches))
         os.makedirs(log_dir, exist_ok=True)
         name = "kvstore" if phase.startswith("kvstore") else "plain"
-        for old in (f"{name}.log", f"{name}-stacks.jsonl"):  # an earlier run's
-            if os.path.exists(os.path.join(log_dir, old)):
-                os.remove(os.path.join(log_dir, old))
+        log = os.path.join(log_dir, f"{name}.log")
+        stacks = os.path.join(log_dir, f"{name}-stacks.jsonl")
+        for old in (log, stacks):  # an earlier run's: the server appends
+            if os.path.exists(old):
+                os.remove(old)
         memory = GpuMemory()
         tic = time.perf_counter()
         server = None
         if self.args.sample_stacks:
-            os.environ["BENCH_STACKS"] = os.path.join(log_dir, f"{name}-stacks.jsonl")
+            os.environ["BENCH_STACKS"] = stacks
         try:
             server = Server(
                 name, self.command(phase, store), log_dir, launcher=self.launcher
@@ -442,8 +445,8 @@ class Phase:
                 server.stop()
             out.update(memory.stop())
             out["phase_s"] = time.perf_counter() - tic
-        out["log_lines"] = kvstore_log(os.path.join(log_dir, f"{name}.log"))
-        out["prefetches"] = kvstore_prefetches(os.path.join(log_dir, f"{name}.log"))
+        out["log_lines"] = kvstore_log(log)
+        out["prefetches"] = kvstore_prefetches(log)
         if self.args.sample_stacks:
             round_steps(out, os.environ["BENCH_STACKS"])
         return out
