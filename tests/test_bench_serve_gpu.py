@@ -321,11 +321,13 @@ def test_bench_tail_runs_every_case_on_the_cpu(tmp_path):
 @pytest.mark.stress
 def test_probe_restore_decode_runs_every_case_on_the_cpu(tmp_path):
     """``tools/probe_restore_decode.py`` at the tiny shape: every case in its own
-    process every repeat, the restores taking the whole stored prompt, and the
-    cache's rows recorded after each part (``--more`` decodes past the room)."""
+    process every repeat, the restores taking the whole stored prompt, the cache's
+    rows recorded after each part (``--more`` decodes past the room), the saved
+    cases' saves holding every token, and each user turn timed."""
     samples = run_tool(
         "probe_restore_decode",
         *("--shape", "tiny", "--lengths", "300", "--repeats", "2", "--more", "40"),
+        *("--turns", "2", "--turn-tokens", "20"),
         *("--dir", str(tmp_path / "work"), "--json", str(tmp_path / "decode.json")),
     )["samples"]["300"]
     assert {c: len(rows) for c, rows in samples.items()} == {
@@ -338,6 +340,12 @@ def test_probe_restore_decode_runs_every_case_on_the_cpu(tmp_path):
     )
     # 299 + 1 + 64 + 32 + 40 tokens: past the first cache step, whatever the start.
     assert all(s["rows_c"] >= 436 for rows in samples.values() for s in rows)
+    assert all(s["saved"] >= 436 for s in samples["cold-saved"])
+    assert all(
+        len(s["turns"]) == 2 and min(s["turns"]) > 0
+        for rows in samples.values()
+        for s in rows
+    )
 
 
 def test_sample_stacks_records_a_launched_server_and_lets_sigterm_end_it(tmp_path):

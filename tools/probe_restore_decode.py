@@ -21,12 +21,19 @@ rotated over the repeats so none always goes first:
   exactly as long as the prompt on any backend, which mlx-lm's cache grows at the
   first new token to an odd row count;
 - ``load_prompt_cache``: mlx-lm's file of the same prompt (its arrays keep the room
-  the prefill left them, whole cache steps).
+  the prefill left them, whole cache steps);
+- ``cold-saved``: ``cold``, then the prompt and its answer saved into a scratch
+  store before the later parts (as a server with an empty store saves a first turn:
+  its device-to-host copies run in this process);
+- ``cold-saved-clear``: the same, then ``mx.clear_cache()`` (MLX's cached buffers,
+  which the save's host copies leave some of in managed memory, freed).
 
 Each decodes 64 tokens (``a``), then 32 more through a second ``generate_step``
 (``b``), then ``--more`` tokens (``c``, 0 by default): past the room a restore leaves
 (at most a cache step here), so that mlx-lm's cache grows its arrays as it does in a
-long answer. Each part records the cache's rows after it. The model has random
+long answer. Each part records the cache's rows after it. With ``--turns N``, N
+user turns of ``--turn-tokens`` new tokens follow, each timed from its prompt to
+its first token (``turns``: seconds), as a chat's next round is in a server. The model has random
 weights of a real model's shape (``tools/bench_gpu.py``'s shapes); run it on the GPU,
 or at ``--shape tiny`` on any machine.
 
@@ -50,6 +57,8 @@ CASES = (
     "restore-room0-copy",
     "restore-room0-exact",
     "load_prompt_cache",
+    "cold-saved",
+    "cold-saved-clear",
 )
 DECODE_A, DECODE_B = 64, 32
 
@@ -70,7 +79,7 @@ def child(spec: dict) -> dict:
     bench_gpu.warm_up(model)
     tokens = bench_gpu.prompt(spec["shape"], spec["length"])
     case, store, n = spec["case"], None, 0
-    if case == "cold":
+    if case.startswith("cold"):
         cache = make_prompt_cache(model)
     elif case == "load_prompt_cache":
         cache, n = load_prompt_cache(spec["lpc"]), len(tokens) - 1
@@ -92,8 +101,62 @@ def child(spec: dict) -> dict:
     if spec.get("more"):
         more, _ = bench_gpu.generate(model, [first], cache, decode=spec["more"])
         out.update(c=_rates(more), rows_c=_rows(cache))
+    if "-saved" in case:
+        out["saved"] = _save_into_scratch(spec, model, tokens, first, cache)
+        if case.endswith("-clear"):
+            mx.clear_cache()
+    if spec.get("turns"):
+        out["turns"] = _turns(model, cache, spec)
     if store is not None:
         store.close()
+    return out
+
+
+def _save_into_scratch(spec: dict, model, tokens, first: int, cache) -> int:
+    """Save the cache's tokens (the prompt, then what was decoded, stood in for by
+    ``first`` repeated: a save does not read the tokens' values) into a scratch
+    store, wait for it to be written, and return the tokens it holds."""
+    import shutil
+
+    import kvstore
+
+    scratch = f"{spec['store']}-scratch-{os.getpid()}"
+    held = cache[0].offset
+    saved = list(tokens) + [first] * (held - len(tokens))
+    with kvstore.KVStore(scratch, model, ram_bytes=0) as s:
+        s.save(saved, cache)
+        s.flush()
+        stored = s.lookup(saved)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return stored
+
+
+def _turns(model, cache, spec: dict) -> list:
+    """Seconds from each user turn's prompt to its first token."""
+    import time
+
+    vocab = bench_gpu.SHAPES[spec["shape"]]["vocab_size"]
+    out = []
+    for i in range(spec["turns"]):
+        turn = [
+            10 + (7919 * (i * 1000 + j)) % (vocab - 10)
+            for j in range(spec["turn_tokens"])
+        ]
+        t0 = time.perf_counter()
+        times, _ = bench_gpu.generate(model, turn, cache, decode=0)
+        out.append(times[0] - t0)
+    return out
+
+
+def _medians(rows) -> dict:
+    """Median decode tok/s of each part, and each turn's median seconds."""
+    out = {
+        part: statistics.median(s[part]["tok_s"] for s in rows)
+        for part in ("a", "b", "c")
+        if part in rows[0]
+    }
+    for i in range(len(rows[0].get("turns", []))):
+        out[f"turn{i + 1}_s"] = statistics.median(s["turns"][i] for s in rows)
     return out
 
 
@@ -139,25 +202,22 @@ def run(args) -> dict:
                     store=store,
                     lpc=lpc.format(length),
                     more=args.more,
+                    turns=args.turns,
+                    turn_tokens=args.turn_tokens,
                 )
                 out = bench_gpu.spawn(spec, script=os.path.abspath(__file__))
                 samples[str(length)][case].append(out)
                 parts = [out[p]["tok_s"] for p in ("a", "b", "c") if p in out]
+                turns = " ".join(f"{1000 * t:.1f}" for t in out.get("turns", []))
                 print(
                     f"r{r} {length:>6} {case:18s} decode "
                     + " / ".join(f"{x:6.1f}" for x in parts)
-                    + " tok/s",
+                    + " tok/s"
+                    + (f"; turns {turns} ms" if turns else ""),
                     flush=True,
                 )
     medians = {
-        n: {
-            c: {
-                part: statistics.median(s[part]["tok_s"] for s in rows)
-                for part in ("a", "b", "c")
-                if part in rows[0]
-            }
-            for c, rows in cases.items()
-        }
+        n: {c: _medians(rows) for c, rows in cases.items()}
         for n, cases in samples.items()
     }
     return {
@@ -180,18 +240,22 @@ def main(argv=None):
     p.add_argument(
         "--more", type=int, default=0, help="tokens decoded past the first 96 (c)"
     )
+    p.add_argument(
+        "--turns", type=int, default=0, help="user turns timed after the decode"
+    )
+    p.add_argument("--turn-tokens", type=int, default=210)
     p.add_argument("--dir", default="bench-out/restore-decode")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
     data = run(args)
     print(
-        "\ndecode tok/s, medians (first 64 tokens / 32 more / --more past them);"
-        " (x) = of the first case"
+        "\ndecode tok/s, medians (first 64 tokens / 32 more / --more past them),"
+        " then each turn's seconds; (x) = of the first case"
     )
     for n, cases in data["medians"].items():
         base = next(iter(cases.values()))
         row = [
-            f"{c} " + " / ".join(f"{m[p]:.1f} ({m[p] / base[p]:.2f}x)" for p in m)
+            f"{c} " + " / ".join(f"{m[p]:.3g} ({m[p] / base[p]:.2f}x)" for p in m)
             for c, m in cases.items()
         ]
         print(f"{n:>6} tokens: " + "; ".join(row))
