@@ -26,14 +26,18 @@ rotated over the repeats so none always goes first:
   store before the later parts (as a server with an empty store saves a first turn:
   its device-to-host copies run in this process);
 - ``cold-saved-clear``: the same, then ``mx.clear_cache()`` (MLX's cached buffers,
-  which the save's host copies leave some of in managed memory, freed).
+  which the save's host copies leave some of in managed memory, freed);
+- ``cold-saved-kept``: ``cold-saved`` with ``mx.clear_cache`` made a no-op in this
+  process (the save's own clearing of MLX's buffer cache skipped);
+- ``cold-clear``: ``cold``, then ``mx.clear_cache()`` and no save.
 
 Each decodes 64 tokens (``a``), then 32 more through a second ``generate_step``
 (``b``), then ``--more`` tokens (``c``, 0 by default): past the room a restore leaves
 (at most a cache step here), so that mlx-lm's cache grows its arrays as it does in a
 long answer. Each part records the cache's rows after it. With ``--turns N``, N
 user turns of ``--turn-tokens`` new tokens follow, each timed from its prompt to
-its first token (``turns``: seconds), as a chat's next round is in a server. The model has random
+its first token (``turns``: seconds), as a chat's next round is in a server, and
+then 64 tokens are decoded (``d``). The model has random
 weights of a real model's shape (``tools/bench_gpu.py``'s shapes); run it on the GPU,
 or at ``--shape tiny`` on any machine.
 
@@ -59,6 +63,8 @@ CASES = (
     "load_prompt_cache",
     "cold-saved",
     "cold-saved-clear",
+    "cold-saved-kept",
+    "cold-clear",
 )
 DECODE_A, DECODE_B = 64, 32
 
@@ -101,12 +107,16 @@ def child(spec: dict) -> dict:
     if spec.get("more"):
         more, _ = bench_gpu.generate(model, [first], cache, decode=spec["more"])
         out.update(c=_rates(more), rows_c=_rows(cache))
+    if case == "cold-saved-kept":
+        mx.clear_cache = lambda: None  # this process only: the save's clearing
     if "-saved" in case:
         out["saved"] = _save_into_scratch(spec, model, tokens, first, cache)
-        if case.endswith("-clear"):
-            mx.clear_cache()
+    if case.endswith("-clear"):
+        mx.clear_cache()
     if spec.get("turns"):
         out["turns"] = _turns(model, cache, spec)
+        after, _ = bench_gpu.generate(model, [first], cache, decode=DECODE_A)
+        out.update(d=_rates(after), rows_d=_rows(cache))
     if store is not None:
         store.close()
     return out
@@ -152,7 +162,7 @@ def _medians(rows) -> dict:
     """Median decode tok/s of each part, and each turn's median seconds."""
     out = {
         part: statistics.median(s[part]["tok_s"] for s in rows)
-        for part in ("a", "b", "c")
+        for part in ("a", "b", "c", "d")
         if part in rows[0]
     }
     for i in range(len(rows[0].get("turns", []))):
@@ -207,7 +217,7 @@ def run(args) -> dict:
                 )
                 out = bench_gpu.spawn(spec, script=os.path.abspath(__file__))
                 samples[str(length)][case].append(out)
-                parts = [out[p]["tok_s"] for p in ("a", "b", "c") if p in out]
+                parts = [out[p]["tok_s"] for p in ("a", "b", "c", "d") if p in out]
                 turns = " ".join(f"{1000 * t:.1f}" for t in out.get("turns", []))
                 print(
                     f"r{r} {length:>6} {case:18s} decode "
