@@ -29,7 +29,11 @@ rotated over the repeats so none always goes first:
   which the save's host copies leave some of in managed memory, freed);
 - ``cold-saved-kept``: ``cold-saved`` with ``mx.clear_cache`` made a no-op in this
   process (the save's own clearing of MLX's buffer cache skipped);
-- ``cold-clear``: ``cold``, then ``mx.clear_cache()`` and no save.
+- ``cold-clear``: ``cold``, then ``mx.clear_cache()`` and no save;
+- ``cold-sequence``: ``cold``, then in one process (no process-to-process spread)
+  user turns alternating with what may slow the next one: ``plain`` (nothing),
+  ``saved`` (a save into a scratch store), ``cleared`` (``mx.clear_cache()``);
+  ``sequence`` gives each turn's seconds.
 
 Each decodes 64 tokens (``a``), then 32 more through a second ``generate_step``
 (``b``), then ``--more`` tokens (``c``, 0 by default): past the room a restore leaves
@@ -65,7 +69,9 @@ CASES = (
     "cold-saved-clear",
     "cold-saved-kept",
     "cold-clear",
+    "cold-sequence",
 )
+SEQUENCE = ("plain", "plain", "saved", "plain", "cleared", "plain", "saved", "plain")
 DECODE_A, DECODE_B = 64, 32
 
 
@@ -113,8 +119,16 @@ def child(spec: dict) -> dict:
         out["saved"] = _save_into_scratch(spec, model, tokens, first, cache)
     if case.endswith("-clear"):
         mx.clear_cache()
+    if case == "cold-sequence":
+        out["sequence"] = []
+        for i, before in enumerate(SEQUENCE):
+            if before == "saved":
+                _save_into_scratch(spec, model, tokens, first, cache)
+            elif before == "cleared":
+                mx.clear_cache()
+            out["sequence"].append([before, _turn(model, cache, spec, i)])
     if spec.get("turns"):
-        out["turns"] = _turns(model, cache, spec)
+        out["turns"] = [_turn(model, cache, spec, i) for i in range(spec["turns"])]
         after, _ = bench_gpu.generate(model, [first], cache, decode=DECODE_A)
         out.update(d=_rates(after), rows_d=_rows(cache))
     if store is not None:
@@ -141,21 +155,17 @@ def _save_into_scratch(spec: dict, model, tokens, first: int, cache) -> int:
     return stored
 
 
-def _turns(model, cache, spec: dict) -> list:
-    """Seconds from each user turn's prompt to its first token."""
+def _turn(model, cache, spec: dict, i: int) -> float:
+    """Seconds from user turn ``i``'s prompt to its first token."""
     import time
 
     vocab = bench_gpu.SHAPES[spec["shape"]]["vocab_size"]
-    out = []
-    for i in range(spec["turns"]):
-        turn = [
-            10 + (7919 * (i * 1000 + j)) % (vocab - 10)
-            for j in range(spec["turn_tokens"])
-        ]
-        t0 = time.perf_counter()
-        times, _ = bench_gpu.generate(model, turn, cache, decode=0)
-        out.append(times[0] - t0)
-    return out
+    turn = [
+        10 + (7919 * (i * 1000 + j)) % (vocab - 10) for j in range(spec["turn_tokens"])
+    ]
+    t0 = time.perf_counter()
+    times, _ = bench_gpu.generate(model, turn, cache, decode=0)
+    return times[0] - t0
 
 
 def _medians(rows) -> dict:
@@ -218,7 +228,11 @@ def run(args) -> dict:
                 out = bench_gpu.spawn(spec, script=os.path.abspath(__file__))
                 samples[str(length)][case].append(out)
                 parts = [out[p]["tok_s"] for p in ("a", "b", "c", "d") if p in out]
-                turns = " ".join(f"{1000 * t:.1f}" for t in out.get("turns", []))
+                turns = " ".join(
+                    f"{1000 * t:.1f}"
+                    for t in out.get("turns", [])
+                    + [t for _, t in out.get("sequence", [])]
+                )
                 print(
                     f"r{r} {length:>6} {case:18s} decode "
                     + " / ".join(f"{x:6.1f}" for x in parts)
