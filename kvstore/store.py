@@ -30,6 +30,7 @@ from .disk.index import KINDS, Index, StoreError
 from .disk.namespace import open_namespace
 from .disk.storecheck import check_store_dirs
 from .engine import payoff
+from .engine.calibrate import measure_restore_rate
 from .engine.loadpath import default_restore_io
 from .engine.parts import Parts
 from .engine.ram import RamTier
@@ -543,6 +544,18 @@ class KVStore:
                 finite number > 0, or ``tokens / seconds`` is not finite.
         """
         self.parts.prefill.note_prefill(tokens, seconds)
+
+    def measure_restore_rate(self) -> bool:
+        """Measure how fast this machine restores, by restoring part of a stored
+        prompt now and dropping it, for ``restore="auto"`` to decide a burst of
+        first fetches by (``kvstore serve`` does this as it opens the store).
+        Nothing is counted as a fetch; the rate is kept with the next write.
+
+        Returns:
+            Whether one was measured (False: no prompt of two nodes stored, a
+            broken file, which is reported, or a layout with state layers).
+        """
+        return measure_restore_rate(self.parts.reads)
 
     def held_tokens(self, cache: Sequence[Any]) -> Optional[int]:
         """Tokens ``cache`` holds, as far as its layers tell (None: only recurrent

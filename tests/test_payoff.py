@@ -1,5 +1,7 @@
 """Restore only when it pays (kvstore.engine.payoff): the choice, its counters, its rates."""
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -376,3 +378,84 @@ def test_a_decision_that_may_not_explore_never_restores_what_loses():
     assert not any(d.restore or d.explored for d in lost)
     explored = [policy.decide([100], [1 << 30]) for _ in range(payoff.EXPLORE_EVERY)]
     assert sum(d.explored for d in explored) == 1
+
+
+def _slow_reads(monkeypatch, seconds_per_node: float) -> None:
+    """Reads that take ``seconds_per_node`` a node more (a disk of that speed)."""
+    from kvstore.engine.restore import ReadPath
+
+    real = ReadPath.read
+
+    def read(self, path, query):
+        out = real(self, path, query)
+        time.sleep(seconds_per_node * len(path))
+        return out
+
+    monkeypatch.setattr(ReadPath, "read", read)
+
+
+def test_a_restore_rate_is_measured_on_purpose_and_kept(tmp_path, model, monkeypatch):
+    """``measure_restore_rate``: a stored prompt's first node alone (the fixed time),
+    then its first nodes (the byte rate), counted as no fetch and touching no access
+    time; the rate is kept for the next process."""
+    tokens = random_tokens(8 * C, 12)
+    _stored(tmp_path, model, tokens)
+    _slow_reads(monkeypatch, 0.02)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        assert s.stats()["restore_bytes_per_s"] is None
+        atimes = _atimes(s)
+        assert s.measure_restore_rate()
+        stats = s.stats()
+        assert stats["restore_bytes_per_s"] > 0 and stats["restore_fixed_s"] >= 0.02
+        assert (stats["hits"], stats["misses"], stats["restores_chosen"]) == (0, 0, 0)
+        assert atimes == _atimes(s) and len(atimes) == 8
+        rate = stats["restore_bytes_per_s"]
+        s.flush()
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        assert s.stats()["restore_bytes_per_s"] == pytest.approx(rate)
+
+
+def test_the_bytes_measured_stop_at_the_limit(tmp_path, model, monkeypatch):
+    """Only the first nodes up to ``max_bytes`` are read (at least two)."""
+    from kvstore.engine import calibrate
+
+    tokens = random_tokens(8 * C, 13)
+    _stored(tmp_path, model, tokens)
+    with kvstore.KVStore(tmp_path, model, chunk_tokens=C, ram_bytes=0) as s:
+        node = s.parts.reads.find(np.array(tokens, np.int32), limit=C)[0].rec.nbytes
+        path = calibrate.first_stored_path(s.parts.reads, max_bytes=3 * node)
+        assert [st.rec.start for st in path] == [0, C, 2 * C]
+        whole = calibrate.first_stored_path(s.parts.reads, max_bytes=1 << 40)
+        assert sum(st.take for st in whole) == len(tokens)
+
+
+def test_nothing_to_measure_and_a_broken_file_are_no_rate(tmp_path, model):
+    """An empty store and one of a single node measure nothing; a broken file on
+    the way is reported, is no rate, and the next fetch is a clean miss."""
+    with kvstore.KVStore(tmp_path / "empty", model, chunk_tokens=C) as s:
+        assert not s.measure_restore_rate()
+    _stored(tmp_path / "one", model, random_tokens(C, 14))
+    with kvstore.KVStore(tmp_path / "one", model, chunk_tokens=C, ram_bytes=0) as s:
+        assert not s.measure_restore_rate()
+    tokens = random_tokens(4 * C, 15)
+    _stored(tmp_path / "bad", model, tokens)
+    with kvstore.KVStore(tmp_path / "bad", model, chunk_tokens=C, ram_bytes=0) as s:
+        first = s.parts.reads.find(np.array(tokens, np.int32), limit=C)[0]
+        blob = s.blobs.path(s.namespace, first.h)
+        raw = bytearray(open(blob, "rb").read())
+        raw[-1] ^= 0xFF
+        open(blob, "wb").write(bytes(raw))
+        assert not s.measure_restore_rate()
+        assert s.stats()["restore_bytes_per_s"] is None
+        assert s.stats()["corrupt"] == 1
+        assert s.fetch(tokens + [1])[1] == 0
+
+
+def _atimes(store) -> dict:
+    """Every node's access time, by hash."""
+    ns, index = store.namespace, store.index
+    return index.read(
+        lambda txn: {
+            h: index.atime(txn, ns, h) for _, h, _ in index.iter_nodes(txn, ns)
+        }
+    )

@@ -1,0 +1,102 @@
+"""A restore rate measured on purpose, before any request needs one.
+
+``restore="auto"`` and a server's queue weigh each restore by the rate restores
+read at on this machine, which only restores measure. A server restarted on a store
+that it (or ``kvstore prefill``) only wrote knows none, and the first returning
+users, arriving together, are all restored: 16 users on an H200 waited for 16
+restores in a row where a few of them were sooner prefilled. So a server measures
+one as it opens the store: the first node of a stored prompt read alone (the fixed
+time), then that prompt up to :data:`CALIBRATION_BYTES` (the byte rate), both
+restored as a fetch restores them, on the page cache as it is. Nothing is counted as
+a fetch, no access time changes, and the arrays are dropped.
+"""
+
+import logging
+import time
+from typing import List
+
+import mlx.core as mx
+
+from ..disk.index import CorruptRecord
+from .payoff import READS
+from .restore import MLX_LOCK, ReadPath
+from .walk import Step
+
+log = logging.getLogger("kvstore")
+
+# The most bytes of a stored prompt read to measure the rate (a tenth of a second
+# from a warm page cache on a GPU host; a few from a cold disk).
+CALIBRATION_BYTES = 256 << 20
+
+
+def first_stored_path(reads: ReadPath, *, max_bytes: int) -> List[Step]:
+    """Nodes of one stored prompt of the unsalted tree, from its root: each the
+    first child of the one before, while their files add up to ``max_bytes``."""
+    index, ns = reads.index, reads.namespace
+    path: List[Step] = []
+    parent, nbytes = reads.root, 0
+    while True:
+        children = index.children(ns, parent)
+        if not children or children[0] in reads.broken:
+            return path
+        h = children[0]
+        rec = index.get_node(ns, h)
+        if rec is None or (path and nbytes + rec.nbytes > max_bytes):
+            return path
+        path.append(Step(h, rec, rec.ntokens))
+        parent, nbytes = h, nbytes + rec.nbytes
+
+
+def measure_restore_rate(
+    reads: ReadPath, *, max_bytes: int = CALIBRATION_BYTES
+) -> bool:
+    """Restore the first node of a stored prompt, then up to ``max_bytes`` of it,
+    and note both in the policy's rates (kept in the store with the next write).
+    Layouts with state layers are not measured (their restores need a checkpoint).
+
+    Returns:
+        Whether the store held a prompt of two nodes or more, read back whole.
+    """
+    if reads.layout.has_state:
+        return False
+    try:
+        path = first_stored_path(reads, max_bytes=max_bytes)
+    except CorruptRecord as e:
+        log.warning("kvstore: no restore rate measured: %s", e)
+        return False
+    if len(path) < 2:
+        return False
+    if not sum(reads.read_costs(path)):
+        return False  # all in the RAM tier: nothing read to measure
+    for steps in (path[:1], path):
+        seconds = _timed_restore(reads, steps)
+        if seconds is None:
+            return False
+        reads.policy.rates.note_restore(sum(reads.read_costs(steps)), seconds)
+    reads.accesses.keep_rates()
+    rates = reads.policy.rates
+    log.info(
+        "kvstore: restores measured at %.2f GB/s past %.1f ms (%d tokens read)",
+        (rates.restore or 0) / 1e9,
+        (rates.restore_fixed or 0) * 1e3,
+        sum(s.take for s in path),
+    )
+    return True
+
+
+def _timed_restore(reads: ReadPath, steps: List[Step]):
+    """Seconds that restoring ``steps`` took alone (as :meth:`ReadPath.restore`
+    rates one), or None where a node's file turned out broken (reported)."""
+    n = sum(s.take for s in steps)
+    tic = time.perf_counter()
+    with READS.track() as reading:
+        failures, _, delta = reads.read(steps, n)
+    if failures.first < len(steps):
+        step = steps[failures.first]
+        reads.broken.read_failed(step.h, failures.errors[failures.first], step.rec)
+        return None
+    with MLX_LOCK:
+        cache = reads.layout.build(delta, {}, n)
+        mx.eval([c.state for c in cache])
+    del cache
+    return (time.perf_counter() - tic) / max(1.0, reading.sharing)
