@@ -547,9 +547,9 @@ class KVStore:
 
     def measure_restore_rate(self) -> bool:
         """Measure how fast this machine restores, by restoring part of a stored
-        prompt now and dropping it, for ``restore="auto"`` to decide a burst of
-        first fetches by (``kvstore serve`` does this as it opens the store).
-        Nothing is counted as a fetch; the rate is kept with the next write.
+        prompt now and dropping it, for ``restore="auto"`` to decide the first
+        fetches by (until a fetch has restored, none is known). Nothing is counted
+        as a fetch; the rate is kept with the next write.
 
         Returns:
             Whether one was measured (False: no prompt of two nodes stored, a

@@ -8,8 +8,8 @@ checked."""
 import json
 import os
 import subprocess
-import time
 import sys
+import time
 
 import pytest
 from conftest import _load_tool
@@ -236,7 +236,10 @@ def test_prefetch_lines_of_the_log_are_read(tmp_path):
     handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
     logger = prompt_cache.log
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.DEBUG
+    # setLevel, not the attribute: it also clears the logger's cache of enabled
+    # levels, which an earlier test's debug call (at INFO) may have filled.
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
     try:
         fmt = prompt_cache.PREFETCH_LOG
         logger.debug(fmt, 2514, 3, 0.1, "for joins", "0-2513", 228.6)
@@ -244,7 +247,7 @@ def test_prefetch_lines_of_the_log_are_read(tmp_path):
         logger.debug(fmt, 2789, 2578, 0.5, "for a shared prefix", "nothing", 5.6)
     finally:
         logger.removeHandler(handler)
-        logger.level = level
+        logger.setLevel(level)
         handler.close()
     got = tool.kvstore_prefetches(str(log_path))
     assert [

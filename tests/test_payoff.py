@@ -2,7 +2,6 @@
 
 import time
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import compute_cache, random_tokens, tiny_llama

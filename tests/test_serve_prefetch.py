@@ -57,25 +57,6 @@ def look_up(pc, request, tokens, salt=None):
     return pc.fetch_nearest_cache(KEY, tokens, salt=salt)
 
 
-@pytest.mark.parametrize("mode", ["auto", "never"])
-def test_a_restarted_server_measures_its_restore_rate_as_it_opens_the_store(
-    stored, model, tokenizer, mode
-):
-    """Opening the store starts a measured restore (unless ``restore="never"``),
-    kept for the next process; ``close()`` waits for it; no fetch is counted."""
-    from kvstore import KVStore
-
-    path, tokens, _ = stored
-    kwargs = {"store_kwargs": {"restore": mode}}
-    pc = PersistentPromptCache(path, provider(model, tokenizer), **kwargs)
-    pc.open_store(KEY)
-    pc.close()
-    with KVStore(path, model, tokenizer) as s:  # the server's namespace
-        stats = s.stats()
-        assert (stats["restore_fixed_s"] is not None) == (mode == "auto")
-        assert stats["hits"] == stats["misses"] == 0
-
-
 class Generator:
     """mlx-lm's ResponseGenerator, as far as the prefetching subclass uses it: a
     request's tokens are its ``tokens``, and ``generate`` does nothing."""
@@ -225,7 +206,6 @@ def test_nothing_keeps_a_restore_once_its_requests_dropped_their_caches(
 
     pc, qa, qb, reg_a, reg_b = two_users_registered(tmp_path, model, tokenizer, 40)
     pc.open_store(KEY)
-    pc.wait_measured()  # its restore's arrays freed
     gc.collect()
     before = mx.get_active_memory()
     first = prefetched(pc, qa, reg_a)

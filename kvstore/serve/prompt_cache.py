@@ -70,8 +70,6 @@ _COUNTER_NAMES = (
 # How long a flush waits for the generation loop to queue the saves it holds (it
 # does once it has rested REST_S, at its next turn: 0.1 s apart while it idles).
 FLUSH_WAIT_S = 5.0
-# How long close() waits for the restore rate measured at open (a cold disk's read).
-CLOSE_MEASURE_WAIT_S = 30.0
 _FROM_REQUEST = object()  # the salt of the request being served (SaltRouter)
 
 
@@ -149,7 +147,6 @@ class PersistentPromptCache:
         self.saves: Optional[SaveQueue] = None
         self.step_held: Optional[StepHeldSaves] = None
         self._settled = Settled()  # caches of queued saves, evaluated
-        self._measuring: List[threading.Thread] = []  # restore rates, at each open
 
     # -- the LRUPromptCache interface --------------------------------------
 
@@ -663,9 +660,6 @@ class PersistentPromptCache:
                 )
                 # Its writer steps aside while the generation loop works.
                 store.writer.yield_to = self._loop_busy
-                if store.policy.mode != "never":
-                    # Returning users arriving together are weighed by this rate.
-                    self._measure_in_background(store)
                 log.info(
                     "kvstore: store %s opened for %s",
                     self.store_dir,
@@ -685,26 +679,6 @@ class PersistentPromptCache:
         for s in old.values():
             _close_quietly(s)
         return store
-
-    def _measure_in_background(self, store) -> None:
-        """Measure ``store``'s restore rate on a thread of its own (the page cache
-        as this start finds it: a rate kept by an earlier process may be stale)."""
-
-        def measure():
-            try:
-                store.measure_restore_rate()
-            except Exception:
-                log.exception("kvstore: the restore rate was not measured")
-
-        thread = threading.Thread(target=measure, name="kvstore-measure", daemon=True)
-        self._measuring.append(thread)
-        thread.start()
-
-    def wait_measured(self, timeout: Optional[float] = None) -> None:
-        """Wait (each at most ``timeout`` seconds) for the restore rates being
-        measured as the stores opened."""
-        for thread in list(self._measuring):
-            thread.join(timeout=timeout)
 
     def open_store(self, model_key):
         """Open the store of ``model_key`` now (else done at its first request)."""
@@ -726,7 +700,6 @@ class PersistentPromptCache:
 
     def close(self) -> None:
         """Flush and close the stores. Idempotent."""
-        self.wait_measured(CLOSE_MEASURE_WAIT_S)  # it reads the stores closed below
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self.saves is not None:
