@@ -63,6 +63,7 @@ def test_chat_load_end_to_end(tmp_path):
         "--phases",
         "kvstore-fresh",
         "kvstore-dropped",
+        "kvstore-rerestart",
         "--drop-caches",
         "skip",
         "--sample-stacks",
@@ -85,7 +86,7 @@ def test_chat_load_end_to_end(tmp_path):
     phases = {s["phase"]: s for s in data["samples"]}
     prefetched = [p["tokens"] for p in phases["kvstore-dropped"]["prefetches"]]
     assert 99999 not in prefetched
-    assert list(phases) == ["kvstore-fresh", "kvstore-dropped"]
+    assert list(phases) == ["kvstore-fresh", "kvstore-dropped", "kvstore-rerestart"]
     assert len(data["priming"]["rounds"]) == 2  # two discarded rounds
     wave = data["priming"]["wave_round"]  # and other users arriving in two waves
     assert wave["users"] >= 2 and wave["errors"] == [], wave
@@ -116,6 +117,7 @@ def test_chat_load_end_to_end(tmp_path):
         for name, s in phases.items()
     }
     assert prompts["kvstore-fresh"] == prompts["kvstore-dropped"]
+    assert prompts["kvstore-rerestart"] == prompts["kvstore-fresh"]
     assert prompts["plain"] == prompts["kvstore-fresh"][:6]
     # Restarted: every round-1 prompt comes back from the store (all but its last
     # token), where plain computed it.
@@ -163,6 +165,8 @@ def test_phase_order_alternates_and_fresh_comes_first():
             fresh = order.index("kvstore-fresh")
             assert fresh < order.index("kvstore-restart")
             assert fresh < order.index("kvstore-dropped")
+            # Last of the store's phases: the restarts before it kept their rates.
+            assert order[-1] == "kvstore-rerestart"
     first = [[p for r, u, p in steps if (r, u) == (rep, 1)] for rep in (0, 1)]
     assert first[0][0] == "plain" and first[1][0] == "kvstore-fresh"
     # A subset keeps the order.
@@ -209,6 +213,7 @@ def test_verdicts_are_ratios_of_medians():
                 bytes_written=2e9,
             ),
             _sample("kvstore-restart", [1.6, 1.8], 30.0, 99, restores_chosen=8),
+            _sample("kvstore-rerestart", [3.0, 1.8], 30.0, 99, restores_chosen=5),
         ]
     }
     lines = tool.report(data)
@@ -219,6 +224,10 @@ def test_verdicts_are_ratios_of_medians():
     assert "4 users, fresh saves lost = 0: 3 (MISS)" in text
     assert "4 users, restart TTFT round 1 <= 0.5x: 0.40x (PASS)" in text
     assert "4 users, restart TTFT round 2 <= 1.0x: 0.90x (PASS)" in text
+    assert (
+        "4 users, restart again (rates kept) TTFT round 1 <= 0.5x: 0.75x (MISS)" in text
+    )
+    assert "| kvstore-rerestart | 3.00 (0.75x) |" in text
     assert "| kvstore-fresh | 4.10 (1.02x) | 2.20 (1.10x) |" in text
     assert "0 / 3 / 2.00 |" in text  # restores / saves lost / GB written
     assert "page cache dropped" not in text  # no such phase ran

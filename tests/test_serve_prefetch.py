@@ -34,8 +34,8 @@ def stored(tmp_path, model, tokenizer):
     return tmp_path / "s", tokens, salted
 
 
-def restarted(path, model, tokenizer):
-    pc = PersistentPromptCache(path, provider(model, tokenizer))
+def restarted(path, model, tokenizer, **kwargs):
+    pc = PersistentPromptCache(path, provider(model, tokenizer), **kwargs)
     pc.open_store(KEY)
     pc.prefetcher = Prefetcher()
     assert pc.can_prefetch()
@@ -55,6 +55,29 @@ def arrive(pc, tokens, salt=None):
 def look_up(pc, request, tokens, salt=None):
     pc.prefetcher.looking_up(request)  # the generation thread's _tokenize
     return pc.fetch_nearest_cache(KEY, tokens, salt=salt)
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_restore_always_is_never_weighed_against_the_queue(
+    stored, model, tokenizer, mode
+):
+    """With the rates known, an arriving request's extent prices the read in
+    ``restore="auto"``; ``"always"`` gives no read estimate, so the queue
+    (``Backlog``) restores it whatever it holds, as the option says."""
+    path, tokens, _ = stored
+    kwargs = {"store_kwargs": {"restore": mode}}
+    pc = PersistentPromptCache(path, provider(model, tokenizer), **kwargs)
+    store = pc.open_store(KEY)
+    store.policy.rates.prefill = 1e9  # prefilling far faster than any read
+    store.policy.rates.restore, store.policy.rates.restore_fixed = 1e6, 0.01
+    ext = pc.extent(KEY, tokens + [1], None)
+    assert ext.stored == len(tokens) and ext.prefill_s is not None
+    assert (ext.read_s is None) == (mode == "always")
+    if mode == "auto":
+        assert not Backlog().restore_sooner(ext.read_s, ext.prefill_s)
+    else:
+        assert Backlog().restore_sooner(ext.read_s, ext.prefill_s)
+    pc.close()
 
 
 class Generator:
@@ -393,7 +416,8 @@ def test_waiting_prefetches_are_bounded(stored, model, tokenizer):
 
 def test_extent_reads_the_index_past_the_ram_copy(stored, model, tokenizer):
     path, tokens, salted = stored
-    pc = restarted(path, model, tokenizer)
+    # restore="auto": "always" (the suite's default) is never weighed, no read priced.
+    pc = restarted(path, model, tokenizer, store_kwargs={"restore": "auto"})
     assert pc.extent(KEY, tokens + [5], None) == (0, 600, None, None, None)
     assert pc.extent(KEY, random_tokens(50, seed=33), None)[:2] == (0, 0)
     assert pc.extent(KEY, salted + [5], None)[:2] == (0, 0)  # another salt

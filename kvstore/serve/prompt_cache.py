@@ -464,7 +464,9 @@ class PersistentPromptCache:
         arriving request need not queue for a restore to learn it; with a remote
         tier, all but the last are counted as stored, at no estimate). ``(0, 0)``
         when the store is not open or the salt is unknown; ``(held, 0)`` when RAM
-        holds all the store could give (all but the last token)."""
+        holds all the store could give (all but the last token). With
+        ``restore="always"`` no read is estimated: every stored prefix is restored,
+        never weighed against the queue (:class:`~kvstore.serve.pacing.Backlog`)."""
         salt = self._salt(salt, None)
         if salt is UNKNOWN:
             return Extent(0, 0)
@@ -478,6 +480,8 @@ class PersistentPromptCache:
         if store.remote is not None:
             return Extent(held, len(tokens) - 1, prefill_rate=rate)
         stored, read_s, prefill_s = store.estimate_past(tokens, held, salt=salt)
+        if store.policy.mode == "always":
+            read_s = None  # restored whatever the queue: not weighed against it
         return Extent(held, stored, read_s, prefill_s, rate)
 
     def _frozen_tail(self, key, tail):
