@@ -19,11 +19,8 @@ import logging
 import time
 from typing import List
 
-import mlx.core as mx
-
 from ..disk.index import CorruptRecord
-from .payoff import READS
-from .restore import MLX_LOCK, ReadPath
+from .restore import ReadPath
 from .walk import Step
 
 log = logging.getLogger("kvstore")
@@ -90,17 +87,10 @@ def measure_restore_rate(
 
 def _timed_restore(reads: ReadPath, steps: List[Step]):
     """Seconds that restoring ``steps`` took alone (as :meth:`ReadPath.restore`
-    rates one), or None where a node's file turned out broken (reported)."""
-    n = sum(s.take for s in steps)
+    rates one; the read leaves the arrays evaluated), or None where a node's file
+    turned out broken (reported)."""
     tic = time.perf_counter()
-    with READS.track() as reading:
-        failures, _, delta = reads.read(steps, n)
+    failures, _, _, sharing = reads.read_reported(steps, sum(s.take for s in steps))
     if failures.first < len(steps):
-        step = steps[failures.first]
-        reads.broken.read_failed(step.h, failures.errors[failures.first], step.rec)
         return None
-    with MLX_LOCK:
-        cache = reads.layout.build(delta, {}, n)
-        mx.eval([c.state for c in cache])
-    del cache
-    return (time.perf_counter() - tic) / max(1.0, reading.sharing)
+    return (time.perf_counter() - tic) / max(1.0, sharing)

@@ -306,12 +306,8 @@ class ReadPath:
             path, costs = path[: decision.nodes], costs[: decision.nodes]
         nbytes = sum(costs)
         tic = time.perf_counter()
-        with READS.track() as reading:
-            failures, state_job, delta = self.read(path, len(arr))
+        failures, state_job, delta, sharing = self.read_reported(path, len(arr))
         failed = failures.first
-        if failed < len(path):  # only the first broken node counts: the rest is cut
-            step = path[failed]
-            self.broken.read_failed(step.h, failures.errors[failed], step.rec)
         state = None
         if state_job is not None:
             if failed < len(path):
@@ -338,7 +334,7 @@ class ReadPath:
             decision,
             nbytes=nbytes if complete else 0,
             seconds=seconds,
-            sharing=reading.sharing,
+            sharing=sharing,
         )
         if complete:
             self.accesses.keep_rates()
@@ -352,6 +348,21 @@ class ReadPath:
         if self.layout.has_state and state_key(last.h) not in self.ram:
             costs[-1] += last.rec.state_nbytes
         return costs
+
+    def read_reported(
+        self, path: List[Step], query: int
+    ) -> Tuple["Failures", Optional[Future], Dict[str, Any], float]:
+        """:meth:`read`, tracked among the process's restores, with the first broken
+        node reported (only it counts: the rest is cut): ``(failures, state job or
+        None, delta arrays by name, the mean number of restores that read beside
+        it)``."""
+        with READS.track() as reading:
+            failures, state_job, delta = self.read(path, query)
+        failed = failures.first
+        if failed < len(path):
+            step = path[failed]
+            self.broken.read_failed(step.h, failures.errors[failed], step.rec)
+        return failures, state_job, delta, reading.sharing
 
     def read(
         self, path: List[Step], query: int

@@ -23,7 +23,7 @@ import numpy as np
 from ..disk.adapters import CODECS, Layout, cache_leaves
 from .accesses import Accesses
 from .counters import Counters
-from .payoff import READS, Decision, RestorePolicy
+from .payoff import Decision, RestorePolicy
 from .restore import MLX_LOCK, ReadPath
 from .shapes import NodeShapes
 from .walk import Step
@@ -169,13 +169,9 @@ class TailRead:
         tokens up to the first broken node, or None when that is the first."""
         tic = time.perf_counter()
         n = sum(step.take for step in steps)
-        with READS.track() as reading:
-            failures, _, delta = self.reads.read(steps, n)
+        failures, _, delta, sharing = self.reads.read_reported(steps, n)
         failed = failures.first
         complete = failed >= len(steps)
-        if not complete:
-            step = steps[failed]
-            self.broken.read_failed(step.h, failures.errors[failed], step.rec)
         steps = steps[:failed]
         n = sum(step.take for step in steps)
         if n == 0:
@@ -189,7 +185,7 @@ class TailRead:
             decision,
             nbytes=nbytes if complete else 0,
             seconds=seconds,
-            sharing=reading.sharing,
+            sharing=sharing,
         )
         if complete:
             self.accesses.keep_rates()
