@@ -108,11 +108,24 @@ class Server:
             return f.read()
 
     def chat(self, body):
-        return request(self.port, "/v1/chat/completions", body)
+        return self._ask(self.port, "/v1/chat/completions", body)
 
     def stats(self):
         """``GET /kvstore/stats`` from the metrics port."""
-        return request(self.metrics_port, "/kvstore/stats")
+        return self._ask(self.metrics_port, "/kvstore/stats")
+
+    def _ask(self, port, path, body=None):
+        """``request``; a server that cannot be reached fails with its exit status
+        and log (an HTTP error status is raised as it is, for the tests of them)."""
+        try:
+            return request(port, path, body)
+        except urllib.error.HTTPError:
+            raise
+        except (OSError, urllib.error.URLError) as e:
+            raise AssertionError(
+                f"{path} on port {port}: {e}; server exit status "
+                f"{self.proc.poll()}:\n{self.output()}"
+            ) from e
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
