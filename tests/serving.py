@@ -1,6 +1,7 @@
 """Helpers of the ``kvstore serve`` tests: a stand-in model provider for
 ``PersistentPromptCache`` and request, and real server processes driven over HTTP."""
 
+import itertools
 import json
 import os
 import signal
@@ -11,6 +12,9 @@ import time
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
+from typing import List
+
+from kvstore.bench import ports as bench_ports
 
 SUBPROCESS_TIMEOUT = 120
 
@@ -34,10 +38,33 @@ class Request:
     __hash__ = None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The ports a pytest-xdist worker's servers listen on: a range of its own below the
+# kernel's ephemeral ports (what Ceph, moto and the tools' servers get), so no port is
+# handed to two servers before either has bound it.
+PORTS_BASE, PORTS_PER_WORKER, MAX_WORKERS = 20000, 500, 24
+_next_port = itertools.count()
+
+
+def free_ports(n: int) -> List[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now: from this xdist worker's range,
+    else the kernel's picks."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker[2:].isdigit() else MAX_WORKERS
+    if not worker.startswith("gw") or index >= MAX_WORKERS:
+        return bench_ports.free_ports(n)  # one test process: nothing else picks ports
+    ports: List[int] = []
+    for _ in range(PORTS_PER_WORKER):
+        port = PORTS_BASE + index * PORTS_PER_WORKER
+        port += next(_next_port) % PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))  # not bound now, nor in TIME_WAIT
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports in {worker}'s range")
 
 
 def request(port, path, body=None, timeout=60):
@@ -56,11 +83,11 @@ class Server:
     ``metrics_port``) unless ``args`` say where its metrics go."""
 
     def __init__(self, args, log_path):
-        self.port = free_port()
+        self.port, metrics_port = free_ports(2)
         self.metrics_port = None
         kv = args[:1] == ["kvstore.server"] or args[:2] == ["kvstore", "serve"]
         if kv and not {"--metrics-port", "--api-metrics"} & set(args):
-            self.metrics_port = free_port()
+            self.metrics_port = metrics_port
             args = [*args, "--metrics-port", str(self.metrics_port)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(

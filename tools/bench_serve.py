@@ -37,7 +37,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -113,12 +112,6 @@ class Texts:
 # -- servers -------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A server process (``python -m ...``) on a free port, ready when it answers.
 
@@ -134,8 +127,10 @@ class Server:
         *,
         launcher: Optional[List[str]] = None,
     ):
+        from kvstore.bench.ports import free_ports
+
         self.name = name
-        self.port = free_port()
+        self.port = free_ports(1)[0]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.log = open(os.path.join(log_dir, f"{name}.log"), "ab")
         launcher = launcher or [sys.executable, "-m"]

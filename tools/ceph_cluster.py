@@ -116,11 +116,17 @@ def missing() -> Optional[str]:
     return None
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> List[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now (the kernel's picks; each socket
+    held until all are picked, so no port is picked twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class CephError(RuntimeError):
@@ -212,8 +218,7 @@ class CephCluster:
         for d in ("run", "log", "crash", "mon", "osd", "rgw"):
             os.makedirs(os.path.join(self.root, d), exist_ok=True)
         self.fsid = str(uuid.uuid4())
-        self.mon_port = free_port()
-        self.rgw_port = free_port()
+        self.mon_port, self.rgw_port = free_ports(2)
         with open(self.conf, "w") as f:
             f.write(
                 _CONF.format(

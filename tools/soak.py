@@ -46,7 +46,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -319,12 +318,6 @@ def worker_main(argv: List[str]) -> int:
 
 
 # -- the orchestrator --------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(port: int, path: str, body=None, headers=None, timeout=60):
@@ -664,8 +657,10 @@ class Soak:
             self.reader_progress[proc.name] = msg["progress"]
 
     def start_server(self) -> None:
-        self.server_port = free_port()
-        self.stats_port = free_port()  # stats and metrics are off the API port
+        from kvstore.bench.ports import free_ports
+
+        # stats and metrics are off the API port
+        self.server_port, self.stats_port = free_ports(2)
         self.procs["serve"] = Proc(
             self,
             "serve",
