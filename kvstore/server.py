@@ -336,7 +336,7 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     if args.kvstore_log_level:
         logging.getLogger("kvstore").setLevel(args.kvstore_log_level)
     try:
-        patterns, store_dir = _check_options(args)
+        patterns, store_dir = _check_options(args, rest)
     except _BadOption as e:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 2
@@ -374,13 +374,38 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
     return status
 
 
+def _api_address(rest: List[str]) -> Tuple[str, Optional[int]]:
+    """The host and port mlx_lm.server will listen on, by its options and its
+    defaults (port None: not a number, which its own parser reports)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", default="8080")
+    known, _ = p.parse_known_args(rest)
+    try:
+        return known.host, int(known.port)
+    except ValueError:
+        return known.host, None
+
+
 class _BadOption(Exception):
     """An option of ``kvstore serve`` that cannot work (exit status 2)."""
 
 
-def _check_options(args) -> Tuple[List["re.Pattern"], str]:
+def _check_options(args, rest: List[str]) -> Tuple[List["re.Pattern"], str]:
     """The compiled ``--strip-pattern`` expressions and the store directory. What
-    would fail only after the model loaded fails now (_BadOption with the message)."""
+    would fail only after the model loaded fails now (_BadOption with the message);
+    ``rest``: mlx_lm.server's options."""
+    if args.metrics_port:  # 0: a port the kernel picks
+        host, port = _api_address(rest)
+        wildcards = ("", "0.0.0.0", "::")
+        if port == args.metrics_port and (
+            host == args.metrics_host or {host, args.metrics_host} & set(wildcards)
+        ):
+            # The metrics listener starts first and answers /health; the API's bind
+            # would fail only after the model loaded.
+            raise _BadOption(
+                f"--metrics-port {port} is the API's port (--port): give it another"
+            )
     try:
         patterns = [re.compile(p, re.MULTILINE) for p in args.strip_pattern]
     except re.error as e:

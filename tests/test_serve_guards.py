@@ -15,7 +15,7 @@ import sys
 import pytest
 from serving import SYSTEM, Server, chat_body, request, run_kvstore, settled_stats
 
-from kvstore import maintenance
+from kvstore import maintenance, server
 
 pytestmark = pytest.mark.slow
 
@@ -276,6 +276,34 @@ def test_metrics_stay_off_the_api_port(tmp_path, tiny_model_dir):
             timeout=120,
         )
     assert out.returncode == 2 and "--metrics-port" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--port", "9001", "--metrics-port", "9001"],
+        ["--metrics-port", "8080"],  # mlx_lm.server's default --port
+        ["--host", "0.0.0.0", "--port", "9001", "--metrics-port", "9001"],
+        ["--metrics-host", "::", "--port", "9001", "--metrics-port", "9001"],
+    ],
+)
+def test_metrics_on_the_api_port_fail_before_the_model_loads(tmp_path, capsys, argv):
+    # Else the metrics listener answers /health until the API's bind fails.
+    store = str(tmp_path / "s")
+    argv = ["--model", str(tmp_path / "no-model"), "--store", store, *argv]
+    assert server.main(argv, hard_exit=False) == 2
+    err = capsys.readouterr().err
+    assert "is the API's port (--port)" in err, err
+
+
+def test_metrics_on_the_api_port_of_another_host_are_allowed(tmp_path):
+    args, rest = server.build_parser().parse_known_args(
+        ["--store", str(tmp_path / "s"), "--metrics-port", "9001"]
+        + ["--metrics-host", "127.0.0.2", "--host", "127.0.0.1", "--port", "9001"]
+    )
+    patterns, store_dir = server._check_options(args, rest)
+    assert store_dir == str(tmp_path / "s")
+    assert server._api_address(["--port", "x"]) == ("127.0.0.1", None)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
