@@ -341,12 +341,14 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
         print(f"kvstore serve: {e}", file=sys.stderr)
         return 2
     listener = None
+    api = serve_metrics.ApiStatus()
     if args.metrics_port is not None:
         try:  # a taken port fails now, before the model loads
             listener = serve_metrics.MetricsListener(
                 args.metrics_host,
                 args.metrics_port,
                 lambda: caches[-1] if caches else None,
+                health=lambda: api.value,
             )
         except OSError as e:
             print(
@@ -355,7 +357,9 @@ def main(argv: Optional[List[str]] = None, *, hard_exit: bool = True) -> int:
                 file=sys.stderr,
             )
             return 2
-    caches, saved = _install(mls, args, store_dir, patterns)
+    caches, saved = _install(
+        mls, args, store_dir, patterns, server_class=api.server_class()
+    )
     if listener is not None:
         listener.start()
     try:
@@ -437,10 +441,18 @@ def _check_options(args, rest: List[str]) -> Tuple[List["re.Pattern"], str]:
     return patterns, store_dir
 
 
-def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
-    """Replace ``mlx_lm.server``'s prompt cache, model provider and HTTP handler with
-    kvstore's. Returns the caches made (filled once the server builds them) and the
-    replaced names' originals, for :func:`_run` to put back."""
+def _install(
+    mls,
+    args,
+    store_dir: str,
+    patterns: List["re.Pattern"],
+    *,
+    server_class: type = serve_metrics.ApiServer,
+):
+    """Replace ``mlx_lm.server``'s prompt cache, model provider, HTTP handler and
+    server class (``server_class``) with kvstore's. Returns the caches made (filled
+    once the server builds them) and the replaced names' originals, for
+    :func:`_run` to put back."""
     caches: List[PersistentPromptCache] = []
     providers: List[Any] = []
 
@@ -584,7 +596,7 @@ def _install(mls, args, store_dir: str, patterns: List["re.Pattern"]):
     )
     mls._run_http_server = functools.partial(
         saved["_run_http_server"],
-        server_class=serve_metrics.ApiServer,
+        server_class=server_class,
         handler_class=handler,
     )
     return caches, saved

@@ -8,12 +8,22 @@ stay off the API port unless asked for, and show no path."""
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
-from serving import SYSTEM, Server, chat_body, request, run_kvstore, settled_stats
+from serving import (
+    SYSTEM,
+    Server,
+    chat_body,
+    free_ports,
+    request,
+    run_kvstore,
+    settled_stats,
+)
 
 from kvstore import maintenance, server
 
@@ -327,6 +337,84 @@ def test_metrics_listener_takes_ipv4_and_ipv6_hosts(host):
         listener.close()
     with pytest.raises(OSError):  # a host that does not resolve: the caller's error
         MetricsListener("no-such-host.invalid", 0, lambda: None)
+
+
+def _get(address, path="/health"):
+    conn = http.client.HTTPConnection(*address, timeout=30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_metrics_health_tells_the_api_status():
+    import threading
+    from http.server import BaseHTTPRequestHandler
+
+    from kvstore.serve.listener import ApiStatus, MetricsListener
+
+    api = ApiStatus()
+    listener = MetricsListener("127.0.0.1", 0, lambda: None, health=lambda: api.value)
+    listener.start()
+    try:
+        assert _get(listener.address) == (503, {"status": "starting"})
+        server = api.server_class()(("127.0.0.1", 0), BaseHTTPRequestHandler)
+        assert _get(listener.address) == (200, {"status": "ok"})
+        thread = threading.Thread(target=server.serve_forever)
+        thread.start()
+        server.shutdown()
+        thread.join()
+        server.server_close()
+        assert _get(listener.address) == (503, {"status": "stopping"})
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("api_port_taken", [False, True])
+def test_metrics_health_is_ok_only_while_the_api_serves(
+    tmp_path, tiny_model_dir, api_port_taken
+):
+    # A readiness probe on the metrics port: its listener starts before the model
+    # loads, the API's only after (and fails then where its port is taken).
+    api_port, metrics_port = free_ports(2)
+    kv = ["kvstore.server", "--model", tiny_model_dir, "--store", str(tmp_path / "s")]
+    kv += ["--metrics-port", str(metrics_port), "--port", str(api_port)]
+    taken = socket.socket()
+    if api_port_taken:
+        taken.bind(("127.0.0.1", api_port))
+        taken.listen()
+    log_path = tmp_path / "run.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *kv], stdout=log, stderr=subprocess.STDOUT
+        )
+    seen = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status, body = _get(("127.0.0.1", metrics_port))
+            except OSError:  # not listening yet, or gone
+                time.sleep(0.02)
+                continue
+            seen.append(body["status"])
+            if status == 200:
+                assert not api_port_taken, (seen, log_path.read_text())
+                assert request(api_port, "/health")["status"] == "ok"
+                break
+            assert (status, body) == (503, {"status": "starting"})
+            time.sleep(0.02)
+    finally:
+        taken.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    if api_port_taken:
+        assert code == 1 and "ok" not in seen, (seen, log_path.read_text())
+    else:
+        assert code == 0 and seen[-1:] == ["ok"], (seen, log_path.read_text())
 
 
 def _handshakes(server_class, n: int, timeout: float) -> int:

@@ -67,6 +67,31 @@ class ApiServer(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG
 
 
+class ApiStatus:
+    """What the API port is doing, for the metrics listener's ``GET /health``
+    (a readiness probe on the metrics port): ``starting`` until it listens (the
+    model loads first), ``ok`` while it serves, ``stopping`` from its shutdown on
+    (pending writes are flushed then)."""
+
+    def __init__(self):
+        self.value = "starting"
+
+    def server_class(self, base: type = ApiServer) -> type:
+        """``base`` telling this status when it listens and when it shuts down."""
+        status = self
+
+        class Server(base):
+            def server_activate(self):
+                super().server_activate()
+                status.value = "ok"
+
+            def shutdown(self):
+                status.value = "stopping"
+                super().shutdown()
+
+        return Server
+
+
 class MetricsListener:
     """``GET /metrics``, ``GET /kvstore/stats`` and ``GET /health`` on an address of
     their own, in a daemon thread.
@@ -74,17 +99,29 @@ class MetricsListener:
     Args:
         host, port: Where to listen (bound at construction: a taken port fails now).
         cache: Returns the server's prompt cache, or None before it exists.
+        health: Returns the API's status (:class:`ApiStatus`): ``/health`` answers
+            200 when it is ``ok``, else 503 with it. None: always ``ok``.
 
     Raises:
         OSError: the address cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, cache: Callable[[], Optional[Any]]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        cache: Callable[[], Optional[Any]],
+        *,
+        health: Optional[Callable[[], str]] = None,
+    ):
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 path = self.path.split("?")[0]
                 if path == "/health":
-                    status, ctype, body = 200, "application/json", b'{"status": "ok"}'
+                    state = health() if health is not None else "ok"
+                    status = 200 if state == "ok" else 503
+                    ctype = "application/json"
+                    body = json.dumps({"status": state}).encode()
                 elif path in PATHS:
                     status, ctype, body = respond(cache(), path)
                 else:
