@@ -38,11 +38,13 @@ Also runnable as ``python -m kvstore.server``.
 import argparse
 import faulthandler
 import functools
+import ipaddress
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -391,6 +393,26 @@ def _api_address(rest: List[str]) -> Tuple[str, Optional[int]]:
         return known.host, None
 
 
+def _same_address(a: str, b: str) -> bool:
+    """Whether listening on hosts ``a`` and ``b`` at one port would collide: the
+    same first address (as both listeners resolve them) or a wildcard. Unresolved:
+    False (the listener reports it)."""
+
+    def first(host: str):
+        try:
+            info = socket.getaddrinfo(
+                host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+            return ipaddress.ip_address(info[0][4][0].split("%")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    x, y = first(a), first(b)
+    if x is None or y is None:
+        return False
+    return x == y or x.is_unspecified or y.is_unspecified
+
+
 class _BadOption(Exception):
     """An option of ``kvstore serve`` that cannot work (exit status 2)."""
 
@@ -401,12 +423,8 @@ def _check_options(args, rest: List[str]) -> Tuple[List["re.Pattern"], str]:
     ``rest``: mlx_lm.server's options."""
     if args.metrics_port:  # 0: a port the kernel picks
         host, port = _api_address(rest)
-        wildcards = ("", "0.0.0.0", "::")
-        if port == args.metrics_port and (
-            host == args.metrics_host or {host, args.metrics_host} & set(wildcards)
-        ):
-            # The metrics listener starts first and answers /health; the API's bind
-            # would fail only after the model loaded.
+        if port == args.metrics_port and _same_address(host, args.metrics_host):
+            # The API's bind would fail only after the model loaded.
             raise _BadOption(
                 f"--metrics-port {port} is the API's port (--port): give it another"
             )

@@ -295,6 +295,7 @@ def test_metrics_stay_off_the_api_port(tmp_path, tiny_model_dir):
         ["--metrics-port", "8080"],  # mlx_lm.server's default --port
         ["--host", "0.0.0.0", "--port", "9001", "--metrics-port", "9001"],
         ["--metrics-host", "::", "--port", "9001", "--metrics-port", "9001"],
+        ["--metrics-host", "localhost", "--port", "9001", "--metrics-port", "9001"],
     ],
 )
 def test_metrics_on_the_api_port_fail_before_the_model_loads(tmp_path, capsys, argv):
@@ -314,6 +315,7 @@ def test_metrics_on_the_api_port_of_another_host_are_allowed(tmp_path):
     patterns, store_dir = server._check_options(args, rest)
     assert store_dir == str(tmp_path / "s")
     assert server._api_address(["--port", "x"]) == ("127.0.0.1", None)
+    assert not server._same_address("127.0.0.1", "no-such-host.invalid")
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
