@@ -51,7 +51,7 @@ def free_ports(n: int) -> List[int]:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     index = int(worker[2:]) if worker[2:].isdigit() else MAX_WORKERS
     if not worker.startswith("gw") or index >= MAX_WORKERS:
-        return bench_ports.free_ports(n)  # one test process: nothing else picks ports
+        return bench_ports.free_ports(n)  # not under xdist, or past its ranges
     ports: List[int] = []
     for _ in range(PORTS_PER_WORKER):
         port = PORTS_BASE + index * PORTS_PER_WORKER
