@@ -109,7 +109,6 @@ class Parts:
             layout=layout,
             shapes=self.shapes,
             policy=policy,
-            broken=self.broken,
             accesses=self.accesses,
             counters=self.counters,
         )

@@ -57,11 +57,11 @@ class TailRead:
     tokens, and joining them to that copy.
 
     Args:
-        reads: The read path (its walk, read costs and node reads).
+        reads: The read path (its walk, read costs and node reads, which report
+            a failed read).
         layout: The namespace's cache layout.
         shapes: The node files' sizes (KV bytes per token).
         policy: Whether a restore pays; it records each restore's rate.
-        broken: Where a failed read is reported.
         accesses: Where restored nodes' accesses and the rates are noted.
         counters: Where fetches are counted.
     """
@@ -73,7 +73,6 @@ class TailRead:
         layout: Layout,
         shapes: NodeShapes,
         policy: RestorePolicy,
-        broken,
         accesses: Accesses,
         counters: Counters,
     ):
@@ -81,7 +80,6 @@ class TailRead:
         self.layout = layout
         self.shapes = shapes
         self.policy = policy
-        self.broken = broken
         self.accesses = accesses
         self.counters = counters
 
