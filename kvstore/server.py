@@ -465,7 +465,7 @@ def _install(
     store_dir: str,
     patterns: List["re.Pattern"],
     *,
-    server_class: type = serve_metrics.ApiServer,
+    server_class: type,
 ):
     """Replace ``mlx_lm.server``'s prompt cache, model provider, HTTP handler and
     server class (``server_class``) with kvstore's. Returns the caches made (filled
