@@ -54,6 +54,17 @@ def post(port, path, body, headers=()):
         conn.close()
 
 
+def get(address, path="/health"):
+    """``(status, json)`` of a GET from ``address`` (host, port)."""
+    conn = http.client.HTTPConnection(*address, timeout=30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
 def tenant(value):
     """An ``X-Tenant`` header sent as the UTF-8 bytes of ``value``."""
     return [("X-Tenant", value.encode("utf-8"))]
@@ -331,24 +342,11 @@ def test_metrics_listener_takes_ipv4_and_ipv6_hosts(host):
     listener = MetricsListener(host, 0, lambda: None)
     listener.start()
     try:
-        conn = http.client.HTTPConnection(*listener.address, timeout=30)
-        conn.request("GET", "/health")
-        assert conn.getresponse().status == 200
-        conn.close()
+        assert get(listener.address)[0] == 200
     finally:
         listener.close()
     with pytest.raises(OSError):  # a host that does not resolve: the caller's error
         MetricsListener("no-such-host.invalid", 0, lambda: None)
-
-
-def _get(address, path="/health"):
-    conn = http.client.HTTPConnection(*address, timeout=30)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 def test_metrics_health_tells_the_api_status():
@@ -361,15 +359,15 @@ def test_metrics_health_tells_the_api_status():
     listener = MetricsListener("127.0.0.1", 0, lambda: None, health=lambda: api.value)
     listener.start()
     try:
-        assert _get(listener.address) == (503, {"status": "starting"})
+        assert get(listener.address) == (503, {"status": "starting"})
         server = api.server_class()(("127.0.0.1", 0), BaseHTTPRequestHandler)
-        assert _get(listener.address) == (200, {"status": "ok"})
+        assert get(listener.address) == (200, {"status": "ok"})
         thread = threading.Thread(target=server.serve_forever)
         thread.start()
         server.shutdown()
         thread.join()
         server.server_close()
-        assert _get(listener.address) == (503, {"status": "stopping"})
+        assert get(listener.address) == (503, {"status": "stopping"})
     finally:
         listener.close()
 
@@ -397,7 +395,7 @@ def test_metrics_health_is_ok_only_while_the_api_serves(
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                status, body = _get(("127.0.0.1", metrics_port))
+                status, body = get(("127.0.0.1", metrics_port))
             except OSError:  # not listening yet, or gone
                 time.sleep(0.02)
                 continue
